@@ -1,0 +1,1 @@
+"""raying: a Ray Data loader for deep-learning training that learns which samples matter."""

@@ -1,1 +1,39 @@
 """raying: a Ray Data loader for deep-learning training that learns which samples matter."""
+
+from raying.config import StorageOptions
+from raying.errors import (
+    ConfigError,
+    CredentialsError,
+    DataError,
+    DecodeError,
+    DependencyError,
+    RayingError,
+    StorageError,
+)
+from raying.manifest import Manifest
+from raying.pack import pack
+from raying.pipeline import Pipeline, PipelineConfig
+from raying.sampling.uniform import UniformSampler
+from raying.transforms import ImageTransform
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "CredentialsError",
+    "DataError",
+    "DecodeError",
+    "DependencyError",
+    "ImageTransform",
+    "Manifest",
+    "Pipeline",
+    "PipelineConfig",
+    "RayingError",
+    "StorageError",
+    "StorageOptions",
+    "UniformSampler",
+    "pack",
+]
+
+if __all__ != sorted(__all__):  # pragma: no cover - a guard for maintainers, as torchdata does
+    raise RuntimeError("raying.__all__ must stay sorted")

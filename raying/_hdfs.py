@@ -1,0 +1,155 @@
+"""HDFS URIs, and the checks of what libhdfs needs (Java, libhdfs.so, Hadoop jars)."""
+
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import os
+import sys
+from urllib.parse import urlsplit
+
+import pyarrow.fs as pafs
+
+from raying.errors import ConfigError, DependencyError, StorageError
+
+DEFAULT_HDFS_PORT = 8020
+# pyarrow's host for "the namenode of fs.defaultFS in core-site.xml", and the port it wants then.
+DEFAULT_FS_HOST = "default"
+DEFAULT_FS_PORT = 0
+
+FIX_CLASSPATH = "export CLASSPATH=$($HADOOP_HOME/bin/hadoop classpath --glob)"
+_LIBHDFS = "libhdfs.dylib" if sys.platform == "darwin" else "libhdfs.so"
+_LIBJVM = "libjvm.dylib" if sys.platform == "darwin" else "libjvm.so"
+# Where JDKs keep libjvm, relative to JAVA_HOME (JDK 9+, JDK 8, and per-architecture layouts).
+_LIBJVM_DIRS = ("lib/server", "jre/lib/server", "jre/lib/amd64/server", "lib/amd64/server",
+                "jre/lib/aarch64/server", "lib/aarch64/server", "lib")
+
+
+def parse_hdfs_uri(uri: str) -> tuple[str, int, str, str | None]:
+    """Split an HDFS URI.
+
+    ``hdfs://host:port/path`` names a namenode (port 8020 when left out); ``hdfs:///path`` uses
+    ``fs.defaultFS`` of the Hadoop configuration (host ``"default"``, port 0), which is also the
+    form for an HA nameservice. A user may be given as ``hdfs://user@host/path``.
+
+    Returns:
+        ``(host, port, path, user)``; ``path`` is absolute, ``user`` None when not in the URI.
+
+    Raises:
+        ConfigError: the URI is not ``hdfs://`` or its port is not a number in 1..65535.
+    """
+    parts = urlsplit(uri)
+    if parts.scheme != "hdfs":
+        msg = f"expected an hdfs:// URI, got {uri!r}"
+        raise ConfigError(msg)
+    if parts.query or parts.fragment:
+        msg = f"HDFS URI {uri!r} has a query or fragment; pass settings through storage= instead"
+        raise ConfigError(msg)
+    path = parts.path or "/"
+    user = parts.username
+    if not parts.hostname:
+        return DEFAULT_FS_HOST, DEFAULT_FS_PORT, path, user
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is None:
+        port = DEFAULT_HDFS_PORT
+    if not 0 < port < 65536:
+        msg = (f"HDFS URI {uri!r} has an invalid port; expected hdfs://host:port/path with a "
+               f"port in 1..65535 (the namenode's, usually {DEFAULT_HDFS_PORT})")
+        raise ConfigError(msg)
+    return parts.hostname, port, path, user
+
+
+def check_hdfs_environment(env: dict[str, str] | None = None) -> None:
+    """Check what pyarrow's libhdfs needs before it is loaded, one requirement at a time.
+
+    Args:
+        env: the environment to check; ``os.environ`` by default.
+
+    Raises:
+        DependencyError: naming the first missing piece (JAVA_HOME, libjvm, libhdfs or the
+            Hadoop jars on CLASSPATH) and how to provide it.
+    """
+    env = os.environ if env is None else env
+    _check_java(env.get("JAVA_HOME"))
+    _check_libhdfs(env)
+    _check_classpath(env.get("CLASSPATH"))
+
+
+def _check_java(java_home: str | None) -> None:
+    if not java_home:
+        msg = ("HDFS needs Java, but JAVA_HOME is not set; install a JDK (8 or later) and "
+               "export JAVA_HOME=/path/to/jdk (the directory holding bin/java)")
+        raise DependencyError(msg)
+    if not os.path.isdir(java_home):
+        msg = (f"HDFS needs Java, but JAVA_HOME={java_home!r} is not a directory; "
+               "export JAVA_HOME=/path/to/jdk (the directory holding bin/java)")
+        raise DependencyError(msg)
+    if any(os.path.isfile(os.path.join(java_home, d, _LIBJVM)) for d in _LIBJVM_DIRS):
+        return
+    if glob.glob(os.path.join(java_home, "**", _LIBJVM), recursive=True):
+        return
+    msg = (f"HDFS needs Java, but JAVA_HOME={java_home!r} holds no {_LIBJVM} (looked in "
+           f"{', '.join(_LIBJVM_DIRS[:3])} and below); point JAVA_HOME at a full JDK")
+    raise DependencyError(msg)
+
+
+def _check_libhdfs(env) -> None:
+    places = []
+    arrow_dir = env.get("ARROW_LIBHDFS_DIR")
+    hadoop_home = env.get("HADOOP_HOME")
+    if arrow_dir:
+        places.append(arrow_dir)
+    if hadoop_home:
+        places.append(os.path.join(hadoop_home, "lib", "native"))
+    places += [d for d in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d]
+    if any(os.path.isfile(os.path.join(d, _LIBHDFS)) for d in places):
+        return
+    if ctypes.util.find_library("hdfs"):
+        return
+    looked = [f"ARROW_LIBHDFS_DIR ({arrow_dir or 'not set'})",
+              f"HADOOP_HOME/lib/native ({hadoop_home or 'HADOOP_HOME not set'})",
+              "LD_LIBRARY_PATH and the system library path"]
+    msg = (f"HDFS needs {_LIBHDFS}, which was not found in {'; '.join(looked)}. Install Hadoop "
+           "and export HADOOP_HOME=/path/to/hadoop, or export ARROW_LIBHDFS_DIR=/directory/"
+           f"holding/{_LIBHDFS}")
+    raise DependencyError(msg)
+
+
+def _check_classpath(classpath: str | None) -> None:
+    if not classpath:
+        msg = f"HDFS needs the Hadoop jars on CLASSPATH, which is not set; fix: {FIX_CLASSPATH}"
+        raise DependencyError(msg)
+    entries = [e for e in classpath.split(os.pathsep) if e]
+    jars = [e for e in entries if e.endswith(".jar") and "hadoop" in os.path.basename(e)]
+    if jars:
+        return
+    if any(e.endswith("*") for e in entries):
+        msg = ("HDFS needs the Hadoop jars on CLASSPATH, which holds wildcard entries (dir/*) "
+               f"that libhdfs does not expand; fix: {FIX_CLASSPATH}")
+        raise DependencyError(msg)
+    msg = (f"HDFS needs the Hadoop jars on CLASSPATH, which holds none (no hadoop-*.jar among "
+           f"{len(entries)} entries); fix: {FIX_CLASSPATH}")
+    raise DependencyError(msg)
+
+
+def hdfs_filesystem(host: str, port: int, user: str | None) -> pafs.HadoopFileSystem:
+    """Check the environment, then connect pyarrow's HadoopFileSystem.
+
+    Raises:
+        DependencyError: Java, libhdfs or the Hadoop jars are missing (see
+            :func:`check_hdfs_environment`).
+        StorageError: the namenode could not be reached or libhdfs failed to load.
+    """
+    check_hdfs_environment()
+    try:
+        return pafs.HadoopFileSystem(host, port, user=user)
+    except (OSError, RuntimeError) as exc:
+        where = "fs.defaultFS" if host == DEFAULT_FS_HOST else f"{host}:{port}"
+        msg = (f"cannot connect to HDFS at {where}: {exc}. Check the namenode address "
+               "(hdfs://host:port/path; hdfs:///path uses fs.defaultFS from core-site.xml in "
+               "HADOOP_CONF_DIR) and that libhdfs, JAVA_HOME and CLASSPATH match one Hadoop "
+               "install")
+        raise StorageError(msg) from None

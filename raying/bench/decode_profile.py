@@ -1,0 +1,124 @@
+"""Single-core ms/image of decode + random-resized-crop + flip: raying's path vs a naive loop.
+
+Run: ``python -m raying.bench.decode_profile [--n 256] [--reps 7] [--json out.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import cv2
+import numpy as np
+import simplejpeg
+
+from raying.transforms import ImageTransform
+
+SHAPES = {"256x256": (256, 256), "500x375": (375, 500)}
+
+
+def _images(shape: tuple[int, int], n: int, seed: int, subsampling: str) -> list[bytes]:
+    from raying.datagen import synth_image
+
+    rng = np.random.default_rng(seed)
+    return [simplejpeg.encode_jpeg(synth_image(rng, i % 10, 10, *shape), quality=90,
+                                   colorspace="RGB", colorsubsampling=subsampling)
+            for i in range(n)]
+
+
+def _rrc(rng: np.random.Generator, h: int, w: int) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params, one image at a time (the naive way)."""
+    area = h * w
+    log_r = (math.log(3 / 4), math.log(4 / 3))
+    for _ in range(10):
+        target = area * rng.uniform(0.08, 1.0)
+        ar = math.exp(rng.uniform(*log_r))
+        cw = int(round(math.sqrt(target * ar)))
+        ch = int(round(math.sqrt(target / ar)))
+        if 0 < cw <= w and 0 < ch <= h:
+            return int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1)), ch, cw
+    return 0, 0, h, w
+
+
+def naive_loop(datas: list[bytes], size: int, rng: np.random.Generator) -> np.ndarray:
+    """Full decode, crop, cv2.resize, flip, stack: what a hand-written loop does."""
+    out = []
+    for d in datas:
+        img = simplejpeg.decode_jpeg(d, "RGB")
+        top, left, ch, cw = _rrc(rng, img.shape[0], img.shape[1])
+        img = cv2.resize(img[top:top + ch, left:left + cw], (size, size),
+                         interpolation=cv2.INTER_LINEAR)
+        if rng.random() < 0.5:
+            img = cv2.flip(img, 1)
+        out.append(img)
+    return np.stack(out)
+
+
+def decode_only(datas: list[bytes]) -> None:
+    """The floor: libjpeg-turbo full decodes and nothing else."""
+    for d in datas:
+        simplejpeg.decode_jpeg(d, "RGB")
+
+
+def profile(n: int = 256, reps: int = 7, size: int = 224, seed: int = 0,
+            subsampling: str = "420") -> dict[str, dict[str, float]]:
+    """Median ms/image on one core for each source shape and each way of doing the work.
+
+    The ways are interleaved round-robin within each repetition, so background load hits
+    them alike.
+    """
+    cv2.setNumThreads(1)
+    transform = ImageTransform(size=size)
+    results: dict[str, dict[str, float]] = {}
+    for name, shape in SHAPES.items():
+        datas = _images(shape, n, seed, subsampling)
+        ids = np.arange(n, dtype=np.int64)
+        out = np.empty((n, size, size, 3), dtype=np.uint8)
+        rng = np.random.default_rng(seed)
+        decoded = [simplejpeg.decode_jpeg(d, "RGB") for d in datas]
+        ways = {
+            "decode_only": lambda e, d=datas: decode_only(d),
+            "naive_loop": lambda e, d=datas, r=rng: naive_loop(d, size, r),
+            "raying_apply_encoded": lambda e, d=datas, i=ids, o=out: transform.apply_encoded(
+                d, i, seed=seed, epoch=e, out=o),
+            "raying_apply_decoded": lambda e, d=decoded, i=ids, o=out: transform.apply_decoded(
+                d, i, seed=seed, epoch=e, out=o),
+        }
+        times: dict[str, list[float]] = {k: [] for k in ways}
+        for rep in range(reps):
+            for key, fn in ways.items():
+                t0 = time.perf_counter()
+                fn(rep)
+                times[key].append(time.perf_counter() - t0)
+        row = {k: 1e3 * float(np.median(v)) / n for k, v in times.items()}
+        row["bytes_per_image"] = float(np.mean([len(d) for d in datas]))
+        results[name] = row
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print (and optionally save) the profile."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="example: python -m raying.bench.decode_profile --n 256 --reps 7")
+    parser.add_argument("--n", type=int, default=256, help="images per shape")
+    parser.add_argument("--reps", type=int, default=7, help="repetitions (median)")
+    parser.add_argument("--subsampling", default="420", help="JPEG chroma subsampling")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as a read task
+    results = profile(args.n, args.reps, subsampling=args.subsampling)
+    for name, row in results.items():
+        cells = "  ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "bytes_per_image")
+        print(f"{name} ({row['bytes_per_image'] / 1024:.1f} KiB): {cells} ms/image")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""A Ray Data datasource whose read tasks run an epoch plan's units (read+decode+augment)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+
+from raying.metrics import RunAccount
+from raying.plan import ManifestLookup, ReadUnit
+from raying.reader import ReadSpec, empty_block, run_unit
+
+
+def _account_actor_cls():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class _Accounts:
+        """Collects the accounts of read tasks run by Ray Data (skips, rows, bytes)."""
+
+        def __init__(self) -> None:
+            self.account = RunAccount()
+
+        def add(self, account: dict[str, Any]) -> None:
+            self.account.add(account)
+
+        def summary(self) -> dict[str, Any]:
+            return self.account.summary()
+
+    return _Accounts
+
+
+def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts: Any):
+    import ray
+    from ray.data.block import BlockAccessor
+
+    spec: ReadSpec = ray.get(spec_ref) if isinstance(spec_ref, ray.ObjectRef) else spec_ref
+    if unit.ids is None:  # prioritized: draw now, so losses reported so far shape this read
+        unit = sampler.fill(unit)
+    lookup: ManifestLookup = ray.get(lookup_ref)
+    unit, paths = lookup.complete(unit)
+    block, account = run_unit(spec, unit, paths)
+    if accounts is not None:
+        accounts.add.remote(account)
+    if len(block["id"]) == 0:
+        block = empty_block(spec.transform.size)
+    yield BlockAccessor.batch_to_block(block)
+
+
+def build_dataset(pipe: Any, epoch: int):
+    """The ``ray.data.Dataset`` of ``pipe``'s epoch ``epoch``: one read task per plan unit."""
+    import ray
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    plan = pipe.plan(epoch)
+    spec_ref = ray.put(pipe._spec)
+    lookup_ref = ray.put(ManifestLookup(pipe.manifest))
+    if getattr(pipe, "_accounts_actor", None) is None:
+        pipe._accounts_actor = _account_actor_cls().remote()
+    accounts = pipe._accounts_actor
+    size = pipe.transform.size
+    sampler = pipe.sampler
+    units = plan.units
+
+    class _PlanDatasource(Datasource):
+        def get_name(self) -> str:
+            return f"Raying({pipe.manifest.format})"
+
+        def estimate_inmemory_data_size(self) -> int:
+            return int(plan.num_rows * size * size * 3)
+
+        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
+                           **_: Any) -> list[ReadTask]:
+            tasks = []
+            for unit in units:
+                meta = BlockMetadata(num_rows=None, size_bytes=int(unit.num_rows * size * size * 3),
+                                     exec_stats=None, input_files=None)
+                fn = functools.partial(_read, spec_ref, unit, lookup_ref, sampler, accounts)
+                tasks.append(ReadTask(fn, meta))
+            return tasks
+
+    return ray.data.read_datasource(_PlanDatasource(), override_num_blocks=max(1, len(units)))
+
+
+def dataset_account(pipe: Any) -> dict[str, Any] | None:
+    """The account of reads run by Ray Data for ``pipe`` (None if it made no dataset)."""
+    import ray
+
+    actor = getattr(pipe, "_accounts_actor", None)
+    if actor is None:
+        return None
+    return ray.get(actor.summary.remote())
+
+
+

@@ -1,0 +1,1 @@
+"""Between storage and decode: read planning, caching tiers and the slow-storage simulator."""

@@ -1,0 +1,93 @@
+"""The account of a run: rows delivered and skipped (with reasons), bytes, time, stalls."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger("raying")
+
+# Skipped samples kept with their details; beyond this only counts by reason are kept.
+MAX_SKIPPED_LISTED = 10_000
+
+
+class RunAccount:
+    """Accumulates the per-unit accounts of read tasks and the consumer's timings."""
+
+    def __init__(self, manifest: Any = None) -> None:
+        self._lock = threading.Lock()
+        self.rows_in = 0
+        self.rows_out = 0
+        self.units = 0
+        self.bytes_read = 0
+        self.read_s = 0.0
+        self.decode_s = 0.0
+        self.skipped: list[dict[str, Any]] = []
+        self.skipped_by_reason: collections.Counter[str] = collections.Counter()
+        self._skipped_ids: set[tuple[int, int]] = set()
+        self._logged = 0
+        self.stall = [0.0]  # seconds the consumer waited for a batch (shared with prefetch)
+        self.rows_delivered = 0
+        self._t_first: float | None = None
+        self._t_last: float | None = None
+        self._t_start = time.perf_counter()
+
+    def add(self, account: dict[str, Any]) -> None:
+        """One read task's account (called in plan order by the executor)."""
+        with self._lock:
+            self.units += 1
+            self.rows_in += account["rows_in"]
+            self.rows_out += account["rows_out"]
+            self.bytes_read += account.get("bytes_read", 0)
+            self.read_s += account.get("read_s", 0.0)
+            self.decode_s += account.get("decode_s", 0.0)
+            for sid, path, reason, detail in account.get("skipped", ()):
+                key = (account.get("epoch", 0), int(sid))
+                if key in self._skipped_ids:
+                    continue
+                self._skipped_ids.add(key)
+                self.skipped_by_reason[reason] += 1
+                if len(self.skipped) < MAX_SKIPPED_LISTED:
+                    self.skipped.append({"id": int(sid), "path": path, "reason": reason,
+                                         "detail": detail, "epoch": account.get("epoch", 0)})
+
+    def delivered(self, n: int) -> None:
+        now = time.perf_counter()
+        if self._t_first is None:
+            self._t_first = now
+        self._t_last = now
+        self.rows_delivered += n
+
+    def end_epoch(self, epoch: int) -> None:
+        """Log the samples set aside so far, once each (nothing fails silently)."""
+        new = self.skipped[self._logged:]
+        if not new:
+            return
+        self._logged = len(self.skipped)
+        reasons = collections.Counter(s["reason"] for s in new)
+        shown = "; ".join(f"id {s['id']} {s['path']}: {s['reason']}" for s in new[:5])
+        more = f" (+{len(new) - 5} more)" if len(new) > 5 else ""
+        logger.warning("raying skipped %d bad samples in epoch %d (%s): %s%s; see "
+                       "pipe.stats()['skipped']", len(new), epoch, dict(reasons), shown, more)
+
+    def summary(self) -> dict[str, Any]:
+        with self._lock:
+            elapsed = (self._t_last - self._t_first) if self._t_first and self._t_last else 0.0
+            wall = time.perf_counter() - self._t_start
+            return {
+                "rows_delivered": self.rows_delivered,
+                "rows_read": self.rows_in,
+                "units": self.units,
+                "throughput_rows_per_s": (self.rows_delivered / elapsed) if elapsed > 0 else 0.0,
+                "stall_s": self.stall[0],
+                "stall_share": (self.stall[0] / wall) if wall > 0 else 0.0,
+                "bytes_read": self.bytes_read,
+                "worker_read_s": self.read_s,
+                "worker_decode_s": self.decode_s,
+                "skipped_count": sum(self.skipped_by_reason.values()),
+                "skipped_by_reason": dict(self.skipped_by_reason),
+                "skipped": list(self.skipped),
+            }

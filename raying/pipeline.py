@@ -1,0 +1,309 @@
+"""The Pipeline: manifest + sampler + transform -> Ray Data datasets and framework batches.
+
+What is in flight for ``pipe.iter_torch_batches(epoch=e)``::
+
+    sampler.plan(e) -> units u0..uK          (ids grouped by file / row group)
+    BlockStream      -> W read tasks on the cluster: read + decode + augment fused, uint8
+    prefetch thread  -> P batches sliced, converted to tensors, copied to the device
+    trainer          -> batch; pipe.report(ids, losses) -> priority store (prioritized)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from raying.config import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_BLOCK_ROWS,
+    DEFAULT_INFLIGHT_TASKS_PER_CPU,
+    DEFAULT_PREFETCH_BATCHES,
+)
+from raying.errors import ConfigError
+from raying.iterators import BatchAssembler, TorchConverter, prefetch
+from raying.manifest import Manifest
+from raying.metrics import RunAccount
+from raying.plan import EpochPlan, ManifestLookup, ReadUnit
+from raying.reader import ReadSpec
+from raying.sampling.uniform import UniformSampler
+from raying.transforms import ImageTransform
+
+logger = logging.getLogger(__name__)
+_ON_ERROR = ("skip", "raise")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Knobs of the read path; the defaults are what `raying bench` measures.
+
+    Args:
+        block_rows: images per read task (~100 ms of decode work at 256 px).
+        window: read tasks in flight; None = ``DEFAULT_INFLIGHT_TASKS_PER_CPU`` x cluster CPUs.
+        keep_warm: start the next epoch's reads while the current one drains.
+        task_num_cpus: CPUs each read task reserves.
+        spread: spread read tasks over nodes (``SPREAD``) instead of packing them.
+        name: names the pipeline's actors (priority store); default a fresh id.
+    """
+
+    block_rows: int = DEFAULT_BLOCK_ROWS
+    window: int | None = None
+    keep_warm: bool = True
+    task_num_cpus: float = 1.0
+    spread: bool = False
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_rows < 1:
+            msg = f"PipelineConfig(block_rows=...) must be >= 1, got {self.block_rows!r}"
+            raise ConfigError(msg)
+        if self.window is not None and self.window < 1:
+            msg = f"PipelineConfig(window=...) must be >= 1 or None, got {self.window!r}"
+            raise ConfigError(msg)
+
+
+def ensure_ray() -> None:
+    """Start a local Ray (or attach to RAY_ADDRESS) if this process has none yet."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init()
+    else:
+        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+
+
+class Pipeline:
+    """Streams a manifest's samples, sampled and augmented, into Ray Data, torch and tf.
+
+    Args:
+        manifest: the dataset (:meth:`raying.Manifest.scan`).
+        transform: decode-side augmentation; default ``ImageTransform()`` (224, training).
+        sampler: ``UniformSampler`` (default) or ``PrioritizedSampler``.
+        on_error: ``"skip"`` sets bad samples aside and reports them (``stats()["skipped"]``);
+            ``"raise"`` stops at the first one with an error naming the file.
+        config: a :class:`PipelineConfig`.
+    """
+
+    def __init__(self, manifest: Manifest, *, transform: ImageTransform | None = None,
+                 sampler: Any = None, on_error: str = "skip",
+                 config: PipelineConfig | None = None) -> None:
+        if not isinstance(manifest, Manifest):
+            msg = (f"Pipeline needs a raying.Manifest, got {type(manifest).__name__}; build one "
+                   f"with raying.Manifest.scan(uri)")
+            raise ConfigError(msg)
+        if on_error not in _ON_ERROR:
+            msg = f"on_error must be one of {_ON_ERROR}, got {on_error!r}"
+            raise ConfigError(msg)
+        self.manifest = manifest
+        self.transform = transform or ImageTransform()
+        self.sampler = sampler if sampler is not None else UniformSampler()
+        self.on_error = on_error
+        self.config = config or PipelineConfig()
+        self.name = self.config.name or f"raying-{uuid.uuid4().hex[:8]}"
+        self.account = RunAccount(manifest)
+        self._stream = None
+        self._cursor: dict[str, Any] = {"epoch": 0, "units": [], "delivered": 0}
+        self._resume: tuple[int, int, int] | None = None
+        self._bound = False
+        self._lookup: ManifestLookup | None = None
+        self._spec = ReadSpec.of(manifest, self.transform, getattr(self.sampler, "seed", 0),
+                                 on_error)
+
+    # -- plans ---------------------------------------------------------------------------------
+    def _bind(self) -> None:
+        if not self._bound:
+            if getattr(self.sampler, "lazy", False):
+                ensure_ray()
+            self.sampler.bind(self.manifest, name=self.name)
+            self._bound = True
+
+    def plan(self, epoch: int) -> EpochPlan:
+        """The explicit plan of ``epoch`` (units of ids; prioritized units are drawn later)."""
+        self._bind()
+        return self.sampler.plan(self.manifest, int(epoch), block_rows=self.config.block_rows)
+
+    def _fill(self, unit: ReadUnit) -> tuple[ReadUnit, list[str] | None]:
+        if self._lookup is None:
+            self._lookup = ManifestLookup(self.manifest)
+        return self._lookup.complete(self.sampler.fill(unit))
+
+    def _block_stream(self):
+        if self._stream is None:
+            import ray
+
+            from raying.executor import BlockStream
+
+            ensure_ray()
+            self._bind()
+            window = self.config.window
+            if window is None:
+                cpus = int(ray.cluster_resources().get("CPU", 1))
+                window = max(2, DEFAULT_INFLIGHT_TASKS_PER_CPU * cpus)
+            opts: dict[str, Any] = {"num_cpus": self.config.task_num_cpus}
+            if self.config.spread:
+                opts["scheduling_strategy"] = "SPREAD"
+            self._stream = BlockStream(self._spec, make_plan=self.plan, fill=self._fill,
+                                       window=window, keep_warm=self.config.keep_warm,
+                                       task_options=opts)
+        return self._stream
+
+    # -- iteration -----------------------------------------------------------------------------
+    def iter_blocks(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """The epoch's blocks in plan order (host numpy; image uint8 NHWC)."""
+        stream = self._block_stream()
+        start_unit, skip = 0, 0
+        if self._resume is not None and self._resume[0] == epoch:
+            _, start_unit, skip = self._resume
+        self._resume = None
+        units: list[tuple[int, int, int]] = []
+        self._cursor = {"epoch": int(epoch), "units": units, "delivered": 0}
+        first = True
+        for index, block in stream.iter_epoch(int(epoch), start_unit=start_unit, skip_rows=skip,
+                                              on_account=self.account.add):
+            begin = skip if first else 0
+            first = False
+            units.append((index, begin, begin + len(block["id"])))
+            yield block
+        self.account.end_epoch(int(epoch))
+
+    def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
+                     prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
+                     drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
+        """numpy batches: ``id``, ``label``, ``image`` (uint8 NHWC), ``weight``, ``prob``."""
+        assembler = BatchAssembler(batch_size, drop_last=drop_last)
+
+        def batches():
+            for block in self.iter_blocks(epoch):
+                yield from assembler.push(block)
+            yield from assembler.finish()
+
+        for batch in prefetch(batches(), prefetch_batches, stall=self.account.stall):
+            self._cursor["delivered"] += len(batch["id"])
+            self.account.delivered(len(batch["id"]))
+            yield batch
+
+    def iter_torch_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
+                           device: Any = "auto",
+                           prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
+                           normalize: bool = True, drop_last: bool = False,
+                           mean: tuple[float, float, float] | None = None,
+                           std: tuple[float, float, float] | None = None,
+                           pin_memory: bool | None = None) -> Iterator[dict[str, Any]]:
+        """torch batches on ``device``: the batch contract of DESIGN.md.
+
+        ``image`` is float32 NCHW normalized on the device (``normalize=True``), or uint8
+        NHWC (``normalize=False``). ``id``/``label`` int64, ``weight`` float32, ``prob``
+        float64.
+        """
+        from raying.config import DEFAULT_MEAN, DEFAULT_STD
+
+        conv = TorchConverter(device, normalize=normalize, mean=mean or DEFAULT_MEAN,
+                              std=std or DEFAULT_STD, pin_memory=pin_memory)
+        assembler = BatchAssembler(batch_size, drop_last=drop_last)
+
+        def batches():
+            for block in self.iter_blocks(epoch):
+                for b in assembler.push(block):
+                    yield conv.device_put(conv.host(b))
+            for b in assembler.finish():
+                yield conv.device_put(conv.host(b))
+
+        for batch in prefetch(batches(), prefetch_batches, stall=self.account.stall):
+            n = int(batch["id"].shape[0])
+            self._cursor["delivered"] += n
+            self.account.delivered(n)
+            yield batch
+
+    def to_tf(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int | None = 0,
+              normalize: bool = False, as_supervised: bool = False,
+              prefetch_batches: int = DEFAULT_PREFETCH_BATCHES, drop_last: bool = False):
+        """A tf.data.Dataset of the same batch dicts (see :mod:`raying.tf`)."""
+        from raying.tf import to_tf
+
+        return to_tf(self, batch_size=batch_size, epoch=epoch, normalize=normalize,
+                     as_supervised=as_supervised, prefetch_batches=prefetch_batches,
+                     drop_last=drop_last)
+
+    def dataset(self, epoch: int = 0):
+        """A ``ray.data.Dataset`` of this epoch (read + decode + augment fused in its reads).
+
+        Use it where Ray Data is the interface, e.g. ``TorchTrainer(datasets={"train": ds})``
+        and ``ray.train.get_dataset_shard("train").iter_torch_batches(...)`` in the workers.
+        """
+        from raying.datasource import build_dataset
+
+        ensure_ray()
+        self._bind()
+        return build_dataset(self, int(epoch))
+
+    # -- feedback, stats, state ----------------------------------------------------------------
+    def report(self, ids: Any, losses: Any) -> None:
+        """Per-sample losses for ``ids`` (torch, tf or numpy); never blocks the step."""
+        self.sampler.report(ids, losses)
+
+    def stats(self) -> dict[str, Any]:
+        """Throughput, stall share, skipped samples and sampling health."""
+        out = self.account.summary()
+        out["sampling"] = self.sampler.stats()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this pipeline stands: epoch, position in its plan, sampler state."""
+        cur = self._cursor
+        if not cur["units"] and self._resume is not None:
+            _, unit, row = self._resume
+        else:
+            unit, row = _position(cur["units"], cur["delivered"])
+        return {"version": 1, "epoch": cur["epoch"], "unit": unit, "row": row,
+                "delivered": cur["delivered"], "sampler": self.sampler.state_dict(),
+                "fingerprint": self.manifest.fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration of that epoch continues there."""
+        if state.get("fingerprint") != self.manifest.fingerprint():
+            msg = ("state_dict was saved for a different dataset (manifest fingerprint "
+                   f"{state.get('fingerprint')} != {self.manifest.fingerprint()}); rebuild the "
+                   f"pipeline on the same manifest")
+            raise ConfigError(msg)
+        self.sampler.load_state_dict(state["sampler"])
+        self._resume = (int(state["epoch"]), int(state["unit"]), int(state["row"]))
+        self._cursor = {"epoch": int(state["epoch"]), "units": [], "delivered": 0}
+
+    def close(self) -> None:
+        """Cancel reads in flight and flush pending feedback."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        close = getattr(self.sampler, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Pipeline({self.manifest!r}, sampler={type(self.sampler).__name__}, "
+                f"transform={self.transform!r}, on_error={self.on_error!r})")
+
+
+def _position(units: list[tuple[int, int, int]], delivered: int) -> tuple[int, int]:
+    """(unit index, row within that unit's output) of the next undelivered row."""
+    left = delivered
+    for index, begin, end in units:
+        if left < end - begin:
+            return index, begin + left
+        left -= end - begin
+    if units:
+        return units[-1][0] + 1, 0
+    return 0, 0
+

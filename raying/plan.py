@@ -1,0 +1,107 @@
+"""The plan of an epoch: which ids each read task delivers, grouped by where they live."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class ReadUnit:
+    """One read task: the ids it delivers, in delivery order, and what it must read for them.
+
+    ``ids`` is None for a unit whose ids are drawn when it is submitted (prioritized plans);
+    ``draw`` then says how many. For Parquet, ``row_groups`` lists the (file, row group) pairs
+    the unit reads; rows are taken from them in ``ids`` order.
+    """
+
+    epoch: int
+    index: int
+    draw: int
+    ids: np.ndarray | None = None
+    labels: np.ndarray | None = None
+    probs: np.ndarray | None = None
+    weights: np.ndarray | None = None
+    row_groups: np.ndarray | None = None
+    # Set by the executor when the unit is re-run to resume mid-unit: rows to drop at the front.
+    skip_rows: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return self.draw if self.ids is None else len(self.ids)
+
+
+@dataclasses.dataclass
+class EpochPlan:
+    """The read units of one epoch, in the order their rows are delivered."""
+
+    epoch: int
+    units: list[ReadUnit]
+    sampler: str
+
+    @property
+    def num_rows(self) -> int:
+        return sum(u.num_rows for u in self.units)
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+
+def chunk_units(epoch: int, ids: np.ndarray, block_rows: int) -> list[ReadUnit]:
+    """Cut an ordered id array into units of ``block_rows``."""
+    units = []
+    for k, start in enumerate(range(0, len(ids), block_rows)):
+        part = ids[start:start + block_rows]
+        units.append(ReadUnit(epoch=epoch, index=k, draw=len(part), ids=part))
+    return units
+
+
+def row_group_units(epoch: int, rg_file: np.ndarray, rg_index: np.ndarray,
+                    rg_start: np.ndarray, rg_rows: np.ndarray, order: np.ndarray,
+                    window: int, rng: np.random.Generator | None) -> list[ReadUnit]:
+    """Units of ``window`` row groups each, taken in ``order``; rows shuffled inside a unit.
+
+    Every row group is read by exactly one unit, so a uniform epoch reads each byte once.
+    """
+    units = []
+    for k, start in enumerate(range(0, len(order), window)):
+        groups = order[start:start + window]
+        ids = np.concatenate([np.arange(rg_start[g], rg_start[g] + rg_rows[g]) for g in groups])
+        if rng is not None:
+            rng.shuffle(ids)
+        pairs = np.stack([rg_file[groups], rg_index[groups], rg_start[groups]], axis=1)
+        units.append(ReadUnit(epoch=epoch, index=k, draw=len(ids), ids=ids.astype(np.int64),
+                              row_groups=pairs.astype(np.int64)))
+    return units
+
+
+def row_groups_of(ids: np.ndarray, rg_file: np.ndarray, rg_index: np.ndarray,
+                  rg_start: np.ndarray) -> np.ndarray:
+    """The distinct (file, row group, first id) triples that hold ``ids``, in file order."""
+    pos = np.searchsorted(rg_start, ids, side="right") - 1
+    uniq = np.unique(pos)
+    return np.stack([rg_file[uniq], rg_index[uniq], rg_start[uniq]], axis=1).astype(np.int64)
+
+
+class ManifestLookup:
+    """The per-id columns a unit needs to be read (labels, paths, row groups); picklable.
+
+    Shipped once to the object store when read tasks must resolve ids they draw themselves.
+    """
+
+    def __init__(self, manifest) -> None:
+        self.format = manifest.format
+        self.labels = manifest.labels
+        self.paths = manifest.column("path") if manifest.format == "images" else None
+        self.rg = manifest.row_group_table()[:3] if manifest.format == "parquet" else None
+
+    def complete(self, unit: ReadUnit) -> tuple[ReadUnit, list[str] | None]:
+        """Fill ``unit``'s labels (and row groups), and return the paths of its ids."""
+        ids = unit.ids
+        unit.labels = self.labels[ids]
+        if self.format == "parquet":
+            if unit.row_groups is None:
+                unit.row_groups = row_groups_of(ids, *self.rg)
+            return unit, None
+        return unit, [str(p) for p in self.paths[ids]]

@@ -1,0 +1,223 @@
+"""Worker side of a read task: fetch one unit's bytes, decode and augment, account for it."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raying import storage as _storage
+from raying.config import DEFAULT_MAX_IMAGE_PIXELS, StorageOptions
+from raying.errors import DataError, DecodeError
+from raying.plan import ReadUnit
+
+BLOCK_KEYS = ("id", "label", "image", "weight", "prob")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSpec:
+    """What every read task of a pipeline needs besides its unit; small and picklable."""
+
+    root: str
+    storage: StorageOptions
+    fmt: str
+    files: tuple[str, ...]
+    image_column: str | None
+    decoded: tuple[int, int, int] | None
+    transform: Any
+    seed: int
+    on_error: str = "skip"
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+
+    @classmethod
+    def of(cls, manifest: Any, transform: Any, seed: int, on_error: str) -> ReadSpec:
+        decoded = manifest.meta.get("decoded")
+        return cls(root=manifest.root, storage=manifest.storage, fmt=manifest.format,
+                   files=tuple(manifest.files), image_column=manifest.meta.get("image_column"),
+                   decoded=tuple(decoded) if decoded else None, transform=transform,
+                   seed=int(seed), on_error=on_error)
+
+
+def empty_block(size: int) -> dict[str, np.ndarray]:
+    """A block with no rows and the right dtypes and shapes."""
+    return {"id": np.zeros(0, np.int64), "label": np.zeros(0, np.int64),
+            "image": np.zeros((0, size, size, 3), np.uint8),
+            "weight": np.zeros(0, np.float32), "prob": np.zeros(0, np.float64)}
+
+
+def run_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None
+             ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Read, decode and augment one unit.
+
+    Returns the block (only the rows that decoded, in the unit's order) and the account of
+    the unit: rows in and out, every skipped sample with its reason, bytes read, seconds.
+    Under ``on_error="raise"`` the first bad sample raises an error naming its file.
+    """
+    t0 = time.perf_counter()
+    ids = np.asarray(unit.ids, dtype=np.int64)
+    fs, root = _storage.resolve(spec.root, spec.storage)
+    if spec.fmt == "images":
+        if paths is None:
+            msg = "an image read unit needs the paths of its ids"
+            raise DataError(msg)
+        full = [f"{root.rstrip('/')}/{p}" for p in paths]
+        datas = _storage.read_many(fs, full)
+        where = list(paths)
+        t1 = time.perf_counter()
+        nbytes = sum(len(d) for d in datas if isinstance(d, (bytes, bytearray, memoryview)))
+        result = _transform_encoded(spec, unit, ids, datas, where)
+    else:
+        datas, where, nbytes = _read_parquet_rows(spec, fs, root, unit, ids)
+        t1 = time.perf_counter()
+        if spec.decoded is not None and not isinstance(datas, list):
+            result = _transform_decoded(spec, unit, ids, datas)
+        else:
+            result = _transform_encoded(spec, unit, ids, datas, where)
+    images, ok, errors = result
+    skipped = [(int(e.sample_id), e.path or "", e.reason, e.detail) for e in errors]
+    if errors and spec.on_error == "raise":
+        raise errors[0]
+    block = {
+        "id": ids[ok],
+        "label": _or_default(unit.labels, len(ids), -1, np.int64)[ok],
+        "image": images,
+        "weight": _or_default(unit.weights, len(ids), 1.0, np.float32)[ok],
+        "prob": _or_default(unit.probs, len(ids), np.nan, np.float64)[ok],
+    }
+    if unit.skip_rows:
+        block = {k: v[unit.skip_rows:] for k, v in block.items()}
+    account = {"epoch": unit.epoch, "unit": unit.index, "rows_in": len(ids),
+               "rows_out": len(block["id"]), "skipped": skipped, "bytes_read": int(nbytes),
+               "read_s": t1 - t0, "decode_s": time.perf_counter() - t1}
+    return block, account
+
+
+def _or_default(values: np.ndarray | None, n: int, fill: float, dtype) -> np.ndarray:
+    if values is None:
+        return np.full(n, fill, dtype=dtype)
+    return np.asarray(values, dtype=dtype)
+
+
+def _transform_encoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: list[Any],
+                       where: list[str]):
+    clean: list[Any] = []
+    pre_errors: dict[int, DecodeError] = {}
+    for k, d in enumerate(datas):
+        if isinstance(d, BaseException):
+            pre_errors[k] = DecodeError("read_error", _first_line(d), path=where[k],
+                                        sample_id=int(ids[k]))
+            clean.append(None)
+        else:
+            clean.append(d)
+    res = spec.transform.apply_encoded(clean, ids, seed=spec.seed, epoch=unit.epoch,
+                                       max_pixels=spec.max_pixels)
+    ok = np.asarray(res.ok, dtype=bool)
+    # The transform lists its errors in input order, one for each row that is not ok.
+    errors = []
+    for pos, e in zip(np.flatnonzero(~ok), res.errors, strict=True):
+        errors.append(pre_errors.get(int(pos)) or DecodeError(
+            e.reason, e.detail, path=where[pos], sample_id=int(ids[pos])))
+    return res.images, ok, errors
+
+
+def _transform_decoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, pixels: np.ndarray):
+    images = spec.transform.apply_decoded(pixels, ids, seed=spec.seed, epoch=unit.epoch)
+    return images, np.ones(len(ids), dtype=bool), []
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray):
+    """The image values of ``ids``, reading each needed row group once.
+
+    Returns (values, locations, bytes): values is a list of buffers (encoded images, None for
+    nulls) or, for pre-decoded data, one (n, h, w, c) uint8 array.
+    """
+    groups = unit.row_groups
+    if groups is None or len(groups) == 0:
+        msg = "a Parquet read unit needs its row groups"
+        raise DataError(msg)
+    col = spec.image_column or "image"
+    order = np.lexsort((groups[:, 1], groups[:, 0]))
+    groups = groups[order]
+    chunks: list[pa.Array] = []
+    starts: list[int] = []
+    nbytes = 0
+    for f in np.unique(groups[:, 0]):
+        sel = groups[groups[:, 0] == f]
+        rel = spec.files[int(f)]
+        path = f"{root.rstrip('/')}/{rel}" if spec.files and rel != root else root
+        try:
+            with _storage.open_input(fs, path) as fh:
+                pf = pq.ParquetFile(fh)
+                table = pf.read_row_groups([int(g) for g in sel[:, 1]], columns=[col])
+        except (pa.ArrowInvalid, OSError) as exc:
+            msg = (f"{spec.root.rstrip('/')}/{rel}: cannot read row groups "
+                   f"{sel[:, 1].tolist()} ({_first_line(exc)}); the file may be corrupt or "
+                   f"changed since the manifest was scanned: rescan it")
+            raise DataError(msg) from None
+        arr = table.column(col)
+        nbytes += table.nbytes
+        # read_row_groups returns the groups in the order asked; track each group's first row.
+        offset = sum(len(c) for c in chunks)
+        for g_start, g_rows in _group_rows(sel, pf):
+            starts.append((g_start, offset))
+            offset += g_rows
+        chunks.extend(arr.chunks)
+    first_ids = np.array([s for s, _ in starts], dtype=np.int64)
+    offsets = np.array([o for _, o in starts], dtype=np.int64)
+    sort = np.argsort(first_ids)
+    first_ids, offsets = first_ids[sort], offsets[sort]
+    k = np.searchsorted(first_ids, ids, side="right") - 1
+    pos = offsets[k] + (ids - first_ids[k])
+    values = pa.chunked_array(chunks) if chunks else pa.chunked_array([], pa.binary())
+    if spec.decoded is not None:
+        flat = values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)
+        h, w, c = spec.decoded
+        buf = np.frombuffer(flat.buffers()[1], dtype=np.uint8)
+        buf = buf[flat.offset * h * w * c:(flat.offset + len(flat)) * h * w * c]
+        return buf.reshape(len(flat), h, w, c)[pos], None, nbytes
+    return _binary_views(values, pos), _row_locations(spec, unit, ids), nbytes
+
+
+def _group_rows(sel: np.ndarray, pf: pq.ParquetFile):
+    for _, g, start in sel:
+        yield int(start), pf.metadata.row_group(int(g)).num_rows
+
+
+def _binary_views(values: pa.ChunkedArray, pos: np.ndarray) -> list[Any]:
+    """Zero-copy memoryviews of the values at ``pos`` (None for nulls)."""
+    bounds = np.cumsum([0] + [len(c) for c in values.chunks])
+    out: list[Any] = [None] * len(pos)
+    views = []
+    for c in values.chunks:
+        off_type = np.int64 if pa.types.is_large_binary(c.type) else np.int32
+        bufs = c.buffers()
+        offs = np.frombuffer(bufs[1], dtype=off_type)[c.offset:c.offset + len(c) + 1]
+        data = memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
+        valid = None if c.null_count == 0 else np.asarray(c.is_valid())
+        views.append((offs, data, valid))
+    which = np.searchsorted(bounds, pos, side="right") - 1
+    for i, (p, w) in enumerate(zip(pos, which, strict=True)):
+        offs, data, valid = views[w]
+        r = int(p - bounds[w])
+        if valid is not None and not valid[r]:
+            continue
+        out[i] = data[int(offs[r]):int(offs[r + 1])]
+    return out
+
+
+def _row_locations(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray) -> list[str]:
+    groups = unit.row_groups
+    first = groups[:, 2]
+    sort = np.argsort(first)
+    k = sort[np.searchsorted(first[sort], ids, side="right") - 1]
+    return [f"{spec.files[int(groups[j, 0])]}#rg{int(groups[j, 1])}/row{int(i - groups[j, 2])}"
+            for i, j in zip(ids, k, strict=True)]

@@ -1,0 +1,379 @@
+"""PriorityTable: float64 priorities in a sum tree, sampled from a mixture with a uniform floor."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from raying.errors import ConfigError
+from raying.sampling._sumtree import LeafMinima, SumTree
+from raying.sampling._validate import (
+    DEFAULT_AGE_RATE,
+    REJECT_REASONS,
+    TableConfig,
+    check_updates,
+    importance_weights,
+)
+
+_STATE_VERSION = 1
+
+
+class PriorityTable:
+    """Per-sample priorities that decide which samples are drawn next, in pure numpy.
+
+    Row ``i`` of ``n`` holds a priority ``p_i >= 0`` (typically a recent loss). Draws follow the
+    mixture ``P_i = (1 - eps) * p_i**alpha / sum_j p_j**alpha + eps / n`` with
+    ``eps = uniform_mix``: ``alpha`` sharpens or flattens the priorities, ``eps`` is a uniform
+    floor that keeps every row reachable. A float64 sum tree holds ``p_i**alpha``; batched
+    updates recompute the touched parents from their children, so the root never drifts.
+
+    Behaviour worth knowing:
+
+    * Rows start at ``initial_priority``, so sampling is uniform until losses arrive.
+    * If every priority is zero the table samples uniformly (``P_i = 1/n``).
+    * NaN, infinite and negative priorities, ids outside ``[0, n)`` or not integral, and
+      calls whose ids and priorities differ in length are rejected, counted by reason in
+      ``rejected`` and never inserted; the valid entries of the same call still apply, and
+      of repeated ids in one call the last one wins.
+    * ``cap_quantile=q`` clips priorities above the q-quantile of the stored priorities. The
+      threshold is recomputed by ``refresh_cap()`` (the priority store calls it periodically;
+      until the first call nothing is clipped); updates are clipped at the current threshold.
+    * Aging: the table's clock counts update calls. A row not refreshed for ``age_after`` calls
+      moves toward the current mean priority by ``age_rate`` per further call, applied in one
+      vectorized pass by ``age()`` (compounded over the calls since the previous pass).
+    * Importance weights ``w = (n * P)**-beta / max_j (n * P_j)**-beta``: the maximum is taken
+      over the whole table (the row of least positive probability), not over the batch, so
+      ``0 < w <= 1`` and weights of different batches are comparable.
+
+    Args:
+        n: number of rows (sample ids ``0 .. n-1``).
+        alpha: priority exponent; 0 samples uniformly, 1 in proportion to priority.
+        uniform_mix: share of the uniform floor ``eps`` in ``[0, 1]``.
+        beta: default importance-weight exponent for ``weights``.
+        cap_quantile: clip priorities above this quantile, in ``(0, 1]``; None disables.
+        age_after: update calls without refresh before a row ages; None disables aging.
+        age_rate: share of the distance to the mean closed per update call while aging.
+        initial_priority: the priority every row starts with.
+        seed: seed of the generator used by ``sample`` (saved in ``state_dict``).
+    """
+
+    def __init__(self, n: int, *, alpha: float = 1.0, uniform_mix: float = 0.0,
+                 beta: float = 0.0, cap_quantile: float | None = None,
+                 age_after: int | None = None, age_rate: float = DEFAULT_AGE_RATE,
+                 initial_priority: float = 1.0, seed: int = 0) -> None:
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            msg = f"n must be an integer >= 1 (the number of samples), got {n!r}"
+            raise ConfigError(msg)
+        self.n = int(n)
+        self.config = TableConfig(alpha=alpha, uniform_mix=uniform_mix, beta=beta,
+                                  cap_quantile=cap_quantile, age_after=age_after,
+                                  age_rate=age_rate, initial_priority=initial_priority,
+                                  seed=seed)
+        self._rng = np.random.Generator(np.random.PCG64(self.config.seed))
+        self._raw = np.full(self.n, float(self.config.initial_priority))
+        self._last = np.zeros(self.n, dtype=np.int64)
+        self._clock = 0
+        self._aged_clock = 0
+        self._cap = math.inf
+        self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+        self.counters: dict[str, int] = {"update_calls": 0, "updates_applied": 0,
+                                         "samples": 0, "aged_rows": 0}
+        self._tree = SumTree(self._leaf_values(self._raw))
+        self._minima = LeafMinima()
+
+    @classmethod
+    def from_config(cls, n: int, config: TableConfig | Mapping[str, Any] | None) -> PriorityTable:
+        """Build a table from a TableConfig or a dict of its fields."""
+        return cls(n, **dataclasses.asdict(TableConfig.coerce(config)))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"PriorityTable(n={self.n}, alpha={c.alpha}, uniform_mix={c.uniform_mix}, "
+                f"total={self.total():.6g})")
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def update(self, ids: Any, priorities: Any) -> int:
+        """Set the priorities of a batch of rows.
+
+        Args:
+            ids: sample ids, integer array-like (any shape, flattened).
+            priorities: new priorities, same length; typically per-sample losses.
+
+        Returns:
+            The number of rows written (after rejections and de-duplication).
+        """
+        ids, values, rejected = check_updates(ids, priorities, self.n)
+        for reason, count in rejected.items():
+            self.rejected[reason] += count
+        if ids.size == 0:
+            return 0
+        if ids.size > 1 and not np.all(ids[1:] > ids[:-1]):
+            order = np.argsort(ids, kind="stable")
+            ids = ids[order]
+            values = values[order]
+            last = np.empty(ids.size, dtype=bool)  # the last of each run of equal ids wins
+            np.not_equal(ids[:-1], ids[1:], out=last[:-1])
+            last[-1] = True
+            ids = ids[last]
+            values = values[last]
+        self._clock += 1
+        self._raw[ids] = values
+        self._last[ids] = self._clock
+        leaves = self._leaf_values(values)
+        self._minima.replace(self._tree.leaves[ids], leaves)
+        self._tree.set(ids, leaves)
+        self.counters["update_calls"] += 1
+        self.counters["updates_applied"] += int(ids.size)
+        return int(ids.size)
+
+    def age(self) -> int:
+        """Move priorities not refreshed for ``age_after`` update calls toward the mean.
+
+        Each such row closes ``age_rate`` of its gap to the current mean priority per update
+        call since it went stale (or since the previous ``age()``), compounded. A no-op when
+        aging is off or no update call happened since the last pass.
+
+        Returns:
+            The number of rows that moved.
+        """
+        after = self.config.age_after
+        if after is None or self._clock == self._aged_clock:
+            return 0
+        calls = self._clock - np.maximum(self._last + after, self._aged_clock)
+        self._aged_clock = self._clock
+        stale = np.flatnonzero(calls > 0)
+        if stale.size == 0:
+            return 0
+        mean = float(self._raw.mean())
+        keep = np.power(1.0 - self.config.age_rate, calls[stale].astype(np.float64))
+        self._raw[stale] = mean + (self._raw[stale] - mean) * keep
+        if stale.size > self.n // 4:
+            self._tree.leaves[:] = self._leaf_values(self._raw)
+            self._tree.rebuild()
+        else:
+            self._tree.set(stale, self._leaf_values(self._raw[stale]))
+        self._minima.invalidate()
+        self.counters["aged_rows"] += int(stale.size)
+        return int(stale.size)
+
+    def refresh_cap(self) -> float:
+        """Recompute the cap threshold from the current priorities and re-clip every row.
+
+        Returns:
+            The threshold now in force (inf when ``cap_quantile`` is None).
+        """
+        if self.config.cap_quantile is None:
+            return math.inf
+        self._cap = float(np.quantile(self._raw, self.config.cap_quantile))
+        self._tree.leaves[:] = self._leaf_values(self._raw)
+        self._tree.rebuild()
+        self._minima.invalidate()
+        return self._cap
+
+    def _leaf_values(self, raw: np.ndarray) -> np.ndarray:
+        v = np.minimum(raw, self._cap) if math.isfinite(self._cap) else raw
+        alpha = self.config.alpha
+        if alpha == 1.0:
+            return np.array(v, dtype=np.float64, copy=True)
+        return np.power(v, alpha)
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def total(self) -> float:
+        """The sum of ``p_i**alpha`` over all rows (after the cap): the root of the tree."""
+        return self._tree.total
+
+    def coefficients(self) -> tuple[float, float]:
+        """``(a, b)`` such that ``P_i = a * p_i**alpha + b``; ``(0, 1/n)`` if all are zero."""
+        total = self._tree.total
+        if total > 0.0:
+            return (1.0 - self.config.uniform_mix) / total, self.config.uniform_mix / self.n
+        return 0.0, 1.0 / self.n
+
+    def probabilities(self, ids: Any = None) -> np.ndarray:
+        """Sampling probabilities ``P_i`` of the given ids (all rows when None)."""
+        a, b = self.coefficients()
+        leaves = self._tree.leaves if ids is None else self._tree.leaves[self._index(ids)]
+        return a * leaves + b
+
+    def priorities(self, ids: Any = None) -> np.ndarray:
+        """The stored priorities (before alpha and the cap) of the given ids, as a copy."""
+        return self._raw.copy() if ids is None else self._raw[self._index(ids)]
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The table's random generator (its state is part of ``state_dict``)."""
+        return self._rng
+
+    def leaf_minima(self) -> tuple[float, float]:
+        """``(min, least positive)`` of ``p_i**alpha`` (inf if none), cached until a write."""
+        return self._minima.get(self._tree.leaves)
+
+    def min_probability(self) -> float:
+        """The least positive ``P_i`` of the table: the row whose weight is 1."""
+        a, b = self.coefficients()
+        if a == 0.0:
+            return b
+        low, low_positive = self.leaf_minima()
+        return a * low + b if b > 0.0 else a * low_positive
+
+    def weights(self, probs: Any, beta: float | None = None) -> np.ndarray:
+        """Importance weights ``(n*P)**-beta / (n*P_min)**-beta`` of probabilities from this table.
+
+        Args:
+            probs: probabilities returned by ``sample`` or ``probabilities``.
+            beta: the exponent; the table's ``beta`` when None.
+        """
+        beta = self.config.beta if beta is None else beta
+        return importance_weights(probs, size=self.n, min_prob=self.min_probability(),
+                                  beta=beta)
+
+    def importance_weights(self, ids: Any, beta: float | None = None) -> np.ndarray:
+        """Importance weights of the given ids under the current distribution."""
+        return self.weights(self.probabilities(ids), beta)
+
+    def ess(self) -> float:
+        """Effective sample size of the distribution, ``1 / sum_i P_i**2`` (n when uniform)."""
+        probs = self.probabilities()
+        return float(1.0 / np.dot(probs, probs))
+
+    def leaf_summary(self) -> dict[str, float]:
+        """Sums and minima of ``p_i**alpha`` that a sharded store combines across tables."""
+        leaves = self._tree.leaves
+        low, low_positive = self.leaf_minima()
+        return {"n": self.n, "total": self._tree.total, "sum_sq": float(np.dot(leaves, leaves)),
+                "min": low, "min_positive": low_positive}
+
+    def age_summary(self) -> dict[str, float | int | None]:
+        """Ages (update calls since each row's last refresh): mean, p50, p90, max, shares."""
+        ages = self._clock - self._last
+        p50, p90 = np.percentile(ages, [50, 90])
+        after = self.config.age_after
+        return {"clock": self._clock, "mean": float(ages.mean()), "p50": float(p50),
+                "p90": float(p90), "max": int(ages.max()),
+                "never_updated_share": float(np.mean(self._last == 0)),
+                "stale_share": None if after is None else float(np.mean(ages >= after))}
+
+    # --- sampling -----------------------------------------------------------------------------
+
+    def sample(self, k: int, *, systematic: bool = False,
+               rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Draw ``k`` ids from the mixture ``P``.
+
+        I.i.d. draws come in random order. A systematic (low-variance) plan places ``k``
+        stratified positions ``(j + U) / k`` on the mixture's CDF with one uniform ``U``: row
+        ``i`` then appears ``floor(k*P_i)`` or ``ceil(k*P_i)`` times, and the plan comes out in
+        ascending id order (good for read locality; shuffle it if order matters).
+
+        Args:
+            k: number of draws (plans of >= 4096 amortise the per-call cost).
+            systematic: a stratified plan instead of i.i.d. draws.
+            rng: a generator to use instead of the table's own (which ``state_dict`` saves).
+
+        Returns:
+            ``(ids, probs)``: int64 ids and their float64 probabilities ``P_i``.
+        """
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            msg = f"k must be an integer >= 0 (the number of draws), got {k!r}"
+            raise ConfigError(msg)
+        rng = self._rng if rng is None else rng
+        k = int(k)
+        if systematic:
+            positions = (np.arange(k, dtype=np.float64) + rng.random()) / max(k, 1)
+        else:
+            positions = rng.random(k)
+        self.counters["samples"] += k
+        a, b = self.coefficients()
+        return self.locate(positions * (a * self._tree.total + b * self.n), a=a, b=b)
+
+    def locate(self, positions: np.ndarray, *, a: float, b: float) -> tuple[np.ndarray, np.ndarray]:
+        """Ids at positions of the mass ``a * p_i**alpha + b`` (low level; ``sample`` uses it).
+
+        A sharded store passes the global coefficients, so each shard samples its part of
+        the global mixture and returns exact global probabilities.
+
+        Args:
+            positions: float64 positions in ``[0, a * total() + b * n)``, copied.
+            a: mass per unit of ``p**alpha``.
+            b: mass added to every row.
+
+        Returns:
+            ``(ids, probs)`` with ``probs = a * p_i**alpha + b``.
+        """
+        positions = np.asarray(positions, dtype=np.float64)
+        if a > 0.0:
+            ids = self._tree.descend(positions / a, b / a)
+        else:
+            ids = np.minimum(np.floor(positions / b).astype(np.int64), self.n - 1)
+        return ids, a * self._tree.leaves[ids] + b
+
+    def _index(self, ids: Any) -> np.ndarray:
+        idx = np.asarray(ids)
+        if idx.dtype.kind not in "iu" or (idx.size and (idx.min() < 0 or idx.max() >= self.n)):
+            msg = f"ids must be integers in [0, {self.n}), got dtype {idx.dtype} with " \
+                  f"range [{idx.min() if idx.size else ''}, {idx.max() if idx.size else ''}]"
+            raise ConfigError(msg)
+        return idx.astype(np.int64, copy=False)
+
+    # --- state --------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: config, priorities, clocks, counters, generator state."""
+        return {"version": _STATE_VERSION, "n": self.n,
+                "config": dataclasses.asdict(self.config),
+                "priorities": self._raw.copy(), "last_update": self._last.copy(),
+                "clock": self._clock, "aged_clock": self._aged_clock, "cap": self._cap,
+                "rejected": dict(self.rejected), "counters": dict(self.counters),
+                "rng": self._rng.bit_generator.state}
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Restore a ``state_dict``.
+
+        Args:
+            state: a dict from ``state_dict`` (possibly round-tripped through a snapshot).
+            strict: require the saved config to equal this table's; with False, keep this
+                table's config and take only the priorities, clocks, counters and generator.
+        """
+        if state.get("version") != _STATE_VERSION:
+            msg = (f"table state version must be {_STATE_VERSION}, got {state.get('version')!r}; "
+                   f"was it saved by another raying version?")
+            raise ConfigError(msg)
+        if int(state["n"]) != self.n:
+            msg = (f"table state holds {state['n']} rows, this table has {self.n}; build the "
+                   f"table with n={state['n']}")
+            raise ConfigError(msg)
+        if strict:
+            own = dataclasses.asdict(self.config)
+            diff = sorted(key for key in own if own[key] != state["config"].get(key))
+            if diff:
+                got = {key: state["config"].get(key) for key in diff}
+                msg = (f"table state was saved with {got}, this table has "
+                       f"{ {key: own[key] for key in diff} }; build the table with the saved "
+                       f"settings, or pass strict=False to keep this table's")
+                raise ConfigError(msg)
+        raw = np.asarray(state["priorities"], dtype=np.float64)
+        last = np.asarray(state["last_update"], dtype=np.int64)
+        if raw.shape != (self.n,) or last.shape != (self.n,) or not np.all(np.isfinite(raw)) \
+                or np.any(raw < 0):
+            msg = (f"table state priorities must be {self.n} finite values >= 0 with as many "
+                   f"last_update entries; got shapes {raw.shape} and {last.shape}")
+            raise ConfigError(msg)
+        self._raw = raw.copy()
+        self._last = last.copy()
+        self._clock = int(state["clock"])
+        self._aged_clock = int(state["aged_clock"])
+        self._cap = float(state["cap"]) if self.config.cap_quantile is not None else math.inf
+        self.rejected = dict.fromkeys(REJECT_REASONS, 0) | {
+            k: int(v) for k, v in state["rejected"].items()}
+        self.counters = {k: int(v) for k, v in state["counters"].items()}
+        self._rng.bit_generator.state = state["rng"]
+        self._tree = SumTree(self._leaf_values(self._raw))
+        self._minima.invalidate()

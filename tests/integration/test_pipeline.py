@@ -1,0 +1,148 @@
+"""The foundation end to end: folder and Parquet, epochs, seeds, torch and tf batches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import raying
+
+
+def _epoch(pipe, epoch, batch_size=16):
+    ids, labels = [], []
+    for b in pipe.iter_batches(batch_size=batch_size, epoch=epoch):
+        ids.append(b["id"])
+        labels.append(b["label"])
+        assert b["image"].dtype == np.uint8
+        assert b["image"].shape[1:] == (32, 32, 3)
+    return np.concatenate(ids), np.concatenate(labels)
+
+
+def _truth(m):
+    names = [raying.Manifest.path_of(m, i)[0] for i in range(len(m))]
+    return {i: int(n.split("/")[0].split("_")[-1]) for i, n in enumerate(names)}
+
+
+@pytest.fixture(scope="module")
+def packed(image_folder, tmp_path_factory, ray_local):
+    dst = tmp_path_factory.mktemp("packed")
+    res = raying.pack(str(image_folder), str(dst), shard_rows=25, row_group_rows=8,
+                      progress=False)
+    assert res.rows == 60 and not res.skipped
+    return dst
+
+
+def test_folder_epoch_every_id_once_with_label(image_folder, ray_local):
+    m = raying.Manifest.scan(str(image_folder))
+    assert len(m) == 60 and m.classes == ["class_00", "class_01", "class_02"]
+    tf = raying.ImageTransform(size=32)
+    pipe = raying.Pipeline(m, transform=tf, sampler=raying.UniformSampler(seed=3),
+                           config=raying.PipelineConfig(block_rows=16))
+    ids, labels = _epoch(pipe, 0)
+    assert sorted(ids.tolist()) == list(range(60))
+    truth = _truth(m)
+    assert all(truth[i] == lab for i, lab in zip(ids.tolist(), labels.tolist(), strict=True))
+    ids1, _ = _epoch(pipe, 1)
+    assert sorted(ids1.tolist()) == list(range(60))
+    assert ids1.tolist() != ids.tolist(), "a new epoch must come in a new order"
+    again = raying.Pipeline(m, transform=tf, sampler=raying.UniformSampler(seed=3),
+                            config=raying.PipelineConfig(block_rows=16))
+    assert _epoch(again, 0)[0].tolist() == ids.tolist(), "same seed, same order"
+    other = raying.Pipeline(m, transform=tf, sampler=raying.UniformSampler(seed=4),
+                            config=raying.PipelineConfig(block_rows=16))
+    assert _epoch(other, 0)[0].tolist() != ids.tolist()
+    pipe.close()
+
+
+def test_parquet_epoch_matches_folder(image_folder, packed, ray_local):
+    src = raying.Manifest.scan(str(image_folder))
+    m = raying.Manifest.scan(str(packed), format="parquet", label="label")
+    assert len(m) == 60
+    assert m.classes == src.classes
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=32),
+                           sampler=raying.UniformSampler(seed=0),
+                           config=raying.PipelineConfig(block_rows=16))
+    ids, labels = _epoch(pipe, 0)
+    assert sorted(ids.tolist()) == list(range(60))
+    # Packing keeps the source order, so ids and labels agree with the folder's.
+    assert np.array_equal(labels[np.argsort(ids)], src.labels)
+    ids1, _ = _epoch(pipe, 1)
+    assert sorted(ids1.tolist()) == list(range(60)) and ids1.tolist() != ids.tolist()
+    st = pipe.stats()
+    assert st["skipped_count"] == 0
+    pipe.close()
+
+
+def test_same_augmentation_for_same_seed(image_folder, ray_local):
+    m = raying.Manifest.scan(str(image_folder))
+    def first(seed):
+        p = raying.Pipeline(m, transform=raying.ImageTransform(size=32),
+                            sampler=raying.UniformSampler(seed=seed),
+                            config=raying.PipelineConfig(block_rows=16))
+        b = next(iter(p.iter_batches(batch_size=8, epoch=2)))
+        p.close()
+        return b
+    a, b = first(5), first(5)
+    assert np.array_equal(a["id"], b["id"]) and np.array_equal(a["image"], b["image"])
+
+
+def test_torch_batch_contract(image_folder, ray_local):
+    import torch
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=32),
+                           config=raying.PipelineConfig(block_rows=16))
+    batches = list(pipe.iter_torch_batches(batch_size=16, epoch=0, device="cpu"))
+    assert sum(len(b["id"]) for b in batches) == 60
+    b = batches[0]
+    assert b["id"].dtype == torch.int64 and b["label"].dtype == torch.int64
+    assert b["weight"].dtype == torch.float32 and b["prob"].dtype == torch.float64
+    assert b["image"].dtype == torch.float32 and tuple(b["image"].shape) == (16, 3, 32, 32)
+    assert b["image"].device.type == "cpu"
+    assert torch.allclose(b["weight"], torch.ones(16))
+    assert torch.allclose(b["prob"], torch.full((16,), 1 / 60, dtype=torch.float64))
+    # Normalization: undo it and compare with the uint8 batch of the same epoch.
+    raw = next(iter(pipe.iter_torch_batches(batch_size=16, epoch=0, device="cpu",
+                                            normalize=False)))
+    assert raw["image"].dtype == torch.uint8 and tuple(raw["image"].shape) == (16, 32, 32, 3)
+    mean = torch.tensor(raying.config.DEFAULT_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(raying.config.DEFAULT_STD).view(1, 3, 1, 1)
+    back = (b["image"] * std + mean) * 255.0
+    assert torch.equal(raw["id"], b["id"])
+    assert (back - raw["image"].permute(0, 3, 1, 2).float()).abs().max() < 1e-3
+    pipe.close()
+
+
+def test_to_tf_trains_keras_model(image_folder, ray_local):
+    tf = pytest.importorskip("tensorflow")
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=32),
+                           config=raying.PipelineConfig(block_rows=16))
+    ds = pipe.to_tf(batch_size=16, epoch=0, normalize=True, as_supervised=True)
+    model = tf.keras.Sequential([
+        tf.keras.Input((32, 32, 3)),
+        tf.keras.layers.Conv2D(4, 3, activation="relu"),
+        tf.keras.layers.GlobalAveragePooling2D(),
+        tf.keras.layers.Dense(3),
+    ])
+    model.compile(optimizer="adam",
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    hist = model.fit(ds, epochs=1, verbose=0)
+    assert np.isfinite(hist.history["loss"][0])
+    dict_ds = pipe.to_tf(batch_size=16, epoch=0)
+    first = next(iter(dict_ds))
+    assert set(first) == {"id", "label", "image", "weight", "prob"}
+    assert first["image"].dtype == tf.uint8
+    pipe.close()
+
+
+def test_dataset_for_ray_data(image_folder, ray_local):
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=32),
+                           config=raying.PipelineConfig(block_rows=16))
+    ds = pipe.dataset(epoch=0)
+    ids = []
+    for b in ds.iter_torch_batches(batch_size=16):
+        ids.extend(b["id"].tolist())
+        assert tuple(b["image"].shape[1:]) == (32, 32, 3)
+    assert sorted(ids) == list(range(60))

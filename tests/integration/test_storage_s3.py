@@ -1,0 +1,262 @@
+"""raying.storage against a live S3 endpoint (a moto server on 127.0.0.1 over HTTP), and against
+a live HDFS when RAYING_TEST_HDFS_URI is set."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from raying import storage
+from raying.errors import CredentialsError, StorageError
+from raying.io.slow import io_counters
+from raying.storage import NotFoundError, StorageSpec
+from tests.s3server import free_port, start_s3_server
+
+CANARY = "CANARY-secret-0a9b8c7d6e5f4a3b2c1d"
+BUCKET = "raying-storage"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_filesystems(monkeypatch):
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    storage.clear_cache()
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """A small folder: two classes of files of varied sizes, plus hidden things."""
+    root = tmp_path_factory.mktemp("dataset")
+    for i in range(12):
+        cls = root / ("cats" if i % 2 else "dogs")
+        cls.mkdir(exist_ok=True)
+        (cls / f"{i:03d}.jpg").write_bytes(os.urandom(1000 + 997 * i))
+    (root / "dogs" / "readme.txt").write_bytes(b"not an image")
+    (root / ".cache").mkdir()
+    (root / ".cache" / "x.jpg").write_bytes(b"hidden")
+    (root / "_SUCCESS").write_bytes(b"")
+    return root
+
+
+@pytest.fixture(scope="module")
+def dataset_uri(s3_server, s3_endpoint, dataset):
+    return s3_server.upload_folder(dataset, BUCKET, "sets/small")
+
+
+def _relative(infos, root):
+    return [(i.path[len(root) + 1:], i.size) for i in infos]
+
+
+def test_list_and_read_with_the_endpoint_in_options(dataset_uri, s3_endpoint, dataset):
+    fs, path = storage.resolve(dataset_uri, {"endpoint_url": s3_endpoint})
+    assert path == f"{BUCKET}/sets/small"
+    infos = storage.list_files(fs, path, extensions=[".jpg"])
+    local_fs, local_root = storage.resolve(str(dataset))
+    local = storage.list_files(local_fs, local_root, extensions=[".jpg"])
+    assert _relative(infos, path) == _relative(local, local_root)
+    assert len(infos) == 12
+    assert storage.read_many(fs, infos) == storage.read_many(local_fs, local)
+    [one] = storage.list_files(fs, f"{path}/dogs/readme.txt")  # a key lists as itself
+    assert one.size == len(b"not an image")
+    with pytest.raises(NotFoundError, match=rf"s3://{BUCKET}/sets/nothing does not exist"):
+        storage.list_files(fs, f"{BUCKET}/sets/nothing")
+
+
+def test_endpoint_from_the_environment(dataset_uri, s3_endpoint, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    fs, path = storage.resolve(dataset_uri)
+    assert len(storage.list_files(fs, path)) == 13
+    # The S3-specific variable wins over the generic one.
+    storage.clear_cache()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    fs, path = storage.resolve(dataset_uri)
+    assert storage.read_bytes(fs, f"{path}/dogs/readme.txt") == b"not an image"
+
+
+def test_a_spec_rebuilds_the_filesystem_in_another_process(dataset_uri, s3_endpoint,
+                                                          monkeypatch):
+    """What a Ray worker does: the endpoint travels in the spec, credentials come from its env."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    spec, path = StorageSpec.from_uri(dataset_uri)
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    code = ("import pickle, sys\nfrom raying import storage\n"
+            "spec, path = pickle.loads(sys.stdin.buffer.read())\n"
+            "print(storage.read_bytes(spec.filesystem(), path + '/dogs/readme.txt').decode())")
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((spec, path)),
+                         capture_output=True, check=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.stdout.decode().strip() == "not an image"
+
+
+def test_write_atomic_exists_and_missing(dataset_uri, s3_endpoint):
+    fs, path = storage.resolve(dataset_uri, {"endpoint_url": s3_endpoint})
+    target = f"{BUCKET}/written/{uuid.uuid4().hex}/manifest.parquet"
+    assert not storage.exists(fs, target)
+    storage.write_bytes_atomic(fs, target, b"payload")
+    assert storage.exists(fs, target)
+    assert storage.read_bytes(fs, target) == b"payload"
+    with pytest.raises(NotFoundError, match=rf"^s3://{BUCKET}/sets/small/nope.jpg does not "
+                                            "exist$"):
+        storage.read_bytes(fs, f"{path}/nope.jpg")
+    with pytest.raises(NotFoundError, match=r"s3://no-such-bucket/x does not exist: bucket "
+                                            r"'no-such-bucket' does not exist at http://127"):
+        storage.list_files(fs, "no-such-bucket/x")
+    with pytest.raises(NotFoundError, match="bucket 'no-such-bucket' does not exist"):
+        storage.read_bytes(fs, "no-such-bucket/x")
+
+
+def test_unreachable_endpoint_names_it(s3_endpoint):
+    dead = f"http://127.0.0.1:{free_port()}"
+    fs, path = storage.resolve(f"s3://{BUCKET}/x.jpg", {"endpoint_url": dead})
+    start = time.monotonic()
+    with pytest.raises(StorageError, match=rf"cannot reach the S3 endpoint {dead} to read "
+                                           rf"s3://{BUCKET}/x.jpg \(after 2 attempts\).*"
+                                           "Check that the server is up"):
+        storage.read_bytes(fs, path, retries=2, backoff=0.01)
+    assert time.monotonic() - start < 30
+
+
+def test_slow_tier_over_s3_counts_requests(dataset_uri, s3_endpoint):
+    fs, path = storage.resolve(dataset_uri, {"endpoint_url": s3_endpoint, "slow": (0.001, None)})
+    infos = storage.list_files(fs, path, extensions=".jpg")
+    data = storage.read_many(fs, infos, threads=4)
+    counters = io_counters(fs).snapshot()
+    assert counters["bytes_read"] == sum(len(d) for d in data) == sum(i.size for i in infos)
+    assert counters["opens"] == 12 and counters["requests"] == 13
+
+
+# --- credentials ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auth_server(dataset):
+    """A server that checks credentials (only its IAM user's keys are accepted)."""
+    with start_s3_server(auth=True) as server:
+        server.upload_folder(dataset, BUCKET)
+        yield server
+
+
+@pytest.fixture
+def no_shared_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def test_valid_credentials_read(auth_server):
+    options = {"endpoint_url": auth_server.endpoint, **auth_server.credentials}
+    fs, path = storage.resolve(f"s3://{BUCKET}/dogs/readme.txt", options)
+    assert storage.read_bytes(fs, path) == b"not an image"
+
+
+def test_wrong_secret_is_refused_and_never_shown(auth_server, caplog, capfd):
+    options = {"endpoint_url": auth_server.endpoint,
+               "access_key_id": auth_server.credentials["access_key_id"],
+               "secret_access_key": CANARY}
+    spec, path = StorageSpec.from_uri(f"s3://{BUCKET}", options)
+    fs = spec.filesystem()
+    errors = []
+    with caplog.at_level(logging.DEBUG):
+        for call in (lambda: storage.list_files(fs, path),
+                     lambda: storage.read_bytes(fs, f"{path}/dogs/readme.txt"),
+                     lambda: storage.read_many(fs, [f"{path}/dogs/readme.txt"])[0]):
+            try:
+                result = call()
+            except CredentialsError as exc:
+                result = exc
+            assert isinstance(result, CredentialsError)
+            errors.append(result)
+    assert "the keys passed in storage= were refused" in str(errors[0])
+    assert "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)" in str(errors[0])
+    captured = capfd.readouterr()
+    texts = [str(e) for e in errors] + [repr(e) for e in errors] + [
+        repr(spec), str(spec), repr(spec.options), caplog.text, captured.out, captured.err]
+    for text in texts:
+        assert CANARY not in text
+
+
+def test_wrong_environment_credentials(auth_server, monkeypatch, no_shared_config, caplog):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY000000")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CANARY)
+    fs, path = storage.resolve(f"s3://{BUCKET}", {"endpoint_url": auth_server.endpoint})
+    with caplog.at_level(logging.DEBUG):
+        with pytest.raises(CredentialsError, match=r"^access to s3://raying-storage was refused: "
+                                                   "the keys in AWS_ACCESS_KEY_ID / "
+                                                   "AWS_SECRET_ACCESS_KEY were refused") as info:
+            storage.list_files(fs, path)
+    assert CANARY not in str(info.value) + caplog.text
+
+
+def test_no_credentials_at_all(auth_server, monkeypatch, no_shared_config):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    fs, path = storage.resolve(f"s3://{BUCKET}/dogs/readme.txt",
+                               {"endpoint_url": auth_server.endpoint})
+    with pytest.raises(CredentialsError, match="no AWS credentials were found in the "
+                                               "environment or the shared config files"):
+        storage.read_bytes(fs, path)
+
+
+# --- faults ---------------------------------------------------------------------------------
+
+
+@pytest.mark.faults
+def test_server_restarted_mid_read_loses_nothing(tmp_path):
+    """Reads in flight when the server goes down are retried and all complete once it is up."""
+    payloads = {f"{i:03d}.bin": os.urandom(2000 + 37 * i) for i in range(48)}
+    for name, data in payloads.items():
+        (tmp_path / name).write_bytes(data)
+    with start_s3_server() as server:
+        uri = server.upload_folder(tmp_path, BUCKET, "fault")
+        options = {"endpoint_url": server.endpoint, **server.credentials,
+                   "slow": (0.02, None)}  # stretches the reads across the outage
+        fs, path = storage.resolve(uri, options)
+        infos = storage.list_files(fs, path)
+        server.snapshot()  # the data survives the restart, as on a real S3
+        retried, result = [], {}
+
+        def read_all():
+            result["out"] = storage.read_many(fs, infos, threads=4, retries=10, backoff=0.1,
+                                              on_retry=lambda *a: retried.append(a))
+
+        reader = threading.Thread(target=read_all)
+        reader.start()
+        time.sleep(0.1)
+        server.stop(snapshot=False)  # a crash: reads now fail
+        time.sleep(0.5)  # with the restart, longer than the SDK's own retries (0.75 s) last
+        server.start()
+        reader.join(timeout=120)
+        assert not reader.is_alive()
+    out = result["out"]
+    assert [type(o) for o in out if not isinstance(o, bytes)] == []
+    assert dict(zip([i.path.rsplit("/", 1)[1] for i in infos], out, strict=True)) == payloads
+    assert len(retried) > 0  # the outage was hit, and survived
+
+
+# --- HDFS -----------------------------------------------------------------------------------
+
+
+@pytest.mark.hdfs
+@pytest.mark.skipif(not os.environ.get("RAYING_TEST_HDFS_URI"),
+                    reason="set RAYING_TEST_HDFS_URI=hdfs://host:port/scratch/dir to run")
+def test_live_hdfs_roundtrip():
+    fs, root = storage.resolve(os.environ["RAYING_TEST_HDFS_URI"])
+    base = f"{root.rstrip('/')}/raying-test-{uuid.uuid4().hex}"
+    try:
+        storage.write_bytes_atomic(fs, f"{base}/a/x.bin", b"hello hdfs")
+        [info] = storage.list_files(fs, base)
+        assert (info.path.endswith("/a/x.bin"), info.size) == (True, 10)
+        assert storage.read_bytes(fs, info.path) == b"hello hdfs"
+        assert storage.read_many(fs, [info, f"{base}/nope"])[0] == b"hello hdfs"
+        assert isinstance(storage.read_many(fs, [f"{base}/nope"])[0], NotFoundError)
+    finally:
+        fs.delete_dir(base)

@@ -1,0 +1,172 @@
+"""The priority store actor: concurrent reporters, restart from snapshot, exact sharding."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from raying.errors import ConfigError
+from raying.sampling import PriorityTable
+from raying.sampling import store as st
+from tests.unit.test_table import chi2_pvalue, spanning_priorities
+
+TICK_S = 0.01
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(ray_local):
+    """Every test here uses the module's local Ray (see conftest.ray_local)."""
+    return ray_local
+
+
+@ray.remote(num_cpus=0.25)
+def _report(store: str | st.StoreHandle, reporter: int, ids: np.ndarray,
+            rounds: int) -> list[np.ndarray]:
+    """Send `rounds` batches of updates for `ids` and return the values sent, per round."""
+    # Reached by name, as a Train worker would, or through a handle passed to the task.
+    handle = st.get_store(store) if isinstance(store, str) else store
+    rng = np.random.default_rng(reporter)
+    sent = []
+    for r in range(rounds):
+        values = reporter * 1000.0 + r + rng.random(ids.size)  # unique to (reporter, round)
+        st.update_async(handle, ids, values)
+        sent.append(values)
+        if r % 10 == 0:
+            st.update_async(handle, [0, handle.n], [np.nan, 1.0])  # two rejected entries
+    st.flush(handle)  # the updates of this process have all landed
+    return sent
+
+
+def test_four_reporters_lose_no_update():
+    n, rounds = 4000, 40
+    rejecting_rounds = len(range(0, rounds, 10))
+    handle = st.create_store("four-reporters", n, config={"tick_s": TICK_S})
+    rng = np.random.default_rng(0)
+    # Each reporter owns 500 ids nobody else touches and shares 1500 with the others.
+    own = np.arange(2000).reshape(4, 500)
+    shared = np.arange(2000, 3500)
+    id_sets = [rng.permutation(np.concatenate([own[r], shared])) for r in range(4)]
+    stores = ["four-reporters", handle, "four-reporters", handle]
+    sent = ray.get([_report.remote(stores[r], r, id_sets[r], rounds) for r in range(4)])
+
+    final = st.priorities(handle)
+    all_ids = np.concatenate([np.tile(ids, rounds) for ids in id_sets])
+    all_values = np.concatenate([np.concatenate(values) for values in sent])
+    matches = np.bincount(all_ids, weights=all_values == final[all_ids], minlength=n)
+    assert np.all(matches[:3500] >= 1)  # every id holds one of the values reported for it
+    np.testing.assert_array_equal(final[3500:], 1.0)  # never reported: the initial priority
+    for r in range(4):  # ids of one reporter end with that reporter's last value
+        order = np.argsort(id_sets[r])
+        last = sent[r][-1][order]
+        np.testing.assert_array_equal(final[own[r]], last[np.isin(id_sets[r][order], own[r])])
+
+    stats = st.stats(handle)
+    assert stats["updates_received"] == 4 * rounds * 2000
+    assert stats["updates_applied"] + stats["coalesced"] == stats["updates_received"]
+    assert stats["rejected"]["nan"] == 4 * rejecting_rounds
+    assert stats["rejected"]["out_of_range"] == 4 * rejecting_rounds
+    assert stats["pending"] == 0
+    st.kill_store(handle)
+
+
+def test_killed_store_restarts_from_its_snapshot(tmp_path):
+    n, batch, batches, every = 20_000, 500, 40, 3000  # batches touch disjoint ids
+    config = {"tick_s": TICK_S, "snapshot_uri": str(tmp_path / "snaps"),
+              "snapshot_every_updates": every, "snapshot_interval_s": 3600.0}
+    handle = st.create_store("restartable", n, config=config)
+    plan = [(np.arange(b * batch, (b + 1) * batch) % n, np.full(batch, b + 1.0))
+            for b in range(batches)]
+    for b, (ids, values) in enumerate(plan):
+        st.update_async(handle, ids, values)
+        if b % 4 == 3:
+            time.sleep(2 * TICK_S)  # let ticks apply (and snapshot) as the stream goes
+    st.flush(handle)
+    time.sleep(10 * TICK_S)  # the tick after the last apply decides on a snapshot
+    before = st.stats(handle)
+    assert before["updates_applied"] == batches * batch
+    assert before["snapshots"] >= 3
+    assert 0 <= before["updates_since_snapshot"] < every  # the bound on what a crash loses
+
+    ray.kill(handle.actors[0], no_restart=False)  # Ray restarts it; __init__ restores
+    deadline = time.monotonic() + 30.0
+    after = st.stats(handle)  # the kill is asynchronous: wait for the restarted actor
+    while after["restores"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = st.stats(handle)
+    assert after["restores"] == 1
+    lost = before["updates_applied"] - after["updates_applied"]
+    assert 0 <= lost <= before["updates_since_snapshot"] < every
+    # The restored table is exactly the first `restored` updates replayed.
+    restored = after["updates_applied"]
+    assert restored % batch == 0
+    replay = PriorityTable(n)
+    for ids, values in plan[: restored // batch]:
+        replay.update(ids, values)
+    np.testing.assert_array_equal(st.priorities(handle), replay.priorities())
+
+    # It keeps working: updates after the restart land, and a new snapshot is taken.
+    st.update_async(handle, [1, 2], [7.0, 8.0])
+    assert st.priorities(handle, [1, 2]).tolist() == [7.0, 8.0]
+    info = st.snapshot_now(handle)
+    assert info[0]["error"] is None and info[0]["path"].endswith("restartable.shard-00000.npz")
+    st.kill_store(handle)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_sharded_store_samples_exactly_like_one_table(eps):
+    n = 1000
+    table_cfg = {"alpha": 0.7, "uniform_mix": eps, "seed": 5}
+    handle = st.create_store(f"sharded-{eps}", n, table=table_cfg,
+                             config={"tick_s": TICK_S, "shard_rows": 300})
+    assert len(handle.actors) == 4 and handle.bounds == (0, 300, 600, 900, 1000)
+    p = np.tile(spanning_priorities(100, seed=2), 10)
+    p[300:600] = 0.0  # a whole shard of zero weight
+    p[[0, 299, 600, 899, 900]] = 0.0
+    single = PriorityTable(n, **table_cfg)
+    single.update(np.arange(n), p)
+    st.update_async(handle, np.arange(n), p)
+
+    plan = st.sample_plan(handle, 4096)
+    np.testing.assert_allclose(plan.probs, single.probabilities(plan.ids), rtol=1e-12, atol=0)
+    assert plan.size == n and plan.min_prob == pytest.approx(single.min_probability(), rel=1e-12)
+    np.testing.assert_allclose(plan.weights(0.5), single.weights(plan.probs, 0.5), rtol=1e-12)
+
+    counts = np.bincount(plan.ids, minlength=n)
+    for _ in range(48):  # >= 200k draws in plans of 4096
+        counts += np.bincount(st.sample_plan(handle, 4096).ids, minlength=n)
+    expected = single.probabilities()
+    live = expected > 0
+    assert np.all(counts[~live] == 0)
+    assert chi2_pvalue(counts[live], expected[live] / expected[live].sum()) > 1e-3
+    assert chi2_pvalue(counts[live], np.roll(expected[live], 1) / expected[live].sum()) < 1e-9
+
+    systematic = st.sample_plan(handle, 4096, systematic=True)
+    counts = np.bincount(systematic.ids, minlength=n)
+    assert np.all(counts >= np.floor(4096 * expected - 1e-6))
+    assert np.all(counts <= np.ceil(4096 * expected + 1e-6))
+
+    stats = st.stats(handle)
+    assert stats["shards"] == 4 and stats["updates_applied"] == n
+    assert stats["total"] == pytest.approx(single.total(), rel=1e-12)
+    assert stats["ess"] == pytest.approx(single.ess(), rel=1e-9)
+    st.kill_store(handle)
+
+
+def test_single_store_plan_matches_its_table_and_reaches_by_name():
+    handle = st.create_store("plain", 64, table={"alpha": 0.5, "uniform_mix": 0.2},
+                             config={"tick_s": TICK_S, "coalesce": "max"})
+    p = spanning_priorities(64, seed=3)
+    st.update_async(handle, np.arange(64), p)
+    st.update_async(handle, np.arange(64), p / 2)  # max coalescing keeps the larger
+    plan = st.sample_plan(st.get_store("plain"), 8192)
+    reference = PriorityTable(64, alpha=0.5, uniform_mix=0.2)
+    reference.update(np.arange(64), p)
+    np.testing.assert_allclose(plan.probs, reference.probabilities(plan.ids), rtol=1e-12)
+    with pytest.raises(ConfigError, match="a priority store named 'plain' already exists"):
+        st.create_store("plain", 64)
+    st.kill_store(handle)
+    with pytest.raises(ConfigError, match="no priority store named 'missing'"):
+        st.get_store("missing")

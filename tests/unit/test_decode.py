@@ -1,0 +1,245 @@
+"""Tests of raying.decode: the bad-input corpus, EXIF orientation, limits, conversions."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+import simplejpeg
+from PIL import Image, ImageFile, ImageOps
+
+from raying import _exif
+from raying.config import DEFAULT_MAX_IMAGE_PIXELS
+from raying.decode import DECODE_ERROR_REASONS, decode_image, image_size
+from raying.errors import ConfigError, DecodeError
+from tests.corpus.images import BOMB_SIDE, make_image_corpus, quadrant_mean
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return make_image_corpus(tmp_path_factory.mktemp("corpus"), n_good=8, seed=0)
+
+
+def _read(spec, case) -> bytes:
+    return (spec.root / case.path).read_bytes()
+
+
+def _jpeg(arr: np.ndarray, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=95, **kwargs)
+    return buf.getvalue()
+
+
+def _gradient(h: int, w: int) -> np.ndarray:
+    y, x = np.mgrid[0:h, 0:w]
+    return np.stack([255 * y // max(h - 1, 1), 255 * x // max(w - 1, 1),
+                     np.full_like(y, 128)], axis=2).astype(np.uint8)
+
+
+def test_corpus_has_at_least_ten_bad_kinds(corpus):
+    assert len({c.kind for c in corpus.bad}) >= 10
+    assert {c.reason for c in corpus.bad} <= set(DECODE_ERROR_REASONS)
+    assert len(corpus.good) >= 8 + 15
+
+
+def test_corpus_is_deterministic(tmp_path):
+    a = make_image_corpus(tmp_path / "a", n_good=4, seed=3)
+    b = make_image_corpus(tmp_path / "b", n_good=4, seed=3)
+    assert a.cases == b.cases
+    for case in a.cases:
+        assert _read(a, case) == _read(b, case), case.path
+
+
+def test_every_good_file_decodes_with_its_content(corpus):
+    failures = []
+    for case in corpus.good:
+        arr = decode_image(_read(corpus, case), max_pixels=corpus.max_pixels)
+        if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] != 3 \
+                or not arr.flags.c_contiguous:
+            failures.append(f"{case.path}: {arr.dtype} {arr.shape}")
+            continue
+        if arr.shape[:2] != case.shape:
+            failures.append(f"{case.path}: shape {arr.shape[:2]} != {case.shape}")
+            continue
+        mean = arr.reshape(-1, 3).mean(axis=0)
+        if np.abs(mean - case.mean).max() > case.tolerance:
+            failures.append(f"{case.path}: mean {mean} != {case.mean}")
+        if np.abs(np.array(quadrant_mean(arr)) - case.top_left).max() > case.tolerance:
+            failures.append(f"{case.path}: top-left {quadrant_mean(arr)} != {case.top_left}")
+    assert not failures, failures
+
+
+def test_every_bad_file_fails_with_its_reason(corpus):
+    failures = []
+    for case in corpus.bad:
+        try:
+            decode_image(_read(corpus, case), max_pixels=corpus.max_pixels)
+        except DecodeError as exc:
+            if exc.reason != case.reason:
+                failures.append(f"{case.path}: {exc.reason} != {case.reason} ({exc})")
+        else:
+            failures.append(f"{case.path}: decoded, expected {case.reason}")
+    assert not failures, failures
+
+
+def test_image_size_matches_decoded_shape(corpus):
+    for case in corpus.good:
+        assert image_size(_read(corpus, case)) == case.shape, case.path
+
+
+def test_image_size_reads_a_bomb_without_decoding(corpus):
+    case = next(c for c in corpus.bad if c.kind == "decompression_bomb_png")
+    assert image_size(_read(corpus, case)) == (BOMB_SIDE, BOMB_SIDE)
+
+
+def test_default_limit_rejects_the_bomb(corpus):
+    if DEFAULT_MAX_IMAGE_PIXELS >= BOMB_SIDE * BOMB_SIDE:
+        pytest.skip("RAYING_MAX_IMAGE_PIXELS is set above the bomb's size")
+    case = next(c for c in corpus.bad if c.kind == "decompression_bomb_png")
+    with pytest.raises(DecodeError, match="RAYING_MAX_IMAGE_PIXELS or the max_pixels") as info:
+        decode_image(_read(corpus, case))
+    assert info.value.reason == "too_large"
+
+
+def test_too_large_message_names_pixels_limit_and_fix():
+    data = _jpeg(_gradient(40, 50))
+    msg = ("too_large: 40x50 = 2000 pixels is over the limit of 1999 (a decompression bomb?); "
+           "raise it with the environment variable RAYING_MAX_IMAGE_PIXELS or the "
+           "max_pixels argument")
+    with pytest.raises(DecodeError) as info:
+        decode_image(data, max_pixels=1999)
+    assert str(info.value) == msg
+    assert decode_image(data, max_pixels=2000).shape == (40, 50, 3)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True, "10"])
+def test_max_pixels_is_validated(bad):
+    with pytest.raises(ConfigError, match="max_pixels must be a positive integer or None"):
+        decode_image(_jpeg(_gradient(4, 4)), max_pixels=bad)
+
+
+def test_pil_globals_are_left_alone(corpus, monkeypatch):
+    before = (Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES)
+    for case in corpus.cases:
+        try:
+            decode_image(_read(corpus, case), max_pixels=corpus.max_pixels)
+        except DecodeError:
+            pass
+    assert (Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES) == before
+    # A caller's limit above PIL's own: no PIL warning or refusal, and PIL's global unchanged.
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    buf = io.BytesIO()
+    Image.fromarray(_gradient(30, 40)).save(buf, "PNG")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert decode_image(buf.getvalue(), max_pixels=10_000).shape == (30, 40, 3)
+    assert Image.MAX_IMAGE_PIXELS == 100
+
+
+@pytest.mark.parametrize("cut", [0.05, 0.3, 0.6, 0.9, 0.99])
+def test_truncated_jpeg_never_decodes_half_grey(cut):
+    data = _jpeg(_gradient(96, 128))
+    end = max(3, int(len(data) * cut))
+    with pytest.raises(DecodeError) as info:
+        decode_image(data[:end])
+    assert info.value.reason == "truncated"
+
+
+def test_empty_and_missing():
+    with pytest.raises(DecodeError, match="^empty") as info:
+        decode_image(b"")
+    assert info.value.reason == "empty"
+    with pytest.raises(DecodeError) as info:
+        decode_image(None)
+    assert info.value.reason == "missing"
+
+
+def test_accepts_bytes_like_inputs():
+    data = _jpeg(_gradient(20, 30))
+    ref = decode_image(data)
+    for wrapped in (bytearray(data), memoryview(data), np.frombuffer(data, np.uint8)):
+        np.testing.assert_array_equal(decode_image(wrapped), ref)
+    with pytest.raises(DecodeError, match="encoded image arrays must be 1-D uint8") as info:
+        decode_image(np.zeros((4, 4), np.float32))
+    assert info.value.reason == "unsupported"
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_matches_pil(orientation):
+    stored = _gradient(24, 40)
+    stored[:6, :10] = 255  # a marker that any wrong turn moves
+    for fmt in ("JPEG", "PNG"):
+        buf = io.BytesIO()
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        Image.fromarray(stored).save(buf, fmt, exif=exif.tobytes())
+        data = buf.getvalue()
+        ref = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+        got = decode_image(data)
+        assert got.shape == ref.shape, (fmt, orientation)
+        assert np.abs(got.astype(int) - ref).mean() < 1.0, (fmt, orientation)
+        assert image_size(data) == ref.shape[:2]
+        if fmt == "JPEG":
+            assert _exif.jpeg_orientation(data) == orientation
+
+
+def test_exif_40x20_orientation_6_decodes_to_20x40():
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.new("RGB", (40, 20), (10, 200, 30)).save(buf, "JPEG", exif=exif.tobytes())
+    assert decode_image(buf.getvalue()).shape == (40, 20, 3)  # PIL size (20, 40)
+
+
+@pytest.mark.parametrize("junk", [b"", b"Exif\0\0", b"Exif\0\0II*\0\xff\xff\xff\xff",
+                                  b"Exif\0\0MM\0*\0\0\0\x08\x00\x05\x01\x12"])
+def test_malformed_exif_is_ignored(junk):
+    data = _jpeg(_gradient(16, 24))
+    segment = b"\xff\xe1" + (len(junk) + 2).to_bytes(2, "big") + junk
+    broken = data[:2] + segment + data[2:]
+    assert _exif.jpeg_orientation(broken) == 1
+    assert decode_image(broken).shape == (16, 24, 3)
+
+
+def test_jpeg_dct_downscale_honours_minimums():
+    data = simplejpeg.encode_jpeg(_gradient(256, 320), quality=90)
+    assert decode_image(data).shape == (256, 320, 3)
+    assert decode_image(data, min_height=64, min_width=64).shape == (64, 80, 3)
+    assert decode_image(data, min_height=65).shape == (128, 160, 3)
+    assert decode_image(data, min_width=200).shape == (256, 320, 3)
+    full = decode_image(data)
+    half = decode_image(data, min_height=100, min_width=100)
+    import cv2
+
+    ref = cv2.resize(full, (160, 128), interpolation=cv2.INTER_AREA)
+    assert np.abs(half.astype(int) - ref).mean() < 2.0
+
+
+def test_dct_minimums_refer_to_the_upright_image():
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(_gradient(64, 256)).save(buf, "JPEG", exif=exif.tobytes())
+    # upright 256x64: min_width=64 allows nothing smaller than the full width
+    assert decode_image(buf.getvalue(), min_height=32, min_width=64).shape == (256, 64, 3)
+    assert decode_image(buf.getvalue(), min_height=32, min_width=16).shape == (64, 16, 3)
+
+
+def test_sixteen_bit_png_is_shifted_not_clipped():
+    wide = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000)
+    buf = io.BytesIO()
+    Image.fromarray(wide).save(buf, "PNG")
+    got = decode_image(buf.getvalue())
+    np.testing.assert_array_equal(got[..., 0], (wide >> 8).astype(np.uint8))
+    np.testing.assert_array_equal(got[..., 0], got[..., 2])
+
+
+def test_extraneous_bytes_are_tolerated_but_corrupt_data_is_not(corpus):
+    data = _jpeg(_gradient(32, 32))
+    fine = data[:-2] + b"\x00\x11" + data[-2:]
+    assert decode_image(fine).shape == (32, 32, 3)
+    case = next(c for c in corpus.bad if c.kind == "corrupt_jpeg")
+    with pytest.raises(DecodeError, match="^corrupt: JPEG"):
+        decode_image(_read(corpus, case))

@@ -1,0 +1,552 @@
+"""Unit tests of raying.storage (URIs, options, redaction, local I/O), the HDFS checks and the
+slow-storage simulator; no network, no Ray."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+
+import pyarrow.fs as pafs
+import pytest
+
+from raying import _hdfs, _s3, storage
+from raying._storage_errors import storage_error
+from raying.errors import ConfigError, CredentialsError, DependencyError, StorageError
+from raying.io import slow
+from raying.storage import NotFoundError, StorageSpec
+
+CANARY = "CANARY-secret-5f1e2d3c4b5a69788796"
+CANARY_KEY_ID = "AKIACANARYKEYID12345"
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION",
+                 "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    storage.clear_cache()
+    yield
+    storage.clear_cache()
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """cats/{1,2}.jpg, dogs/3.PNG, dogs/notes.txt, and hidden things that must not list."""
+    for rel, data in {"cats/1.jpg": b"a" * 10, "cats/2.jpg": b"b" * 20, "dogs/3.PNG": b"c" * 30,
+                      "dogs/notes.txt": b"n", ".git/x.jpg": b"h", "_tmp/y.jpg": b"h",
+                      "cats/.DS_Store": b"h", "_SUCCESS": b""}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(data)
+    return tmp_path
+
+
+# --- URIs -----------------------------------------------------------------------------------
+
+
+def test_plain_paths_resolve_to_local_absolute_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fs, path = storage.resolve("data/x")
+    assert isinstance(fs, pafs.LocalFileSystem)
+    assert path == str(tmp_path / "data" / "x")
+    assert storage.resolve("~/x")[1] == os.path.expanduser("~/x")
+    assert storage.resolve(tmp_path / "p")[1] == str(tmp_path / "p")
+
+
+@pytest.mark.parametrize(("uri", "path"), [
+    ("file:///tmp/a%20b/c", "/tmp/a b/c"),
+    ("file://localhost/tmp/x", "/tmp/x"),
+    ("FILE:///tmp/x", "/tmp/x"),
+])
+def test_file_uris(uri, path):
+    spec, got = StorageSpec.from_uri(uri)
+    assert (spec.scheme, got) == ("file", path)
+
+
+def test_file_uri_with_a_remote_host_is_refused():
+    with pytest.raises(ConfigError, match="names host 'server'; only local files"):
+        StorageSpec.from_uri("file://server/share/x")
+
+
+@pytest.mark.parametrize(("uri", "path"), [
+    ("s3://bucket/a/b.jpg", "bucket/a/b.jpg"),
+    ("s3://bucket/prefix/", "bucket/prefix"),
+    ("s3://bucket", "bucket"),
+    ("s3a://bucket/k", "bucket/k"),
+])
+def test_s3_uris(uri, path):
+    spec, got = StorageSpec.from_uri(uri, {"endpoint_url": "http://127.0.0.1:9"})
+    assert (spec.scheme, got) == ("s3", path)
+    assert spec.uri(got) == "s3://" + path
+
+
+@pytest.mark.parametrize("uri", ["s3://", "s3:///key", "s3://b/k?endpoint_override=x"])
+def test_malformed_s3_uris(uri):
+    with pytest.raises(ConfigError, match="must look like s3://bucket/key"):
+        StorageSpec.from_uri(uri)
+
+
+@pytest.mark.parametrize(("uri", "expected"), [
+    ("hdfs://namenode:9000/data/x", ("namenode", 9000, "/data/x", None)),
+    ("hdfs://namenode/data", ("namenode", 8020, "/data", None)),
+    ("hdfs:///data/x", ("default", 0, "/data/x", None)),
+    ("hdfs://alice@nn:8021/d", ("nn", 8021, "/d", "alice")),
+    ("hdfs://nn:8020", ("nn", 8020, "/", None)),
+])
+def test_hdfs_uris(uri, expected):
+    assert _hdfs.parse_hdfs_uri(uri) == expected
+
+
+def test_hdfs_spec_carries_host_port_and_user():
+    spec, path = StorageSpec.from_uri("hdfs://alice@nn:8021/d")
+    assert (spec.host, spec.port, spec.options.hdfs_user, path) == ("nn", 8021, "alice", "/d")
+    assert spec.uri(path) == "hdfs://nn:8021/d"
+    spec, path = StorageSpec.from_uri("hdfs:///d", {"hdfs_user": "bob"})
+    assert (spec.host, spec.options.hdfs_user, spec.uri(path)) == ("default", "bob", "hdfs:///d")
+
+
+@pytest.mark.parametrize("uri", ["hdfs://nn:99999/x", "hdfs://nn:port/x"])
+def test_hdfs_bad_port(uri):
+    with pytest.raises(ConfigError, match="has an invalid port; expected hdfs://host:port/path"):
+        _hdfs.parse_hdfs_uri(uri)
+
+
+@pytest.mark.parametrize("scheme", ["gs", "az", "http", "ftp"])
+def test_unknown_schemes_name_the_scheme_and_the_supported_ones(scheme):
+    msg = (rf"URI scheme '{scheme}://' in '{scheme}://b/x' is not supported; raying reads "
+           r"local paths, file://, s3://")
+    with pytest.raises(ConfigError, match=msg):
+        storage.resolve(f"{scheme}://b/x")
+
+
+def test_empty_uri():
+    with pytest.raises(ConfigError, match="uri must be a non-empty path or URI string"):
+        storage.resolve("")
+
+
+# --- options --------------------------------------------------------------------------------
+
+
+def test_dict_options_and_aliases_coerce():
+    spec, _ = StorageSpec.from_uri("s3://b/k", {"endpoint": "http://h:1", "key": "AKIAX",
+                                                "secret": CANARY, "region": "eu-west-1"})
+    o = spec.options
+    assert (o.endpoint_url, o.access_key_id, o.secret_access_key, o.region) == (
+        "http://h:1", "AKIAX", CANARY, "eu-west-1")
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ConfigError, match="storage option 'endpointurl' is not known"):
+        storage.resolve("s3://b/k", {"endpointurl": "http://h"})
+
+
+def test_endpoint_needs_a_scheme():
+    with pytest.raises(ConfigError, match=r"endpoint_url must look like http://host:port"):
+        storage.resolve("s3://b/k", {"endpoint_url": "127.0.0.1:9000"})
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"access_key_id": "AKIAX"}, "access_key_id is set but secret_access_key is not"),
+    ({"secret_access_key": CANARY}, "secret_access_key is set but access_key_id is not"),
+    ({"anonymous": True, "profile": "p"}, "anonymous=True cannot be combined"),
+])
+def test_inconsistent_credentials(options, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        storage.resolve("s3://b/k", {"endpoint_url": "http://h:1", **options})
+    assert CANARY not in str(info.value)
+
+
+def test_endpoint_and_region_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://generic:1")
+    spec, _ = StorageSpec.from_uri("s3://b/k")
+    assert (spec.options.endpoint_url, spec.options.region) == ("http://generic:1", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "https://s3only:2")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-central-1")
+    assert StorageSpec.from_uri("s3://b/k")[0].options.endpoint_url == "https://s3only:2"
+    assert StorageSpec.from_uri("s3://b/k")[0].options.region == "eu-central-1"
+    monkeypatch.setenv("AWS_REGION", "ap-south-1")
+    assert StorageSpec.from_uri("s3://b/k")[0].options.region == "ap-south-1"
+    explicit = {"endpoint_url": "http://mine:3", "region": "us-west-2"}
+    opts = StorageSpec.from_uri("s3://b/k", explicit)[0].options
+    assert (opts.endpoint_url, opts.region) == ("http://mine:3", "us-west-2")
+
+
+def test_s3_filesystems_are_cached_per_options():
+    a, _ = storage.resolve("s3://b/k", {"endpoint_url": "http://127.0.0.1:9"})
+    b, _ = storage.resolve("s3://other/k", {"endpoint_url": "http://127.0.0.1:9"})
+    c, _ = storage.resolve("s3://b/k", {"endpoint_url": "http://127.0.0.1:10"})
+    assert a is b
+    assert a is not c
+    assert storage.resolve("/tmp")[0] is storage.resolve("/var")[0]
+
+
+def test_profile_is_resolved_through_botocore(tmp_path, monkeypatch):
+    (tmp_path / "credentials").write_text(
+        f"[team]\naws_access_key_id = {CANARY_KEY_ID}\naws_secret_access_key = {CANARY}\n")
+    (tmp_path / "config").write_text("[profile team]\nregion = eu-west-3\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    keys, region = _s3.profile_credentials("team")
+    assert (keys["access_key"], keys["secret_key"], region) == (CANARY_KEY_ID, CANARY, "eu-west-3")
+    fs, _ = storage.resolve("s3://b/k", {"profile": "team", "endpoint_url": "http://h:1"})
+    assert isinstance(fs, pafs.S3FileSystem)
+    with pytest.raises(ConfigError, match="AWS profile 'nope' is not in the AWS config files"):
+        storage.resolve("s3://b/k", {"profile": "nope", "endpoint_url": "http://h:1"})
+
+
+def test_profile_without_botocore_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "botocore", None)
+    monkeypatch.setitem(sys.modules, "botocore.session", None)
+    with pytest.raises(DependencyError, match=r"needs botocore .* pip install boto3"):
+        storage.resolve("s3://b/k", {"profile": "team", "endpoint_url": "http://h:1"})
+
+
+# --- secrets --------------------------------------------------------------------------------
+
+
+def test_secrets_travel_in_pickles_but_never_show(caplog):
+    options = {"endpoint_url": "http://127.0.0.1:9", "access_key_id": CANARY_KEY_ID,
+               "secret_access_key": CANARY, "session_token": CANARY + "tok"}
+    spec, _ = StorageSpec.from_uri("s3://b/k", options)
+    again = pickle.loads(pickle.dumps(spec))
+    assert again == spec
+    assert again.options.secret_access_key == CANARY
+    for text in (repr(spec), str(spec), repr(spec.options), str(spec.options.public_dict())):
+        assert CANARY not in text
+        assert CANARY_KEY_ID not in text
+    assert "secrets=<redacted>" in repr(spec)
+
+
+def test_error_text_is_scrubbed_of_secrets(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CANARY)
+    fs = pafs.S3FileSystem(endpoint_override="127.0.0.1:9", scheme="http", region="us-east-1")
+    err = storage_error(OSError(f"AWS Error SOMETHING with {CANARY} inside"), fs, "b/k")
+    assert isinstance(err, StorageError)
+    assert CANARY not in str(err)
+    assert "***" in str(err)
+
+
+def test_credentials_source_never_prints_values(monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    assert _s3.credentials_source(None) == (
+        "no AWS credentials were found in the environment or the shared config files")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", CANARY_KEY_ID)
+    assert CANARY_KEY_ID not in _s3.credentials_source(None)
+
+
+# --- local I/O ------------------------------------------------------------------------------
+
+
+def test_list_files_sorted_sized_and_without_hidden(tree):
+    fs, root = storage.resolve(str(tree))
+    infos = storage.list_files(fs, root)
+    rel = [(os.path.relpath(i.path, root), i.size) for i in infos]
+    assert rel == [("cats/1.jpg", 10), ("cats/2.jpg", 20), ("dogs/3.PNG", 30),
+                   ("dogs/notes.txt", 1)]
+
+
+def test_list_files_filters_extensions_case_insensitively(tree):
+    fs, root = storage.resolve(str(tree))
+    names = [os.path.basename(i.path) for i in
+             storage.list_files(fs, root, extensions=[".jpg", "png"])]
+    assert names == ["1.jpg", "2.jpg", "3.PNG"]
+    assert storage.list_files(fs, root, extensions=".txt")[0].path.endswith("notes.txt")
+    assert storage.list_files(fs, root, recursive=False) == []
+
+
+def test_list_files_of_a_file_and_of_nothing(tree):
+    fs, root = storage.resolve(str(tree))
+    [info] = storage.list_files(fs, f"{root}/cats/1.jpg")
+    assert info.size == 10
+    with pytest.raises(NotFoundError, match=f"{root}/missing does not exist"):
+        storage.list_files(fs, f"{root}/missing")
+
+
+def test_read_bytes_and_missing_files_are_not_retried(tree):
+    fs, root = storage.resolve(str(tree))
+    assert storage.read_bytes(fs, f"{root}/cats/2.jpg") == b"b" * 20
+    retries = []
+    with pytest.raises(NotFoundError, match="cats/nope.jpg does not exist") as info:
+        storage.read_bytes(fs, f"{root}/cats/nope.jpg", on_retry=lambda *a: retries.append(a))
+    assert retries == []
+    assert isinstance(info.value, FileNotFoundError)
+
+
+def test_read_many_keeps_order_and_failures_in_their_slots(tree):
+    fs, root = storage.resolve(str(tree))
+    paths = [f"{root}/cats/1.jpg", f"{root}/nope", f"{root}/dogs/3.PNG"]
+    out = storage.read_many(fs, paths)
+    assert out[0] == b"a" * 10 and out[2] == b"c" * 30
+    assert isinstance(out[1], NotFoundError)
+    infos = storage.list_files(fs, root)
+    assert storage.read_many(fs, infos) == [storage.read_bytes(fs, i.path) for i in infos]
+
+
+def test_write_bytes_atomic_local(tmp_path):
+    fs, root = storage.resolve(str(tmp_path))
+    target = f"{root}/deep/er/file.bin"
+    storage.write_bytes_atomic(fs, target, b"one")
+    storage.write_bytes_atomic(fs, target, memoryview(b"two"))
+    assert open(target, "rb").read() == b"two"
+    assert os.listdir(os.path.dirname(target)) == ["file.bin"]
+    assert storage.exists(fs, target) and storage.exists(fs, f"{root}/deep")
+    assert not storage.exists(fs, f"{root}/nothing")
+
+
+def test_write_bytes_atomic_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+    fs, root = storage.resolve(str(tmp_path))
+    target = f"{root}/file.bin"
+    storage.write_bytes_atomic(fs, target, b"old")
+
+    def boom(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(StorageError, match=r"cannot write .*file.bin: \[Errno 28\] No space"):
+        storage.write_bytes_atomic(fs, target, b"new")
+    assert open(target, "rb").read() == b"old"
+    assert os.listdir(root) == ["file.bin"]
+
+
+def test_permission_errors_are_credentials_errors():
+    local = storage_error(PermissionError(13, "Permission denied"), pafs.LocalFileSystem(), "/x")
+    assert isinstance(local, CredentialsError)
+    assert str(local) == "permission denied to read /x; check the file's owner and mode"
+
+
+def test_unreadable_local_file(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root reads every file")
+    locked = tmp_path / "locked"
+    locked.write_bytes(b"x")
+    locked.chmod(0)
+    fs, path = storage.resolve(str(locked))
+    with pytest.raises(CredentialsError, match="permission denied to read"):
+        storage.read_bytes(fs, path)
+
+
+def test_helpers_for_direct_pyarrow_callers(tree):
+    fs, root = storage.resolve(str(tree))
+    assert storage.file_info(fs, f"{root}/cats/1.jpg").size == 10
+    assert storage.file_info(fs, f"{root}/nope").type == pafs.FileType.NotFound
+    with storage.open_input(fs, f"{root}/dogs/3.PNG") as f:
+        assert f.read_at(2, 28) == b"cc"
+    with pytest.raises(NotFoundError, match="nope does not exist"):
+        storage.open_input(fs, f"{root}/nope")
+    storage.make_dirs(fs, f"{root}/new/deeper")
+    assert os.path.isdir(f"{root}/new/deeper")
+    err = storage.storage_error(FileNotFoundError(2, "gone"), "s3://bucket/key")
+    assert isinstance(err, NotFoundError) and str(err) == "s3://bucket/key does not exist"
+    refused = OSError("AWS Error ACCESS_DENIED during HeadObject operation")
+    assert storage.is_credentials_error(refused)
+    assert not storage.is_credentials_error(OSError("AWS Error NETWORK_CONNECTION"))
+    assert isinstance(storage.storage_error(refused, "s3://bucket/key"), CredentialsError)
+
+
+# --- retries --------------------------------------------------------------------------------
+
+
+class _Flaky(pafs.FileSystemHandler):
+    """Local files whose first ``failures`` opens fail with a network error."""
+
+    def __init__(self, failures: int, message: str) -> None:
+        self.failures, self.message, self.opens = failures, message, 0
+        self.base = pafs.LocalFileSystem()
+
+    def open_input_stream(self, path):
+        self.opens += 1
+        if self.opens <= self.failures:
+            raise OSError(self.message)
+        return self.base.open_input_stream(path)
+
+    def get_type_name(self):
+        return "flaky"
+
+    def normalize_path(self, path):
+        return path
+
+    def equals(self, other):
+        return self is other
+
+    def get_file_info(self, paths):
+        return self.base.get_file_info(paths)
+
+    get_file_info_selector = create_dir = delete_dir = delete_dir_contents = None
+    delete_root_dir_contents = delete_file = move = copy_file = open_input_file = None
+    open_output_stream = open_append_stream = None
+
+
+NETWORK_ERROR = "AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 7"
+
+
+def test_transient_errors_are_retried_with_backoff(tree):
+    handler = _Flaky(2, NETWORK_ERROR)
+    fs = pafs.PyFileSystem(handler)
+    seen = []
+    data = storage.read_bytes(fs, f"{tree}/cats/1.jpg", retries=3, backoff=0.001,
+                              on_retry=lambda path, attempt, exc: seen.append(attempt))
+    assert data == b"a" * 10
+    assert seen == [1, 2]
+
+
+def test_retries_give_up_with_the_uri_and_the_count(tree, caplog):
+    fs = pafs.PyFileSystem(_Flaky(10, NETWORK_ERROR))
+    with caplog.at_level(logging.DEBUG, logger="raying.storage"):
+        with pytest.raises(StorageError, match=r"cannot read .*1.jpg \(after 3 attempts\)"):
+            storage.read_bytes(fs, f"{tree}/cats/1.jpg", retries=3, backoff=0.001)
+    assert len([r for r in caplog.records if "retrying" in r.message]) == 2
+
+
+def test_refusals_are_not_retried(tree):
+    handler = _Flaky(10, "AWS Error ACCESS_DENIED during HeadObject operation")
+    with pytest.raises(CredentialsError):
+        storage.read_bytes(pafs.PyFileSystem(handler), f"{tree}/cats/1.jpg", backoff=0.001)
+    assert handler.opens == 1
+
+
+def test_retries_must_be_positive(tree):
+    fs, root = storage.resolve(str(tree))
+    with pytest.raises(ConfigError, match="retries must be >= 1"):
+        storage.read_bytes(fs, f"{root}/cats/1.jpg", retries=0)
+
+
+# --- HDFS environment -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def hadoop(tmp_path):
+    """A fake but complete environment: a JDK with libjvm, libhdfs, and Hadoop jars."""
+    jdk = tmp_path / "jdk"
+    (jdk / "lib" / "server").mkdir(parents=True)
+    (jdk / "lib" / "server" / "libjvm.so").write_bytes(b"")
+    native = tmp_path / "hadoop" / "lib" / "native"
+    native.mkdir(parents=True)
+    (native / "libhdfs.so").write_bytes(b"")
+    jar = tmp_path / "hadoop" / "hadoop-common-3.3.6.jar"
+    jar.write_bytes(b"")
+    return {"JAVA_HOME": str(jdk), "HADOOP_HOME": str(tmp_path / "hadoop"),
+            "CLASSPATH": f"/etc/hadoop:{jar}"}
+
+
+def test_hdfs_environment_complete(hadoop):
+    _hdfs.check_hdfs_environment(hadoop)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"JAVA_HOME": None}, "HDFS needs Java, but JAVA_HOME is not set; install a JDK"),
+    ({"JAVA_HOME": "/no/such/jdk"}, "JAVA_HOME='/no/such/jdk' is not a directory"),
+    ({"JAVA_HOME": "EMPTY"}, r"JAVA_HOME='.*' holds no libjvm.so .* point JAVA_HOME at a full"),
+    ({"HADOOP_HOME": None}, r"HDFS needs libhdfs.so, which was not found in ARROW_LIBHDFS_DIR "
+                            r"\(not set\); HADOOP_HOME/lib/native \(HADOOP_HOME not set\)"),
+    ({"CLASSPATH": None}, r"Hadoop jars on CLASSPATH, which is not set; fix: export "
+                          r"CLASSPATH=\$\(\$HADOOP_HOME/bin/hadoop classpath --glob\)"),
+    ({"CLASSPATH": "/opt/hadoop/share/hadoop/common/*"}, r"wildcard entries .* --glob"),
+    ({"CLASSPATH": "/etc/hadoop:/x/other.jar"}, r"holds none \(no hadoop-\*.jar among 2"),
+])
+def test_hdfs_environment_errors_name_the_missing_piece(hadoop, tmp_path, monkeypatch, change,
+                                                       match):
+    monkeypatch.setattr(_hdfs.ctypes.util, "find_library", lambda name: None)
+    env = dict(hadoop)
+    for name, value in change.items():
+        if value is None:
+            env.pop(name)
+        elif value == "EMPTY":
+            (tmp_path / "empty-jdk").mkdir()
+            env[name] = str(tmp_path / "empty-jdk")
+        else:
+            env[name] = value
+    with pytest.raises(DependencyError, match=match):
+        _hdfs.check_hdfs_environment(env)
+
+
+def test_arrow_libhdfs_dir_is_enough(hadoop, tmp_path, monkeypatch):
+    env = dict(hadoop)
+    env["ARROW_LIBHDFS_DIR"] = str(tmp_path / "hadoop" / "lib" / "native")
+    env.pop("HADOOP_HOME")
+    _hdfs.check_hdfs_environment(env)
+
+
+def test_resolve_hdfs_checks_the_environment_first(monkeypatch):
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    with pytest.raises(DependencyError, match="JAVA_HOME is not set"):
+        storage.resolve("hdfs://namenode:8020/data")
+
+
+def test_hdfs_connect_failure_is_a_storage_error(hadoop, monkeypatch):
+    for name, value in hadoop.items():
+        monkeypatch.setenv(name, value)
+    # The fake libhdfs.so is empty, so pyarrow fails to load it: a StorageError, not a crash.
+    with pytest.raises(StorageError, match="cannot connect to HDFS at namenode:8020"):
+        storage.resolve("hdfs://namenode:8020/data")
+
+
+# --- slow-storage simulator -----------------------------------------------------------------
+
+
+def test_slow_tier_coercion():
+    assert slow.coerce_tier((0.005, 50e6)) == slow.SlowTier(0.005, 50e6)
+    assert slow.coerce_tier([0, None, 1]) == slow.SlowTier(0.0, None, 1)
+    assert slow.coerce_tier("hdd").concurrency == 1
+    with pytest.raises(ConfigError, match=r"slow must be \(latency_s, bandwidth_bytes_per_s"):
+        slow.coerce_tier((1,))
+    with pytest.raises(ConfigError, match="slow tier 'tape' is not known"):
+        slow.coerce_tier("tape")
+    with pytest.raises(ConfigError, match="latency_s must be >= 0 seconds, got -1"):
+        slow.SlowTier(-1)
+
+
+def test_slow_filesystem_counts_requests_and_bytes(tree):
+    fs, root = storage.resolve(str(tree), {"slow": (0.0, None)})
+    counters = slow.io_counters(fs)
+    infos = storage.list_files(fs, root)
+    assert counters.snapshot() == {"requests": 1, "bytes_read": 0, "opens": 0}
+    data = storage.read_many(fs, infos)
+    assert [len(d) for d in data] == [10, 20, 30, 1]
+    assert counters.snapshot() == {"requests": 5, "bytes_read": 61, "opens": 4}
+    with fs.open_input_file(infos[2].path) as f:  # two reads at other offsets: two requests
+        f.read_at(5, 10)
+        f.read_at(5, 0)
+    assert counters.snapshot()["requests"] == 8
+    counters.reset()
+    assert counters.snapshot()["bytes_read"] == 0
+    assert slow.io_counters(pafs.LocalFileSystem()) is None
+
+
+def test_slow_filesystem_adds_latency_and_shares_bandwidth(tmp_path):
+    payload = os.urandom(100_000)
+    for i in range(4):
+        (tmp_path / f"{i}.bin").write_bytes(payload)
+    fs = slow.slow_filesystem(pafs.LocalFileSystem(), (0.02, 2_000_000))
+    paths = [str(tmp_path / f"{i}.bin") for i in range(4)]
+    start = time.perf_counter()
+    out = storage.read_many(fs, paths, threads=4)
+    elapsed = time.perf_counter() - start
+    assert out == [payload] * 4
+    # 400 KB through one 2 MB/s pipe takes 0.2 s however many threads read; lower bound only.
+    assert elapsed >= 0.19
+
+
+def test_slow_tier_concurrency_serializes_requests(tmp_path):
+    (tmp_path / "x").write_bytes(b"x")
+    fs = slow.slow_filesystem(pafs.LocalFileSystem(), slow.SlowTier(0.02, None, 1))
+    start = time.perf_counter()
+    threads = [threading.Thread(target=fs.get_file_info, args=(str(tmp_path / "x"),))
+               for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.perf_counter() - start >= 0.095  # five requests, one at a time
+
+
+def test_slow_filesystem_pickles_and_writes(tmp_path):
+    fs = slow.slow_filesystem(pafs.LocalFileSystem(), "ssd")
+    again = pickle.loads(pickle.dumps(fs))
+    storage.write_bytes_atomic(again, str(tmp_path / "d" / "f"), b"data")
+    assert (tmp_path / "d" / "f").read_bytes() == b"data"
+    assert os.listdir(tmp_path / "d") == ["f"]

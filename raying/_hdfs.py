@@ -6,6 +6,7 @@ import ctypes.util
 import glob
 import os
 import sys
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 import pyarrow.fs as pafs
@@ -62,7 +63,7 @@ def parse_hdfs_uri(uri: str) -> tuple[str, int, str, str | None]:
     return parts.hostname, port, path, user
 
 
-def check_hdfs_environment(env: dict[str, str] | None = None) -> None:
+def check_hdfs_environment(env: Mapping[str, str] | None = None) -> None:
     """Check what pyarrow's libhdfs needs before it is loaded, one requirement at a time.
 
     Args:
@@ -72,10 +73,10 @@ def check_hdfs_environment(env: dict[str, str] | None = None) -> None:
         DependencyError: naming the first missing piece (JAVA_HOME, libjvm, libhdfs or the
             Hadoop jars on CLASSPATH) and how to provide it.
     """
-    env = os.environ if env is None else env
-    _check_java(env.get("JAVA_HOME"))
-    _check_libhdfs(env)
-    _check_classpath(env.get("CLASSPATH"))
+    environ: Mapping[str, str] = os.environ if env is None else env
+    _check_java(environ.get("JAVA_HOME"))
+    _check_libhdfs(environ)
+    _check_classpath(environ.get("CLASSPATH"))
 
 
 def _check_java(java_home: str | None) -> None:
@@ -96,7 +97,7 @@ def _check_java(java_home: str | None) -> None:
     raise DependencyError(msg)
 
 
-def _check_libhdfs(env) -> None:
+def _check_libhdfs(env: Mapping[str, str]) -> None:
     places = []
     arrow_dir = env.get("ARROW_LIBHDFS_DIR")
     hadoop_home = env.get("HADOOP_HOME")

@@ -55,7 +55,10 @@ class StorageSpec:
             ConfigError: unknown scheme, malformed URI or options.
         """
         options = StorageOptions.coerce(storage)
-        slow = None if options.slow is None else _slow.coerce_tier(options.slow)
+        slow = options.slow
+        if slow is not None:
+            _slow.coerce_tier(slow)  # fail here, on the driver, not in a worker
+            slow = tuple(slow) if isinstance(slow, list) else slow  # hashable, for the cache
         if not isinstance(uri, (str, os.PathLike)) or not os.fspath(uri):
             msg = f"uri must be a non-empty path or URI string, got {uri!r}"
             raise ConfigError(msg)

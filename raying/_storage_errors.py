@@ -70,7 +70,7 @@ def is_retryable(exc: BaseException) -> bool:
     return classify(exc) in ("network", "transient")
 
 
-def storage_error(exc: BaseException, fs: pafs.FileSystem | None, path: str, *,
+def storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *,
                   action: str = "read", attempts: int = 1, uri: str | None = None) -> Exception:
     """The raying error for ``exc``, raised while ``action``-ing ``path`` on ``fs``.
 

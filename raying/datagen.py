@@ -16,7 +16,7 @@ def class_colour(label: int, n_classes: int) -> np.ndarray:
 
 
 def synth_image(rng: np.random.Generator, label: int, n_classes: int, h: int, w: int,
-                *, noise: float = 12.0) -> np.ndarray:
+                *, noise: float = 5.0) -> np.ndarray:
     """An HxWx3 uint8 image: class colour, smooth random texture and a little noise.
 
     It compresses like a photo (~0.3 bytes/pixel at JPEG quality 90), so decode costs are

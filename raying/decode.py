@@ -11,7 +11,8 @@ Every failure is a :class:`raying.errors.DecodeError` whose ``reason`` is one of
 - ``"not_an_image"``: no image signature and no decoder recognises the bytes (text, noise).
 - ``"too_large"``: the header claims more than ``max_pixels`` pixels (decompression bombs);
   checked before any pixel is decoded.
-- ``"unsupported"``: a recognised image that cannot become RGB (an exotic mode).
+- ``"unsupported"``: a real image raying cannot decode: HEIF/AVIF/JPEG XL without their PIL
+  plug-in, a mode or compression PIL lacks, or input that is not bytes.
 - ``"corrupt"``: a recognised format whose data is broken in some other way.
 
 Conversions to RGB: grayscale is repeated to three channels; alpha is dropped (as
@@ -66,7 +67,8 @@ _FTYP_BRANDS = {b"heic": "HEIF", b"heix": "HEIF", b"hevc": "HEIF", b"heim": "HEI
                 b"heis": "HEIF", b"mif1": "HEIF", b"msf1": "HEIF", b"avif": "AVIF",
                 b"avis": "AVIF"}
 # Real image formats that PIL reads only with a plug-in raying does not install.
-_PLUGIN_FORMATS = {"HEIF": "pillow-heif", "JPEGXL": "pillow-jxl-plugin", "AVIF": "pillow-avif-plugin"}
+_PLUGIN_FORMATS = {"HEIF": "pillow-heif", "JPEGXL": "pillow-jxl-plugin",
+                   "AVIF": "pillow-avif-plugin"}
 _TRUNCATION_WORDS = ("truncat", "premature end of jpeg file", "end of file", "eof",
                      "not enough data", "unexpected end")
 _UNSUPPORTED_WORDS = ("not available", "unsupported", "not supported", "unknown raw mode")
@@ -109,14 +111,16 @@ def check_pixels(height: int, width: int, max_pixels: int | None) -> None:
         raise DecodeError("too_large", detail)
 
 
-def _check_max_pixels(max_pixels) -> None:
+def check_max_pixels(max_pixels) -> None:
+    """Refuse a ``max_pixels`` argument that is not a positive integer or None."""
     if max_pixels is not None and (isinstance(max_pixels, bool) or not isinstance(
             max_pixels, (int, np.integer)) or max_pixels <= 0):
         msg = f"max_pixels must be a positive integer or None, got {max_pixels!r}"
         raise ConfigError(msg)
 
 
-def _start(data) -> memoryview:
+def start_buffer(data) -> memoryview:
+    """The bytes of one sample as a memoryview; ``missing`` for None, ``empty`` for b""."""
     if data is None:
         raise DecodeError("missing", "no image data (None)")
     buf = as_buffer(data)
@@ -305,14 +309,14 @@ def pil_to_rgb(im: Image.Image) -> np.ndarray:
             from None
 
 
-def decode_pil(buf: memoryview, max_pixels: int | None, *, orient: bool = True) -> np.ndarray:
-    """Decode with PIL (any format it knows); classify every failure into a reason."""
+def decode_pil(buf: memoryview, max_pixels: int | None) -> np.ndarray:
+    """Decode with PIL (any format it knows), upright; classify every failure into a reason."""
     fmt = sniff_format(buf)
     try:
         im = pil_open(buf, max_pixels)
         im.load()
         arr = pil_to_rgb(im)
-        orientation = _pil_orientation(im, allow_load=True) if orient else 1
+        orientation = _pil_orientation(im, allow_load=True)
     except DecodeError:
         raise
     except Image.DecompressionBombError as exc:  # from a plug-in's own check (GIF frames)
@@ -347,8 +351,8 @@ def decode_image(data, *, max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
     Raises:
         DecodeError: with ``reason`` in :data:`DECODE_ERROR_REASONS`.
     """
-    _check_max_pixels(max_pixels)
-    buf = _start(data)
+    check_max_pixels(max_pixels)
+    buf = start_buffer(data)
     header = jpeg_header(buf, max_pixels)
     if header is None:
         return decode_pil(buf, max_pixels)
@@ -368,7 +372,7 @@ def image_size(data) -> tuple[int, int]:
     Raises:
         DecodeError: when the header cannot be read (same reasons as :func:`decode_image`).
     """
-    buf = _start(data)
+    buf = start_buffer(data)
     header = jpeg_header(buf, None)
     if header is not None:
         height, width, orientation = header

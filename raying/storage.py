@@ -27,9 +27,9 @@ from raying.config import (
 )
 from raying.errors import CredentialsError, StorageError
 
-__all__ = ["NotFoundError", "StorageSpec", "clear_cache", "exists", "file_info", "is_credentials_error",
-           "list_files", "make_dirs", "open_input", "read_bytes", "read_many", "resolve",
-           "storage_error", "write_bytes_atomic"]
+__all__ = ["NotFoundError", "StorageSpec", "clear_cache", "exists", "file_info",
+           "is_credentials_error", "list_files", "make_dirs", "open_input", "read_bytes",
+           "read_many", "resolve", "storage_error", "write_bytes_atomic"]
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ def make_dirs(fs: pafs.FileSystem, path: str) -> None:
         raise _errors.storage_error(exc, fs, path, action="create") from None
 
 
-def storage_error(exc: BaseException, uri: str, *, action: str = "read") -> Exception:
+def storage_error(exc: Exception, uri: str, *, action: str = "read") -> Exception:
     """The raying error (NotFoundError, CredentialsError, StorageError) for a failure on ``uri``.
 
     For callers that use pyarrow directly (e.g. ``pq.read_metadata``); secrets are scrubbed.

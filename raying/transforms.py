@@ -11,11 +11,11 @@ import numpy as np
 from raying import _crop, _exif, _rng
 from raying.config import DEFAULT_MAX_IMAGE_PIXELS
 from raying.decode import (
-    _check_max_pixels,
-    _start,
+    check_max_pixels,
     decode_jpeg_stored,
     decode_pil,
     jpeg_header,
+    start_buffer,
 )
 from raying.errors import ConfigError, DecodeError
 
@@ -203,7 +203,7 @@ class ImageTransform:
             A :class:`TransformResult`; ``images`` is a view of ``out`` when given.
         """
         _worker_setup()
-        _check_max_pixels(max_pixels)
+        check_max_pixels(max_pixels)
         n = len(datas)
         ids = self._ids(ids, n)
         out = self._out(out, n)
@@ -214,7 +214,7 @@ class ImageTransform:
         widths = np.ones(n, dtype=np.int64)
         for i, data in enumerate(datas):
             try:
-                buf = _start(data)
+                buf = start_buffer(data)
                 header = jpeg_header(buf, max_pixels)
             except DecodeError as exc:
                 failed[i] = exc
@@ -227,6 +227,7 @@ class ImageTransform:
                     height, width = width, height
                 heights[i], widths[i] = height, width
         boxes, flips = self.crop_params(heights, widths, ids, seed=seed, epoch=epoch)
+        boxes, flips = boxes.tolist(), flips.tolist()  # Python scalars: cheaper per element
         ok = np.zeros(n, dtype=bool)
         slot = 0
         for i in range(n):
@@ -239,7 +240,7 @@ class ImageTransform:
                     arr = decode_pil(bufs[i], max_pixels)
                     box, flip = self.crop_params(arr.shape[0], arr.shape[1], ids[i:i + 1],
                                                  seed=seed, epoch=epoch)
-                    self._render_array(arr, box[0], flip[0], out[slot])
+                    self._render_array(arr, box[0].tolist(), bool(flip[0]), out[slot])
             except DecodeError as exc:
                 failed[i] = exc
                 continue
@@ -279,6 +280,7 @@ class ImageTransform:
             widths = np.array([np.shape(a)[1] if np.ndim(a) >= 2 else 0 for a in images],
                               dtype=np.int64)
         boxes, flips = self.crop_params(heights, widths, ids, seed=seed, epoch=epoch)
+        boxes, flips = boxes.tolist(), flips.tolist()
         for i in range(n):
             self._render_array(images[i], boxes[i], flips[i], out[i])
         return out[:n]
@@ -309,7 +311,7 @@ class ImageTransform:
     def _render_jpeg(self, buf, header, box, flip, dst: np.ndarray) -> None:
         """Decode only as much resolution as the crop needs, then one warp into dst."""
         height, width, orientation = header
-        eighths = _crop.reduce_eighths(int(box[2]), int(box[3]), self.size)
+        eighths = _crop.reduce_eighths(box[2], box[3], self.size)
         src = decode_jpeg_stored(buf, height, width, eighths)
         # libjpeg's n/8 scaled IDCT maps full-size pixel edges exactly by n/8.
         matrix = _inverse_map(box, flip, self.size, orientation, height, width, eighths / 8)
@@ -325,7 +327,7 @@ class ImageTransform:
             raise ConfigError(msg)
         if arr.ndim == 3 and arr.shape[2] == 1:
             arr = arr[..., 0]
-        top, left, box_h, box_w = (int(v) for v in box)
+        top, left, box_h, box_w = box
         eighths = _crop.reduce_eighths(box_h, box_w, self.size)
         if eighths == 8:
             src, scale = arr, 1.0
@@ -370,7 +372,7 @@ def _inverse_map(box, flip, size: int, orientation: int, stored_h: int, stored_w
     scaled by ``scale``. Sub-pixel exact, so a reduced decode samples the same places as a
     full one (a rounded crop of a 1/8-scale image would be off by up to 4 full-size pixels).
     """
-    top, left, box_h, box_w = (float(v) for v in box)
+    top, left, box_h, box_w = box
     flip_rows, flip_cols, transpose = _exif.ORIENTATION_OPS.get(orientation,
                                                                 _exif.ORIENTATION_OPS[1])
     step_y = box_h / size

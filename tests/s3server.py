@@ -75,6 +75,11 @@ class S3Server:
         self._proc: subprocess.Popen | None = None
 
     @property
+    def storage_options(self) -> dict[str, str]:
+        """``storage=`` for raying: this endpoint and credentials it accepts."""
+        return {"endpoint_url": self.endpoint, **self.credentials}
+
+    @property
     def running(self) -> bool:
         """Whether the child process is alive."""
         return self._proc is not None and self._proc.poll() is None

@@ -71,9 +71,11 @@ def coerce_tier(value) -> SlowTier:
             raise ConfigError(msg)
         return TIERS[value]
     if isinstance(value, (tuple, list)) and len(value) in (2, 3):
+        latency, bandwidth, *rest = value
+        concurrency = rest[0] if rest else None
         try:
-            return SlowTier(*(None if v is None else float(v) if i < 2 else int(v)
-                              for i, v in enumerate(value)))
+            return SlowTier(float(latency), None if bandwidth is None else float(bandwidth),
+                            None if concurrency is None else int(concurrency))
         except (TypeError, ValueError):
             pass
     msg = ("storage option slow must be (latency_s, bandwidth_bytes_per_s[, concurrency]) "

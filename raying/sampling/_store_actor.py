@@ -158,6 +158,13 @@ def decode_snapshot(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     return state, meta["store"]
 
 
+def _restarted() -> bool:
+    """Whether Ray is re-running this actor's constructor after the actor died."""
+    import ray
+
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
 class StoreActor:
     """One shard of the priority store: rows ``[lo, lo + n)`` of the global id space.
 
@@ -191,7 +198,7 @@ class StoreActor:
         if snapshot_path is not None:
             fs, path = storage.resolve(snapshot_path, options.get("storage"))
             self._snapshot = (fs, path)
-            if options.get("restore", True) and storage.exists(fs, path):
+            if (options.get("restore", True) or _restarted()) and storage.exists(fs, path):
                 state, counters = decode_snapshot(storage.read_bytes(fs, path))
                 self.table.load_state_dict(state)
                 self.counters.update(counters)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -328,8 +329,22 @@ def load_state_dict(handle: StoreHandle, states: list[dict[str, Any]]) -> None:
 
 
 def kill_store(handle: StoreHandle, *, snapshot: bool = True) -> None:
-    """Stop the store for good; first snapshot it when it has a snapshot URI and asked to."""
+    """Stop the store for good and wait until its name is free.
+
+    Args:
+        handle: the store.
+        snapshot: first write a snapshot (when the store has a snapshot URI).
+    """
     if snapshot:
         snapshot_now(handle)
     for actor in handle.actors:
         ray.kill(actor, no_restart=True)
+    # The kill is asynchronous; wait until the names are free so the store can be recreated.
+    deadline = time.monotonic() + DEFAULT_STORE_CALL_TIMEOUT_S
+    for shard in range(len(handle.actors)):
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(_shard_name(handle.name, shard), namespace=handle.namespace)
+            except ValueError:
+                break
+            time.sleep(0.02)

@@ -153,8 +153,7 @@ def no_shared_config(tmp_path, monkeypatch):
 
 
 def test_valid_credentials_read(auth_server):
-    options = {"endpoint_url": auth_server.endpoint, **auth_server.credentials}
-    fs, path = storage.resolve(f"s3://{BUCKET}/dogs/readme.txt", options)
+    fs, path = storage.resolve(f"s3://{BUCKET}/dogs/readme.txt", auth_server.storage_options)
     assert storage.read_bytes(fs, path) == b"not an image"
 
 
@@ -203,6 +202,10 @@ def test_no_credentials_at_all(auth_server, monkeypatch, no_shared_config):
                                {"endpoint_url": auth_server.endpoint})
     with pytest.raises(CredentialsError, match="no AWS credentials were found in the "
                                                "environment or the shared config files"):
+        storage.read_bytes(fs, path)
+    fs, path = storage.resolve(f"s3://{BUCKET}/dogs/readme.txt",
+                               {"endpoint_url": auth_server.endpoint, "anonymous": True})
+    with pytest.raises(CredentialsError, match=r"the request was anonymous \(storage="):
         storage.read_bytes(fs, path)
 
 

@@ -75,7 +75,8 @@ def test_four_reporters_lose_no_update():
 def test_killed_store_restarts_from_its_snapshot(tmp_path):
     n, batch, batches, every = 20_000, 500, 40, 3000  # batches touch disjoint ids
     config = {"tick_s": TICK_S, "snapshot_uri": str(tmp_path / "snaps"),
-              "snapshot_every_updates": every, "snapshot_interval_s": 3600.0}
+              "snapshot_every_updates": every, "snapshot_interval_s": 3600.0,
+              "restore": False}  # only for a new store: a restarted one restores anyway
     handle = st.create_store("restartable", n, config=config)
     plan = [(np.arange(b * batch, (b + 1) * batch) % n, np.full(batch, b + 1.0))
             for b in range(batches)]
@@ -112,7 +113,14 @@ def test_killed_store_restarts_from_its_snapshot(tmp_path):
     assert st.priorities(handle, [1, 2]).tolist() == [7.0, 8.0]
     info = st.snapshot_now(handle)
     assert info[0]["error"] is None and info[0]["path"].endswith("restartable.shard-00000.npz")
-    st.kill_store(handle)
+    expected = st.priorities(handle)
+    st.kill_store(handle)  # snapshots first
+
+    # A new store (a new job) on the same URI starts from the latest snapshot.
+    again = st.create_store("restartable", n, config={**config, "restore": True})
+    np.testing.assert_array_equal(st.priorities(again), expected)
+    assert st.stats(again)["restores"] == 2
+    st.kill_store(again, snapshot=False)
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])

@@ -23,6 +23,7 @@ from raying.config import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_BLOCK_ROWS,
     DEFAULT_INFLIGHT_TASKS_PER_CPU,
+    DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_PREFETCH_BATCHES,
 )
 from raying.errors import ConfigError
@@ -49,6 +50,7 @@ class PipelineConfig:
         task_num_cpus: CPUs each read task reserves.
         spread: spread read tasks over nodes (``SPREAD``) instead of packing them.
         name: names the pipeline's actors (priority store); default a fresh id.
+        max_image_pixels: images claiming more pixels are set aside as decompression bombs.
     """
 
     block_rows: int = DEFAULT_BLOCK_ROWS
@@ -57,6 +59,7 @@ class PipelineConfig:
     task_num_cpus: float = 1.0
     spread: bool = False
     name: str | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         if self.block_rows < 1:
@@ -114,7 +117,7 @@ class Pipeline:
         self._bound = False
         self._lookup: ManifestLookup | None = None
         self._spec = ReadSpec.of(manifest, self.transform, getattr(self.sampler, "seed", 0),
-                                 on_error)
+                                 on_error, max_pixels=self.config.max_image_pixels)
 
     # -- plans ---------------------------------------------------------------------------------
     def _bind(self) -> None:

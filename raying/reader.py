@@ -34,12 +34,13 @@ class ReadSpec:
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     @classmethod
-    def of(cls, manifest: Any, transform: Any, seed: int, on_error: str) -> ReadSpec:
+    def of(cls, manifest: Any, transform: Any, seed: int, on_error: str, *,
+           max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ReadSpec:
         decoded = manifest.meta.get("decoded")
         return cls(root=manifest.root, storage=manifest.storage, fmt=manifest.format,
                    files=tuple(manifest.files), image_column=manifest.meta.get("image_column"),
                    decoded=tuple(decoded) if decoded else None, transform=transform,
-                   seed=int(seed), on_error=on_error)
+                   seed=int(seed), on_error=on_error, max_pixels=int(max_pixels))
 
 
 def empty_block(size: int) -> dict[str, np.ndarray]:

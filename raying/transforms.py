@@ -48,7 +48,7 @@ def _worker_setup() -> None:
         _cv2_single_threaded = True
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class TransformResult:
     """What :meth:`ImageTransform.apply_encoded` returns for one batch.
 

@@ -62,6 +62,37 @@ def test_defaults_are_torchvisions():
         224, (0.08, 1.0), (0.75, 4 / 3), True, True)
 
 
+def test_transform_pickles_and_hashes():
+    import pickle
+
+    t = ImageTransform(size=96, random_crop=False, resize=110, interpolation="cubic")
+    assert pickle.loads(pickle.dumps(t)) == t
+    assert hash(t) == hash(ImageTransform(size=96, random_crop=False, resize=110,
+                                          interpolation="cubic"))
+
+
+def test_cv2_goes_single_threaded_on_first_batch_only(monkeypatch):
+    import raying.transforms as transforms_module
+
+    calls = []
+    monkeypatch.setattr(transforms_module, "_cv2_single_threaded", False)
+    monkeypatch.setattr(transforms_module.cv2, "setNumThreads", calls.append)
+    t = ImageTransform(size=8)
+    for _ in range(3):
+        t.apply_decoded(np.zeros((2, 10, 10, 3), np.uint8), [0, 1], seed=0, epoch=0)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("interpolation", ["linear", "cubic", "nearest"])
+def test_interpolations(interpolation):
+    img = _smooth(90, 120)
+    t = ImageTransform(size=40, interpolation=interpolation)
+    got = t.apply_decoded([img] * 4, np.arange(4), seed=0, epoch=0)
+    ref = ImageTransform(size=40).apply_decoded([img] * 4, np.arange(4), seed=0, epoch=0)
+    assert got.shape == (4, 40, 40, 3)
+    assert np.abs(got.astype(int) - ref).mean() < 3.0
+
+
 # --- randomness ---------------------------------------------------------------------------------
 
 

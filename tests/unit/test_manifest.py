@@ -1,0 +1,145 @@
+"""Manifest.scan/save/load on image folders and Parquet, and every dataset-level error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import raying
+from raying.datagen import make_image_folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_image_folder(tmp_path_factory.mktemp("imgs"), n=12, classes=3, size=(16, 20),
+                             formats=("jpg", "png"))
+
+
+def _parquet(path, n=10, *, label=None, image=True, **extra):
+    cols = {"id": pa.array(range(n), pa.int64())}
+    if image:
+        cols["image"] = pa.array([b"\xff\xd8\xff" + bytes([i]) for i in range(n)], pa.binary())
+    if label is not None:
+        cols["label"] = label
+    cols.update(extra)
+    pq.write_table(pa.table(cols), path, row_group_size=4)
+    return path
+
+
+def test_scan_folder_ids_sorted_labels_from_folders(folder):
+    m = raying.Manifest.scan(str(folder))
+    assert len(m) == 12 and m.format == "images"
+    assert m.classes == ["class_00", "class_01", "class_02"]
+    paths = m.path_of(np.arange(12))
+    assert paths == sorted(paths)
+    for p, lab in zip(paths, m.labels, strict=True):
+        assert m.classes[lab] == p.split("/")[0]
+    assert (m.sizes > 0).all()
+
+
+def test_scan_file_uri_and_no_label(folder):
+    m = raying.Manifest.scan(f"file://{folder}", label=None)
+    assert len(m) == 12 and (m.labels == -1).all() and m.classes is None
+
+
+def test_label_function(folder):
+    m = raying.Manifest.scan(str(folder), label=lambda p: int(p.split("/")[1][:6]) % 2)
+    assert set(m.labels.tolist()) == {0, 1}
+
+
+def test_save_load_roundtrip(folder, tmp_path):
+    m = raying.Manifest.scan(str(folder))
+    m.save(str(tmp_path / "m.parquet"))
+    back = raying.Manifest.load(str(tmp_path / "m.parquet"))
+    assert len(back) == len(m) and back.classes == m.classes and back.root == m.root
+    assert np.array_equal(back.labels, m.labels)
+    assert back.path_of(np.arange(12)) == m.path_of(np.arange(12))
+    assert back.fingerprint() == m.fingerprint()
+
+
+def test_images_at_top_level_need_label_none(tmp_path):
+    make_image_folder(tmp_path, n=2, classes=1, size=(8, 8))
+    (tmp_path / "stray.jpg").write_bytes((tmp_path / "class_00" / "000000.jpg").read_bytes())
+    with pytest.raises(raying.DataError, match="stray.jpg.*label=None"):
+        raying.Manifest.scan(str(tmp_path))
+
+
+def test_empty_folder_and_missing_uri(tmp_path):
+    with pytest.raises(raying.DataError, match="is empty"):
+        raying.Manifest.scan(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(raying.DataError, match=r"no images .* found endings \.txt"):
+        raying.Manifest.scan(str(tmp_path))
+    with pytest.raises(raying.StorageError, match="does not exist"):
+        raying.Manifest.scan(str(tmp_path / "nope"))
+    with pytest.raises(raying.ConfigError, match="format must be one of"):
+        raying.Manifest.scan(str(tmp_path), format="tfrecord")
+    with pytest.raises(raying.ConfigError, match="scheme"):
+        raying.Manifest.scan("ftp://host/data")
+
+
+def test_parquet_rows_and_row_groups(tmp_path):
+    _parquet(tmp_path / "a.parquet", 10, label=pa.array([1] * 10))
+    _parquet(tmp_path / "b.parquet", 6, label=pa.array([2] * 6))
+    m = raying.Manifest.scan(str(tmp_path), label="label")
+    assert m.format == "parquet" and len(m) == 16
+    f, g, start, rows = m.row_group_table()
+    assert f.tolist() == [0, 0, 0, 1, 1] and rows.tolist() == [4, 4, 2, 4, 2]
+    assert start.tolist() == [0, 4, 8, 10, 14]
+    assert m.labels.tolist() == [1] * 10 + [2] * 6
+    assert m.path_of(13) == ["b.parquet#rg0/row3"]
+
+
+def test_parquet_string_labels_become_classes(tmp_path):
+    _parquet(tmp_path / "a.parquet", 4, label=pa.array(["dog", "cat", "dog", "eel"]))
+    m = raying.Manifest.scan(str(tmp_path), format="parquet", label="label")
+    assert m.classes == ["cat", "dog", "eel"] and m.labels.tolist() == [1, 0, 1, 2]
+
+
+def test_parquet_missing_label_column_is_named(tmp_path):
+    _parquet(tmp_path / "a.parquet", 4)
+    with pytest.raises(raying.DataError, match=r"a.parquet has no label column 'label'"):
+        raying.Manifest.scan(str(tmp_path), format="parquet", label="label")
+    assert len(raying.Manifest.scan(str(tmp_path), format="parquet", label=None)) == 4
+
+
+@pytest.mark.parametrize("labels, pattern", [
+    (pa.array([0.0, float("nan"), 1.0, 2.0]), r"a.parquet: label column 'label' has 1 NaN"),
+    (pa.array([0, None, 1, 2], pa.int64()), r"a.parquet: label column 'label' has 1 null"),
+    (pa.array([0, -3, 1, 2]), r"a.parquet: label column 'label' has negative labels"),
+    (pa.array([0.5, 1.0, 1.0, 2.0]), r"non-integer"),
+])
+def test_parquet_bad_labels_are_never_silent(tmp_path, labels, pattern):
+    _parquet(tmp_path / "a.parquet", 4, label=labels)
+    with pytest.raises(raying.DataError, match=pattern):
+        raying.Manifest.scan(str(tmp_path), label="label")
+
+
+def test_corrupt_parquet_names_the_file(tmp_path):
+    _parquet(tmp_path / "a.parquet", 4, label=pa.array([0] * 4))
+    good = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "b.parquet").write_bytes(good[: len(good) // 2])
+    with pytest.raises(raying.DataError, match=r"b.parquet is not a readable Parquet file"):
+        raying.Manifest.scan(str(tmp_path), label="label")
+
+
+def test_schema_mismatch_names_both_files(tmp_path):
+    _parquet(tmp_path / "a.parquet", 4, label=pa.array([0] * 4))
+    _parquet(tmp_path / "b.parquet", 4, label=pa.array(["x"] * 4))
+    with pytest.raises(raying.DataError, match=r"schema mismatch in column 'label': .*b.parquet"):
+        raying.Manifest.scan(str(tmp_path), label="label")
+    _parquet(tmp_path / "b.parquet", 4, image=False, label=pa.array([0] * 4),
+             pixels=pa.array([b"x"] * 4))
+    with pytest.raises(raying.DataError, match=r"b.parquet has no column 'image'"):
+        raying.Manifest.scan(str(tmp_path), label="label")
+
+
+def test_no_image_column_is_explained(tmp_path):
+    _parquet(tmp_path / "a.parquet", 4, image=False, label=pa.array([0] * 4),
+             x=pa.array([b"1"] * 4), y=pa.array([b"2"] * 4))
+    with pytest.raises(raying.DataError, match="image_column="):
+        raying.Manifest.scan(str(tmp_path), label="label")
+    m = raying.Manifest.scan(str(tmp_path), label="label", image_column="y")
+    assert m.meta["image_column"] == "y"

@@ -1,10 +1,12 @@
-"""Vectorized crop boxes: torchvision's RandomResizedCrop and Resize+CenterCrop, as numpy."""
+"""Crop geometry: torchvision's RandomResizedCrop and Resize+CenterCrop boxes, as numpy."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from raying import _exif
 
 # Columns of the per-sample uniform draws (see raying._rng.uniforms).
 RRC_ATTEMPTS = 10
@@ -117,3 +119,38 @@ def reduce_eighths(crop_h: int, crop_w: int, size: int) -> int:
         if short * n >= 8 * size:
             return n
     return 8
+
+
+def inverse_map(box, flip, size: int, orientation: int, stored_h: int, stored_w: int,
+                 scale: float) -> np.ndarray:
+    """The 2x3 matrix taking an output pixel to the source pixel it samples.
+
+    ``box`` (top, left, height, width) is on the upright image in pixel-edge units; the
+    output is optionally mirrored; the upright image is the stored one turned by the EXIF
+    ``orientation`` (stored size ``stored_h`` x ``stored_w``); the source is the stored image
+    scaled by ``scale``. Sub-pixel exact, so a reduced decode samples the same places as a
+    full one (a rounded crop of a 1/8-scale image would be off by up to 4 full-size pixels).
+    """
+    top, left, box_h, box_w = box
+    flip_rows, flip_cols, transpose = _exif.ORIENTATION_OPS.get(orientation,
+                                                                _exif.ORIENTATION_OPS[1])
+    step_y = box_h / size
+    step_x = box_w / size
+
+    def source(u: float, v: float) -> tuple[float, float]:
+        if flip:
+            v = size - 1 - v
+        y = top + (u + 0.5) * step_y
+        x = left + (v + 0.5) * step_x
+        if transpose:
+            y, x = x, y
+        if flip_rows:
+            y = stored_h - y
+        if flip_cols:
+            x = stored_w - x
+        return y * scale - 0.5, x * scale - 0.5
+
+    r00, c00 = source(0.0, 0.0)
+    r01, c01 = source(0.0, 1.0)
+    r10, c10 = source(1.0, 0.0)
+    return np.array([[c01 - c00, c10 - c00, c00], [r01 - r00, r10 - r00, r00]])

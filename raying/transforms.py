@@ -97,10 +97,11 @@ class ImageTransform:
     libjpeg-turbo's DCT domain at 1/8, 1/4 or 1/2 scale when the crop still covers ``size``
     pixels, so the final resample never shrinks by 2x or more. Decoded inputs (and non-JPEG
     files) get the same reduction as repeated 2x area averaging, so both paths give nearly
-    the same pixels and ``"linear"`` does not alias. Crop, resize, EXIF turn and flip are then
-    one sub-pixel exact ``cv2.warpAffine`` straight into the output slot (no intermediate
-    copies). The first ``apply_*`` call in a process sets ``cv2.setNumThreads(1)`` (read tasks
-    already run one per core).
+    the same pixels and ``"linear"`` does not alias. The crop is a view; it is resized straight
+    into the output slot (``cv2.resize``, then an in-place flip) or, for a reduced or
+    EXIF-turned source, resampled there by one sub-pixel exact ``cv2.warpAffine`` that also
+    turns and mirrors it. The first ``apply_*`` call in a process sets
+    ``cv2.setNumThreads(1)`` (read tasks already run one per core).
 
     Args:
         size: output height and width in pixels.
@@ -131,7 +132,8 @@ class ImageTransform:
             raise ConfigError(msg)
         scale = _pair("scale", self.scale)
         if scale[1] > 1.0:
-            msg = f"ImageTransform scale is a fraction of the image area, at most 1.0, got {self.scale!r}"
+            msg = ("ImageTransform scale is a fraction of the image area, at most 1.0, got "
+                   f"{self.scale!r}")
             raise ConfigError(msg)
         object.__setattr__(self, "scale", scale)
         object.__setattr__(self, "ratio", _pair("ratio", self.ratio))
@@ -309,16 +311,19 @@ class ImageTransform:
         return out
 
     def _render_jpeg(self, buf, header, box, flip, dst: np.ndarray) -> None:
-        """Decode only as much resolution as the crop needs, then one warp into dst."""
+        """Decode only as much resolution as the crop needs, then resample into dst."""
         height, width, orientation = header
         eighths = _crop.reduce_eighths(box[2], box[3], self.size)
         src = decode_jpeg_stored(buf, height, width, eighths)
+        if eighths == 8 and orientation == 1:
+            self._resize(src, box, flip, dst)
+            return
         # libjpeg's n/8 scaled IDCT maps full-size pixel edges exactly by n/8.
-        matrix = _inverse_map(box, flip, self.size, orientation, height, width, eighths / 8)
+        matrix = _crop.inverse_map(box, flip, self.size, orientation, height, width, eighths / 8)
         self._warp(src, matrix, dst)
 
     def _render_array(self, arr: np.ndarray, box, flip, dst: np.ndarray) -> None:
-        """Crop (a view), reduce by 2x area steps like the JPEG path, one warp into dst."""
+        """Crop (a view), reduce by 2x area steps like the JPEG path, resample into dst."""
         arr = np.asarray(arr)
         if arr.dtype != np.uint8 or arr.ndim not in (2, 3) or (
                 arr.ndim == 3 and arr.shape[2] not in (1, 3, 4)):
@@ -330,68 +335,60 @@ class ImageTransform:
         top, left, box_h, box_w = box
         eighths = _crop.reduce_eighths(box_h, box_w, self.size)
         if eighths == 8:
-            src, scale = arr, 1.0
-        else:
-            # Halve the crop until the final warp shrinks by less than 2x, as the JPEG path's
-            # DCT scaling does: INTER_AREA on exact halves is a cheap, alias-free box filter.
-            src = arr[top:top + box_h, left:left + box_w]
-            top = left = 0
-            scale = 1.0
-            while eighths < 8:
-                h2, w2 = max(1, src.shape[0] // 2), max(1, src.shape[1] // 2)
-                src = cv2.resize(src[:2 * h2, :2 * w2], (w2, h2), interpolation=cv2.INTER_AREA)
-                scale /= 2
-                eighths *= 2
-        matrix = _inverse_map((top, left, box_h, box_w), flip, self.size, 1, 0, 0, scale)
+            self._resize(arr, box, flip, dst)
+            return
+        # Halve the crop until the final resample shrinks by less than 2x, as the JPEG path's
+        # DCT scaling does: INTER_AREA on exact halves is a cheap, alias-free box filter.
+        src = arr[top:top + box_h, left:left + box_w]
+        scale = 1.0
+        while eighths < 8:
+            h2, w2 = max(1, src.shape[0] // 2), max(1, src.shape[1] // 2)
+            src = cv2.resize(_cv2_ready(src[:2 * h2, :2 * w2]), (w2, h2),
+                             interpolation=cv2.INTER_AREA)
+            scale /= 2
+            eighths *= 2
+        matrix = _crop.inverse_map((0, 0, box_h, box_w), flip, self.size, 1, 0, 0, scale)
         self._warp(src, matrix, dst)
 
+    def _resize(self, src: np.ndarray, box, flip, dst: np.ndarray) -> None:
+        """Whole-pixel crop (a view) resized into dst, then mirrored in place.
+
+        For upright full-size sources this is exact and, upsampling, 2x cheaper than a warp.
+        """
+        top, left, box_h, box_w = box
+        view = _cv2_ready(src[top:top + box_h, left:left + box_w])
+        size = (self.size, self.size)
+        interp = INTERPOLATIONS[self.interpolation]
+        if view.ndim == 3 and view.shape[2] == 3:
+            cv2.resize(view, size, dst=dst, interpolation=interp)
+        else:
+            _to_rgb(cv2.resize(view, size, interpolation=interp), dst)
+        if flip:
+            cv2.flip(dst, 1, dst=dst)
+
     def _warp(self, src: np.ndarray, matrix: np.ndarray, dst: np.ndarray) -> None:
-        """Resample src into the (size, size, 3) dst slot: crop, resize, turn and flip at once."""
+        """Sub-pixel exact resample into dst: crop, resize, EXIF turn and mirror in one pass."""
         flags = INTERPOLATIONS[self.interpolation] | cv2.WARP_INVERSE_MAP
         size = (self.size, self.size)
-        channels = 1 if src.ndim == 2 else src.shape[2]
-        if not src.flags.c_contiguous and (src.strides[-1] != 1 or (
-                src.ndim == 3 and src.strides[1] != channels)):
-            src = np.ascontiguousarray(src)
-        if channels == 3:
+        src = _cv2_ready(src)
+        if src.ndim == 3 and src.shape[2] == 3:
             cv2.warpAffine(src, matrix, size, dst=dst, flags=flags,
                            borderMode=cv2.BORDER_REPLICATE)
-            return
-        small = cv2.warpAffine(src, matrix, size, flags=flags, borderMode=cv2.BORDER_REPLICATE)
-        code = cv2.COLOR_RGBA2RGB if channels == 4 else cv2.COLOR_GRAY2RGB
-        cv2.cvtColor(small, code, dst=dst)
+        else:
+            _to_rgb(cv2.warpAffine(src, matrix, size, flags=flags,
+                                   borderMode=cv2.BORDER_REPLICATE), dst)
 
 
-def _inverse_map(box, flip, size: int, orientation: int, stored_h: int, stored_w: int,
-                 scale: float) -> np.ndarray:
-    """The 2x3 matrix taking an output pixel to the source pixel it samples.
+def _cv2_ready(a: np.ndarray) -> np.ndarray:
+    """``a`` itself when cv2 can wrap it without a copy (pixels packed, rows may be strided)."""
+    item = a.itemsize
+    channels = 1 if a.ndim == 2 else a.shape[2]
+    if a.strides[-1] == item and (a.ndim == 2 or a.strides[1] == channels * item):
+        return a
+    return np.ascontiguousarray(a)
 
-    ``box`` (top, left, height, width) is on the upright image in pixel-edge units; the
-    output is optionally mirrored; the upright image is the stored one turned by the EXIF
-    ``orientation`` (stored size ``stored_h`` x ``stored_w``); the source is the stored image
-    scaled by ``scale``. Sub-pixel exact, so a reduced decode samples the same places as a
-    full one (a rounded crop of a 1/8-scale image would be off by up to 4 full-size pixels).
-    """
-    top, left, box_h, box_w = box
-    flip_rows, flip_cols, transpose = _exif.ORIENTATION_OPS.get(orientation,
-                                                                _exif.ORIENTATION_OPS[1])
-    step_y = box_h / size
-    step_x = box_w / size
 
-    def source(u: float, v: float) -> tuple[float, float]:
-        if flip:
-            v = size - 1 - v
-        y = top + (u + 0.5) * step_y
-        x = left + (v + 0.5) * step_x
-        if transpose:
-            y, x = x, y
-        if flip_rows:
-            y = stored_h - y
-        if flip_cols:
-            x = stored_w - x
-        return y * scale - 0.5, x * scale - 0.5
-
-    r00, c00 = source(0.0, 0.0)
-    r01, c01 = source(0.0, 1.0)
-    r10, c10 = source(1.0, 0.0)
-    return np.array([[c01 - c00, c10 - c00, c00], [r01 - r00, r10 - r00, r00]])
+def _to_rgb(small: np.ndarray, dst: np.ndarray) -> None:
+    """Gray (H, W) or RGBA (H, W, 4) into the RGB dst slot."""
+    code = cv2.COLOR_RGBA2RGB if small.ndim == 3 and small.shape[2] == 4 else cv2.COLOR_GRAY2RGB
+    cv2.cvtColor(small, code, dst=dst)

@@ -1,6 +1,6 @@
 """Single-core ms/image of decode + random-resized-crop + flip: raying's path vs a naive loop.
 
-Run: ``python -m raying.bench.decode_profile [--n 256] [--reps 7] [--json out.json]``
+Run: ``python -m raying.bench.decode_profile [--n 256] [--reps 7] [--source synth|photo]``
 """
 
 from __future__ import annotations
@@ -20,11 +20,32 @@ from raying.transforms import ImageTransform
 SHAPES = {"256x256": (256, 256), "500x375": (375, 500)}
 
 
-def _images(shape: tuple[int, int], n: int, seed: int, subsampling: str) -> list[bytes]:
+def _images(shape: tuple[int, int], n: int, seed: int, subsampling: str,
+            source: str = "synth") -> list[bytes]:
+    """JPEGs (quality 90): raying.datagen's synthetic images, or crops of a real photo."""
+    rng = np.random.default_rng(seed)
+    h, w = shape
+    if source == "photo":  # matplotlib's sample photo, resampled differently for each image
+        import matplotlib.cbook
+
+        with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as fh:
+            photo = simplejpeg.decode_jpeg(fh.read(), "RGB")
+        out = []
+        for _ in range(n):
+            frac = rng.uniform(0.6, 1.0)
+            ch = min(photo.shape[0], int(photo.shape[1] * frac * h / w))
+            cw = int(ch * w / h)
+            top = int(rng.integers(0, photo.shape[0] - ch + 1))
+            left = int(rng.integers(0, photo.shape[1] - cw + 1))
+            img = cv2.resize(photo[top:top + ch, left:left + cw], (w, h),
+                             interpolation=cv2.INTER_AREA)
+            out.append(simplejpeg.encode_jpeg(img[:, ::-1].copy() if rng.random() < 0.5
+                                              else img, quality=90, colorspace="RGB",
+                                              colorsubsampling=subsampling))
+        return out
     from raying.datagen import synth_image
 
-    rng = np.random.default_rng(seed)
-    return [simplejpeg.encode_jpeg(synth_image(rng, i % 10, 10, *shape), quality=90,
+    return [simplejpeg.encode_jpeg(synth_image(rng, i % 10, 10, h, w), quality=90,
                                    colorspace="RGB", colorsubsampling=subsampling)
             for i in range(n)]
 
@@ -64,7 +85,7 @@ def decode_only(datas: list[bytes]) -> None:
 
 
 def profile(n: int = 256, reps: int = 7, size: int = 224, seed: int = 0,
-            subsampling: str = "420") -> dict[str, dict[str, float]]:
+            subsampling: str = "420", source: str = "synth") -> dict[str, dict[str, float]]:
     """Median ms/image on one core for each source shape and each way of doing the work.
 
     Keys are ways of doing it; values are CPU ms/image of the calling thread (everything runs
@@ -75,7 +96,7 @@ def profile(n: int = 256, reps: int = 7, size: int = 224, seed: int = 0,
     transform = ImageTransform(size=size)
     results: dict[str, dict[str, float]] = {}
     for name, shape in SHAPES.items():
-        datas = _images(shape, n, seed, subsampling)
+        datas = _images(shape, n, seed, subsampling, source)
         ids = np.arange(n, dtype=np.int64)
         out = np.empty((n, size, size, 3), dtype=np.uint8)
         rng = np.random.default_rng(seed)
@@ -111,11 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, default=256, help="images per shape")
     parser.add_argument("--reps", type=int, default=7, help="repetitions (median)")
     parser.add_argument("--subsampling", default="420", help="JPEG chroma subsampling")
+    parser.add_argument("--source", choices=("synth", "photo"), default="synth",
+                        help="raying.datagen images, or crops of matplotlib's sample photo")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as a read task
-    results = profile(args.n, args.reps, subsampling=args.subsampling)
+    results = profile(args.n, args.reps, subsampling=args.subsampling, source=args.source)
     for name, row in results.items():
         cells = "  ".join(f"{k}={v:.3f}" for k, v in row.items()
                           if k != "bytes_per_image" and not k.endswith("_wall"))

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# Descent starts with one search over the mixture CDF of the highest level with at most this
+# many nodes, skipping the top levels (each costs a dozen numpy calls however small the batch).
+_SHORTCUT_NODES = 4096
+
 # A batch touching more than this share of a level's nodes recomputes the whole level with
 # contiguous slices, which beats gathering scattered parents.
 _DENSE_LEVEL_SHARE = 0.25
@@ -87,7 +91,8 @@ class SumTree:
         within ``[0, total + c * n)``. A child of zero mass is never entered (padding, and
         zero-valued leaves when ``c == 0``), even when rounding puts ``u`` at or past a
         boundary; the last real leaf is reachable like any other. The map from ``u`` to a leaf
-        is monotone, so sorted positions give sorted leaves.
+        is monotone, so sorted positions give sorted leaves. The top levels are crossed in one
+        step: a search over the cumulative mixture masses of the nodes of one level.
 
         Args:
             u: positions, float64; modified in place.
@@ -98,10 +103,14 @@ class SumTree:
         """
         k = u.size
         n = self.n
-        cur = np.zeros(k, dtype=np.int64)
+        start = len(self.levels) - 1
+        while start > 0 and self.levels[start - 1].size <= _SHORTCUT_NODES:
+            start -= 1
+        cur = self._shortcut(u, c, start) if start < len(self.levels) - 1 else \
+            np.zeros(k, dtype=np.int64)
         go = np.empty(k, dtype=bool)
         step = np.empty(k, dtype=np.float64)
-        for d in range(len(self.levels) - 1, 0, -1):
+        for d in range(start, 0, -1):
             child = self.levels[d - 1]
             cur <<= 1  # the left child of each current node
             ml = np.take(child, cur)
@@ -124,6 +133,18 @@ class SumTree:
             u -= step
             cur += go
         return cur
+
+    def _shortcut(self, u: np.ndarray, c: float, level: int) -> np.ndarray:
+        """Nodes of ``level`` holding positions ``u``; ``u`` becomes the offset inside each."""
+        size = 1 << level
+        real = -(-self.n // size)  # nodes with real leaves; the rest is padding
+        mass = self.levels[level][:real] + c * np.minimum(size, self.n - np.arange(real) * size)
+        ends = np.cumsum(mass)
+        # A zero-mass node is never chosen; rounding past the end goes to the last live node.
+        node = np.minimum(np.searchsorted(ends, u, side="right"), np.flatnonzero(mass > 0)[-1])
+        u -= ends[node] - mass[node]
+        np.maximum(u, 0.0, out=u)
+        return node
 
 
 class LeafMinima:

@@ -294,6 +294,6 @@ def make_image_corpus(root: Path, *, n_good: int = 24, seed: int = 0) -> CorpusS
     broken = bytearray(png)
     broken[29] ^= 0xFF  # the IHDR checksum
     bad("dog/bad_checksum.png", "corrupt_png", bytes(broken), "corrupt")
-    bad("cat/bad_heif.heic", "heif_unsupported",
+    bad("cat/bad_heif_named.jpg", "heif_unsupported",
         b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + rng.bytes(256), "unsupported")
     return CorpusSpec(root=root, cases=tuple(sorted(cases, key=lambda c: c.path)))

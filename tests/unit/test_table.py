@@ -70,6 +70,16 @@ def test_chi2_sf_matches_closed_forms():
         assert chi2_sf(x, 64) == pytest.approx(poisson, rel=1e-9)
 
 
+@pytest.fixture(params=["shortcut", "tree", "mixed"])
+def descent(request, monkeypatch):
+    """Sample through each path: a CDF search over the top levels, the pure tree, or both."""
+    import raying.sampling._sumtree as sumtree
+
+    nodes = {"shortcut": sumtree._SHORTCUT_NODES, "tree": 1, "mixed": 16}[request.param]
+    monkeypatch.setattr(sumtree, "_SHORTCUT_NODES", nodes)
+    return request.param
+
+
 def spanning_priorities(n: int = 64, seed: int = 1) -> np.ndarray:
     """Priorities over two decades (1 to 100) in shuffled order; the last row carries 100."""
     p = np.logspace(0.0, 2.0, n)
@@ -93,7 +103,7 @@ def draw_counts(table: PriorityTable, total: int, batch: int = 4096,
 # --- distributions -----------------------------------------------------------------------------
 
 
-def test_iid_draws_follow_the_mixture_chi_square():
+def test_iid_draws_follow_the_mixture_chi_square(descent):
     p = spanning_priorities()
     alpha, eps = 0.7, 0.1
     table = PriorityTable(p.size, alpha=alpha, uniform_mix=eps, seed=3)
@@ -126,7 +136,7 @@ def test_draws_never_without_last_index_and_reject_a_buggy_sampler():
     assert chi2_pvalue(np.bincount(buggy, minlength=p.size), probs) < 1e-9
 
 
-def test_zero_weight_rows_are_never_drawn():
+def test_zero_weight_rows_are_never_drawn(descent):
     n = 67  # odd: padding leaves sit next to real ones
     p = spanning_priorities(n, seed=5)
     zeros = np.array([0, 1, 31, 32, 33, 63, 64, 65])  # edges of subtrees, next to the last
@@ -150,7 +160,7 @@ def test_uniform_until_losses_arrive_and_alpha_zero():
     np.testing.assert_allclose(flat.probabilities(), 0.1, rtol=1e-15)
 
 
-def test_all_zero_priorities_sample_uniformly():
+def test_all_zero_priorities_sample_uniformly(descent):
     table = PriorityTable(10, uniform_mix=0.0, seed=2)
     table.update(np.arange(10), np.zeros(10))
     assert table.total() == 0.0
@@ -164,7 +174,7 @@ def test_all_zero_priorities_sample_uniformly():
 
 
 @pytest.mark.parametrize(("n", "eps"), [(64, 0.0), (1000, 0.0), (1000, 0.25), (4097, 0.05)])
-def test_systematic_plans_respect_floor_and_ceil(n, eps):
+def test_systematic_plans_respect_floor_and_ceil(n, eps, descent):
     rng = np.random.default_rng(n)
     table = PriorityTable(n, alpha=0.8, uniform_mix=eps, seed=n)
     batch = 4096

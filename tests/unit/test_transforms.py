@@ -311,6 +311,14 @@ def test_good_samples_never_lost_next_to_bad_ones(corpus):
         assert diff < 1.5, (cases[pos].path, diff)
 
 
+def test_empty_batches():
+    t = ImageTransform(size=8)
+    res = t.apply_encoded([], [], seed=0, epoch=0)
+    assert res.images.shape == (0, 8, 8, 3) and res.ok.shape == (0,) and res.errors == []
+    assert t.apply_decoded(np.zeros((0, 5, 5, 3), np.uint8), [], seed=0, epoch=0).shape == (
+        0, 8, 8, 3)
+
+
 def test_bad_input_reports_do_not_raise():
     t = ImageTransform(size=16)
     res = t.apply_encoded([b"", None, b"junk", np.zeros(3, np.float64)], [1, 2, 3, 4],

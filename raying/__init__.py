@@ -13,6 +13,9 @@ from raying.errors import (
 from raying.manifest import Manifest
 from raying.pack import pack
 from raying.pipeline import Pipeline, PipelineConfig
+from raying.sampling.feedback import report
+from raying.sampling.prioritized import PrioritizedSampler
+from raying.sampling.table import PriorityTable
 from raying.sampling.uniform import UniformSampler
 from raying.transforms import ImageTransform
 
@@ -28,11 +31,14 @@ __all__ = [
     "Manifest",
     "Pipeline",
     "PipelineConfig",
+    "PrioritizedSampler",
+    "PriorityTable",
     "RayingError",
     "StorageError",
     "StorageOptions",
     "UniformSampler",
     "pack",
+    "report",
 ]
 
 if __all__ != sorted(__all__):  # pragma: no cover - a guard for maintainers, as torchdata does

@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-
-
 from raying.metrics import RunAccount
 from raying.plan import ManifestLookup, ReadUnit
 from raying.reader import ReadSpec, empty_block, run_unit

@@ -247,8 +247,15 @@ class Pipeline:
         return build_dataset(self, int(epoch))
 
     # -- feedback, stats, state ----------------------------------------------------------------
+    @property
+    def store_name(self) -> str | None:
+        """Name of the priority store (for ``raying.report(..., store=...)`` in Train workers)."""
+        self._bind()
+        return getattr(self.sampler, "store_name", None)
+
     def report(self, ids: Any, losses: Any) -> None:
         """Per-sample losses for ``ids`` (torch, tf or numpy); never blocks the step."""
+        self._bind()
         self.sampler.report(ids, losses)
 
     def stats(self) -> dict[str, Any]:

@@ -39,8 +39,9 @@ _cv2_single_threaded = False
 def _worker_setup() -> None:
     """cv2 to one thread, once per process, on the first batch (not at import).
 
-    Read tasks already run one per core; cv2's own thread pool on 224px resizes only adds
-    contention. Note this is process-wide: a driver that calls ``apply_*`` itself gets it too.
+    Read tasks already run one per core, and cv2's thread pool gains little on 224 px images
+    while competing with them for cores. Process-wide: a driver that calls ``apply_*`` itself
+    gets it too.
     """
     global _cv2_single_threaded
     if not _cv2_single_threaded:

@@ -17,7 +17,8 @@ import simplejpeg
 
 from raying.transforms import ImageTransform
 
-SHAPES = {"256x256": (256, 256), "500x375": (375, 500)}
+SHAPES = {"256x256": (256, 256), "500x375": (375, 500), "1024x768": (768, 1024)}
+DEFAULT_SHAPES = ("256x256", "500x375")
 
 
 def _images(shape: tuple[int, int], n: int, seed: int, subsampling: str,
@@ -78,6 +79,21 @@ def naive_loop(datas: list[bytes], size: int, rng: np.random.Generator) -> np.nd
     return np.stack(out)
 
 
+def tight_loop(datas: list[bytes], boxes: list, flips: list, size: int,
+               out: np.ndarray) -> None:
+    """The limit: full decode, crop view, cv2.resize into a preallocated slot, in-place flip.
+
+    Crop boxes are drawn beforehand (not timed), so only the per-image work is measured.
+    """
+    for i, d in enumerate(datas):
+        img = simplejpeg.decode_jpeg(d, "RGB")
+        top, left, ch, cw = boxes[i]
+        cv2.resize(img[top:top + ch, left:left + cw], (size, size), dst=out[i],
+                   interpolation=cv2.INTER_LINEAR)
+        if flips[i]:
+            cv2.flip(out[i], 1, dst=out[i])
+
+
 def decode_only(datas: list[bytes]) -> None:
     """The floor: libjpeg-turbo full decodes and nothing else."""
     for d in datas:
@@ -85,7 +101,8 @@ def decode_only(datas: list[bytes]) -> None:
 
 
 def profile(n: int = 256, reps: int = 7, size: int = 224, seed: int = 0,
-            subsampling: str = "420", source: str = "synth") -> dict[str, dict[str, float]]:
+            subsampling: str = "420", source: str = "synth",
+            shapes: tuple[str, ...] = DEFAULT_SHAPES) -> dict[str, dict[str, float]]:
     """Median ms/image on one core for each source shape and each way of doing the work.
 
     Keys are ways of doing it; values are CPU ms/image of the calling thread (everything runs
@@ -95,15 +112,21 @@ def profile(n: int = 256, reps: int = 7, size: int = 224, seed: int = 0,
     cv2.setNumThreads(1)
     transform = ImageTransform(size=size)
     results: dict[str, dict[str, float]] = {}
-    for name, shape in SHAPES.items():
+    for name in shapes:
+        shape = SHAPES[name]
         datas = _images(shape, n, seed, subsampling, source)
         ids = np.arange(n, dtype=np.int64)
         out = np.empty((n, size, size, 3), dtype=np.uint8)
         rng = np.random.default_rng(seed)
         decoded = [simplejpeg.decode_jpeg(d, "RGB") for d in datas]
+        boxes, flips = transform.crop_params(np.full(n, shape[0]), np.full(n, shape[1]), ids,
+                                             seed=seed, epoch=0)
+        box_list, flip_list = boxes.tolist(), flips.tolist()
         ways = {
             "decode_only": lambda e, d=datas: decode_only(d),
             "naive_loop": lambda e, d=datas, r=rng: naive_loop(d, size, r),
+            "tight_loop": lambda e, d=datas, b=box_list, f=flip_list, o=out:
+                tight_loop(d, b, f, size, o),
             "raying_apply_encoded": lambda e, d=datas, i=ids, o=out: transform.apply_encoded(
                 d, i, seed=seed, epoch=e, out=o),
             "raying_apply_decoded": lambda e, d=decoded, i=ids, o=out: transform.apply_decoded(
@@ -134,11 +157,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--subsampling", default="420", help="JPEG chroma subsampling")
     parser.add_argument("--source", choices=("synth", "photo"), default="synth",
                         help="raying.datagen images, or crops of matplotlib's sample photo")
+    parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                        help=f"comma-separated, from {sorted(SHAPES)}")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as a read task
-    results = profile(args.n, args.reps, subsampling=args.subsampling, source=args.source)
+    results = profile(args.n, args.reps, subsampling=args.subsampling, source=args.source,
+                      shapes=tuple(args.shapes.split(",")))
     for name, row in results.items():
         cells = "  ".join(f"{k}={v:.3f}" for k, v in row.items()
                           if k != "bytes_per_image" and not k.endswith("_wall"))

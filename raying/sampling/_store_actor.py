@@ -331,6 +331,14 @@ class StoreActor:
             ids, probs = self.table.sample(k, systematic=systematic)
             return ids + self.lo, probs, self.table.n, self.table.min_probability()
 
+    def sample_in_groups(self, k: int, starts: np.ndarray, rows_per_group: int
+                         ) -> tuple[np.ndarray, np.ndarray, int, float]:
+        """A two-stage plan (groups by mass, then rows inside them); single-shard stores."""
+        with self._lock:
+            self._apply_pending()
+            ids, probs = self.table.sample_in_groups(k, starts, rows_per_group)
+            return ids + self.lo, probs, self.table.n, self.table.min_probability()
+
     def prepare(self) -> dict[str, Any]:
         """Apply what is queued; return the sums a two-level plan needs, and a fresh seed."""
         with self._lock:

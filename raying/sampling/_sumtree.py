@@ -83,6 +83,21 @@ class SumTree:
                 left = idx << 1
                 level[idx] = child[left] + child[left + 1]
 
+    def prefix(self, idx: np.ndarray) -> np.ndarray:
+        """Sums of the leaves ``[0, i)`` for each ``i`` in ``idx`` (0 <= i <= n), vectorized.
+
+        Each set bit ``d`` of ``i`` adds the node of level ``d`` just left of the path, so a
+        prefix costs one gather per level.
+        """
+        i = np.asarray(idx, dtype=np.int64)
+        out = np.zeros(i.shape, dtype=np.float64)
+        for d, level in enumerate(self.levels):
+            j = i >> d
+            odd = (j & 1) == 1
+            if odd.any():
+                out[odd] += level[j[odd] - 1]
+        return out
+
     def descend(self, u: np.ndarray, c: float) -> np.ndarray:
         """Leaf indices at positions ``u`` of the mixture mass ``leaf_i + c`` (per real leaf).
 

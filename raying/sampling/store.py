@@ -234,6 +234,23 @@ def sample_plan(handle: StoreHandle, k: int, *, systematic: bool = False) -> Pla
     return Plan(ids, probs, handle.n, min_prob)
 
 
+def sample_grouped_plan(handle: StoreHandle, k: int, starts: np.ndarray,
+                        rows_per_group: int) -> Plan:
+    """A two-stage plan that keeps reads local: groups by mass, then rows inside them.
+
+    ``starts`` are the first ids of contiguous groups (Parquet row groups). The probability of
+    each id is exact (see ``PriorityTable.sample_in_groups``). A sharded store draws a plain
+    plan instead (groups may straddle shards); reads then touch more row groups.
+    """
+    if len(handle.actors) != 1:
+        return sample_plan(handle, k)
+    ids, probs, size, min_prob = _get(
+        handle.actors[0].sample_in_groups.remote(int(k), np.asarray(starts, np.int64),
+                                                 int(rows_per_group)),
+        "a plan", handle.name)
+    return Plan(ids, probs, size, min_prob)
+
+
 def _global_mixture(infos: list[dict[str, Any]], n: int, eps: float) -> tuple[float, float, float]:
     """``(a, b, min_prob)`` with ``P_i = a * p_i**alpha + b`` over all shards."""
     total = math.fsum(info["total"] for info in infos)

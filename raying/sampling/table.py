@@ -294,6 +294,43 @@ class PriorityTable:
         a, b = self.coefficients()
         return self.locate(positions * (a * self._tree.total + b * self.n), a=a, b=b)
 
+    def sample_in_groups(self, k: int, starts: Any, rows_per_group: int, *,
+                         rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Draw ``k`` ids in two stages that keep reads local (Parquet row groups).
+
+        Groups are contiguous id ranges ``[starts[g], starts[g+1])`` (the last ends at ``n``).
+        Stage one draws ``ceil(k / rows_per_group)`` groups, each with probability equal to its
+        mixture mass ``sum_{i in g} P_i``; stage two draws ``rows_per_group`` ids inside each
+        chosen group with probability ``P_i / mass_g``. Every draw therefore has the marginal
+        probability ``P_g * P_i / mass_g = P_i`` exactly, which is what ``probs`` returns, while
+        a plan touches ``k / rows_per_group`` groups instead of up to ``k``.
+
+        Args:
+            k: number of ids.
+            starts: sorted first id of every group (``starts[0] == 0``).
+            rows_per_group: ids drawn inside each chosen group.
+            rng: a generator instead of the table's own.
+        """
+        if rows_per_group < 1:
+            msg = f"rows_per_group must be >= 1, got {rows_per_group!r}"
+            raise ConfigError(msg)
+        rng = self._rng if rng is None else rng
+        starts = np.asarray(starts, dtype=np.int64)
+        ends = np.append(starts[1:], self.n)
+        groups = -(-int(k) // int(rows_per_group))
+        anchors, _ = self.sample(groups, rng=rng)
+        g = np.searchsorted(starts, anchors, side="right") - 1
+        lo = np.repeat(starts[g], rows_per_group)[:k]
+        hi = np.repeat(ends[g], rows_per_group)[:k]
+        a, b = self.coefficients()
+        c_lo = a * self._tree.prefix(lo) + b * lo
+        c_hi = a * self._tree.prefix(hi) + b * hi
+        positions = c_lo + rng.random(lo.size) * (c_hi - c_lo)
+        ids, probs = self.locate(positions, a=a, b=b)
+        # Rounding at a group's edge must not leave the group drawn in stage one.
+        ids = np.clip(ids, lo, hi - 1)
+        return ids, a * self._tree.leaves[ids] + b
+
     def locate(self, positions: np.ndarray, *, a: float, b: float) -> tuple[np.ndarray, np.ndarray]:
         """Ids at positions of the mass ``a * p_i**alpha + b`` (low level; ``sample`` uses it).
 

@@ -138,12 +138,16 @@ def test_pil_globals_are_left_alone(corpus, monkeypatch):
     assert Image.MAX_IMAGE_PIXELS == 100
 
 
+@pytest.mark.parametrize("progressive", [False, True])
 @pytest.mark.parametrize("cut", [0.05, 0.3, 0.6, 0.9, 0.99])
-def test_truncated_jpeg_never_decodes_half_grey(cut):
-    data = _jpeg(_gradient(96, 128))
+def test_truncated_jpeg_never_decodes_half_grey(cut, progressive):
+    data = _jpeg(_gradient(96, 128), progressive=progressive)
     end = max(3, int(len(data) * cut))
     with pytest.raises(DecodeError) as info:
         decode_image(data[:end])
+    assert info.value.reason == "truncated"
+    with pytest.raises(DecodeError) as info:
+        decode_image(data[:end], min_height=24, min_width=32)  # the DCT-scaled decode too
     assert info.value.reason == "truncated"
 
 

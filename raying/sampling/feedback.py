@@ -1,0 +1,139 @@
+"""Feedback from trainers: per-sample losses buffered and sent to the store without blocking."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from raying.config import DEFAULT_REPORT_FLUSH_IDS, DEFAULT_REPORT_FLUSH_S
+from raying.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def to_numpy(values: Any, *, dtype: Any) -> np.ndarray:
+    """A 1-D numpy array from torch (any device), tf, numpy, lists or scalars."""
+    if hasattr(values, "detach"):  # torch
+        values = values.detach()
+        if values.device.type != "cpu":
+            values = values.cpu()
+        values = values.numpy()
+    elif hasattr(values, "numpy") and not isinstance(values, np.ndarray):  # tf eager tensors
+        values = values.numpy()
+    return np.asarray(values, dtype=dtype).reshape(-1)
+
+
+class Reporter:
+    """Buffers (id, loss) pairs and sends them to a priority store in batches.
+
+    ``add`` converts and appends (microseconds); every ``flush_ids`` ids or ``flush_s``
+    seconds the buffer goes to the store with a fire-and-forget actor call. Nothing on this
+    path waits for the store. Length mismatches are rejected and counted (the store counts
+    NaN, inf, negative values and out-of-range ids).
+
+    Args:
+        handle: the store (a picklable ``StoreHandle``).
+        flush_ids: send when this many ids are buffered.
+        flush_s: ... or when the oldest buffered report is this old.
+    """
+
+    def __init__(self, handle: Any, *, flush_ids: int = DEFAULT_REPORT_FLUSH_IDS,
+                 flush_s: float = DEFAULT_REPORT_FLUSH_S) -> None:
+        self.handle = handle
+        self.flush_ids = int(flush_ids)
+        self.flush_s = float(flush_s)
+        self._ids: list[np.ndarray] = []
+        self._values: list[np.ndarray] = []
+        self._count = 0
+        self._since: float | None = None
+        self._lock = threading.Lock()
+        self.sent = 0
+        self.sends = 0
+        self.rejected_length = 0
+
+    def add(self, ids: Any, losses: Any) -> None:
+        """Buffer one batch of reports; send if the buffer is due."""
+        i = to_numpy(ids, dtype=np.int64)
+        v = to_numpy(losses, dtype=np.float64)
+        if i.size != v.size:
+            with self._lock:
+                self.rejected_length += max(i.size, v.size)
+            if self.rejected_length == max(i.size, v.size):
+                logger.warning("raying.report: %d ids but %d losses; the batch is rejected "
+                               "and counted (pass one loss per id)", i.size, v.size)
+            from raying.sampling.store import update_async
+
+            update_async(self.handle, i, v)  # the store counts it as a length mismatch
+            return
+        with self._lock:
+            self._ids.append(i)
+            self._values.append(v)
+            self._count += i.size
+            if self._since is None:
+                self._since = time.monotonic()
+            due = self._count >= self.flush_ids or time.monotonic() - self._since >= self.flush_s
+        if due:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what is buffered now (still without waiting for the store)."""
+        from raying.sampling.store import update_async
+
+        with self._lock:
+            if not self._ids:
+                return
+            ids = np.concatenate(self._ids)
+            values = np.concatenate(self._values)
+            self._ids, self._values, self._count, self._since = [], [], 0, None
+        update_async(self.handle, ids, values)
+        self.sent += ids.size
+        self.sends += 1
+
+
+_reporters: dict[tuple[str, str | None], Reporter] = {}
+_registry_lock = threading.Lock()
+
+
+def report(ids: Any, losses: Any, *, store: str, namespace: str | None = None) -> None:
+    """Report per-sample losses to the priority store named ``store``, without blocking.
+
+    For Ray Train workers, which hold no Pipeline: the pipeline's store name is
+    ``pipe.store_name`` (pass it to the workers in ``train_loop_config``).
+
+    Args:
+        ids: the batch's ``id`` column (torch, tf, numpy or a list).
+        losses: one loss per id, same length (unreduced: ``reduction="none"``).
+        store: the store's name.
+        namespace: its Ray namespace, if not the job's.
+    """
+    if not isinstance(store, str) or not store:
+        msg = f"report(..., store=...) needs the priority store's name, got {store!r}"
+        raise ConfigError(msg)
+    key = (store, namespace)
+    rep = _reporters.get(key)
+    if rep is None:
+        from raying.sampling.store import get_store
+
+        with _registry_lock:
+            rep = _reporters.get(key)
+            if rep is None:
+                rep = Reporter(get_store(store, namespace=namespace))
+                _reporters[key] = rep
+    rep.add(ids, losses)
+
+
+def flush_all() -> None:
+    """Send every buffered report of this process (called at exit and by ``Pipeline.close``)."""
+    for rep in list(_reporters.values()):
+        try:
+            rep.flush()
+        except Exception:  # noqa: BLE001 - at exit the store may already be gone
+            logger.debug("could not flush reports to %s", rep.handle.name, exc_info=True)
+
+
+atexit.register(flush_all)

@@ -1,0 +1,234 @@
+"""The prioritized sampler: reads drawn from the priority store, which trainers' losses shape."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from raying.config import DEFAULT_PLAN_CHUNK_IDS
+from raying.errors import ConfigError
+from raying.plan import EpochPlan, ReadUnit
+
+# A buffered plan is dropped (and a fresh one drawn) once this process has sent reports since
+# it was drawn, or once it is this old (reports from other processes, e.g. Train workers).
+# Dropping the rest of a plan does not bias sampling: each draw was made from P at its time.
+DEFAULT_PLAN_MAX_AGE_S = 1.0
+
+
+class PrioritizedSampler:
+    """Draws each read's ids from a priority store that per-sample losses keep up to date.
+
+    Sample ``i`` is drawn with probability ``P_i = (1 - eps) * p_i**alpha / sum_j p_j**alpha
+    + eps / N`` where ``p_i`` is its latest reported loss (all start equal, so the first epoch
+    is uniform) and ``eps = uniform_mix`` keeps every sample reachable. Every batch carries
+    ``prob`` (``P_i``) and ``weight``, the importance weight ``(N * P_i)**-beta`` normalised
+    to at most 1, which makes the expected weighted loss equal the uniform one when
+    ``beta = 1``.
+
+    Ids are drawn when a read is submitted, so losses reported during an epoch shape the rest
+    of it; staleness is bounded by the reads in flight (a buffered plan is dropped as soon as
+    new losses are sent, or after ``DEFAULT_PLAN_MAX_AGE_S``). An "epoch" is ``samples_per_epoch``
+    draws (default ``N``). For Parquet, ``rows_per_group > 1`` draws row groups by their
+    priority mass and then rows inside them (the probabilities stay exact), so each row group
+    read serves several samples.
+
+    Args:
+        alpha: priority exponent (0 = uniform, 1 = proportional to loss).
+        beta: importance-weight exponent (0 = all weights 1).
+        uniform_mix: share ``eps`` of draws made uniformly.
+        seed: seeds the store's generator and the augmentation.
+        systematic: low-variance (stratified) plans instead of i.i.d. draws.
+        samples_per_epoch: draws per epoch; default the dataset size.
+        rows_per_group: Parquet rows drawn per chosen row group (1 = flat draws).
+        table: more table options (``cap_quantile``, ``age_after``, ``age_rate``,
+            ``initial_priority``), a dict or ``TableConfig``.
+        store: store options (``coalesce``, ``ema``, ``snapshot_uri``,
+            ``snapshot_every_updates``, ``snapshot_interval_s``, ``shard_rows``), a dict or
+            ``StoreConfig``.
+    """
+
+    name = "prioritized"
+    lazy = True
+
+    def __init__(self, alpha: float = 1.0, beta: float = 0.0, uniform_mix: float = 0.1,
+                 seed: int = 0, *, systematic: bool = True,
+                 samples_per_epoch: int | None = None, rows_per_group: int = 16,
+                 table: Mapping[str, Any] | Any = None,
+                 store: Mapping[str, Any] | Any = None) -> None:
+        if not (0.0 <= beta <= 1.0):
+            msg = f"PrioritizedSampler(beta=...) must be in [0, 1], got {beta!r}"
+            raise ConfigError(msg)
+        if samples_per_epoch is not None and samples_per_epoch < 1:
+            msg = (f"PrioritizedSampler(samples_per_epoch=...) must be >= 1 or None, got "
+                   f"{samples_per_epoch!r}")
+            raise ConfigError(msg)
+        if rows_per_group < 1:
+            msg = f"PrioritizedSampler(rows_per_group=...) must be >= 1, got {rows_per_group!r}"
+            raise ConfigError(msg)
+        import dataclasses
+
+        from raying.sampling.table import TableConfig
+
+        if table is None:
+            extra: dict[str, Any] = {}
+        elif isinstance(table, Mapping):
+            extra = dict(table)
+        elif isinstance(table, TableConfig):
+            extra = dataclasses.asdict(table)
+        else:
+            msg = f"PrioritizedSampler(table=...) must be a dict or TableConfig, got {table!r}"
+            raise ConfigError(msg)
+        extra.update(alpha=alpha, uniform_mix=uniform_mix, seed=seed, beta=beta)
+        self.table_config = TableConfig(**extra)
+        self.alpha, self.beta, self.uniform_mix, self.seed = alpha, beta, uniform_mix, seed
+        self.systematic = systematic
+        self.samples_per_epoch = samples_per_epoch
+        self.rows_per_group = rows_per_group
+        self.store_options = store
+        self.handle: Any = None
+        self.store_name: str | None = None
+        self._reporter: Any = None
+        self._starts: np.ndarray | None = None
+        self._buf: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._buf_sends = 0
+        self._buf_time = 0.0
+        self._lock = threading.Lock()
+        self._n = 0
+
+    # -- picklable for Ray Data read tasks (the handle travels; buffers stay behind) -----------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_reporter=None, _buf=None, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (f"PrioritizedSampler(alpha={self.alpha}, beta={self.beta}, "
+                f"uniform_mix={self.uniform_mix}, seed={self.seed})")
+
+    # -- set-up --------------------------------------------------------------------------------
+    def bind(self, manifest: Any, *, name: str) -> None:
+        """Create (or find, after a driver restart) the pipeline's priority store."""
+        from raying.sampling import store as st
+        from raying.sampling.feedback import Reporter
+
+        self._n = len(manifest)
+        self.store_name = f"{name}-priorities"
+        try:
+            self.handle = st.get_store(self.store_name)
+            if self.handle.n != self._n:
+                msg = (f"a priority store named {self.store_name!r} exists with "
+                       f"{self.handle.n} rows, but the dataset has {self._n}; use another "
+                       f"PipelineConfig(name=...)")
+                raise ConfigError(msg)
+        except ConfigError as exc:
+            if "exists with" in str(exc):
+                raise
+            self.handle = st.create_store(self.store_name, self._n, table=self.table_config,
+                                          config=self.store_options)
+        self._reporter = Reporter(self.handle)
+        if manifest.format == "parquet" and self.rows_per_group > 1:
+            self._starts = manifest.row_group_table()[2]
+
+    # -- plans ---------------------------------------------------------------------------------
+    def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:
+        """Lazy units: ids are drawn from the store when each unit is submitted."""
+        total = self.samples_per_epoch or len(manifest)
+        units = []
+        for k in range(math.ceil(total / block_rows)):
+            draw = min(block_rows, total - k * block_rows)
+            units.append(ReadUnit(epoch=epoch, index=k, draw=draw))
+        return EpochPlan(epoch=epoch, units=units, sampler=self.name)
+
+    def _draw(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        from raying.sampling import store as st
+
+        chunk = max(DEFAULT_PLAN_CHUNK_IDS, k)
+        if self._starts is not None:
+            plan = st.sample_grouped_plan(self.handle, chunk, self._starts, self.rows_per_group)
+            order = np.argsort(plan.ids, kind="stable")  # group draws by row group
+        else:
+            plan = st.sample_plan(self.handle, chunk, systematic=self.systematic)
+            # A systematic plan comes sorted by id; shuffle it so each unit is a random part.
+            order = np.random.default_rng(int(plan.ids.sum()) + chunk).permutation(chunk)
+        ids, probs = plan.ids[order], plan.probs[order]
+        return ids, probs, plan.weights(self.beta).astype(np.float32)[order]
+
+    def fill(self, unit: ReadUnit) -> ReadUnit:
+        """Give a lazy unit its ids, probabilities and importance weights (driver or task)."""
+        if unit.ids is not None:
+            return unit
+        if self.handle is None:
+            msg = "PrioritizedSampler is not bound to a store; build a Pipeline with it first"
+            raise ConfigError(msg)
+        with self._lock:
+            sends = self._reporter.sends if self._reporter is not None else 0
+            now = time.monotonic()
+            stale = sends != self._buf_sends or now - self._buf_time > DEFAULT_PLAN_MAX_AGE_S
+            if self._buf is None or len(self._buf[0]) < unit.draw or stale:
+                self._buf = self._draw(unit.draw)
+                self._buf_sends, self._buf_time = sends, now
+            ids, probs, weights = self._buf
+            self._buf = (ids[unit.draw:], probs[unit.draw:], weights[unit.draw:])
+        part = slice(0, unit.draw)
+        if self._starts is not None:  # one unit reads whole row groups: keep its rows together
+            order = np.argsort(ids[part], kind="stable")
+            ids, probs, weights = ids[part][order], probs[part][order], weights[part][order]
+        unit.ids, unit.probs, unit.weights = ids[part], probs[part], weights[part]
+        return unit
+
+    # -- feedback, stats, state ----------------------------------------------------------------
+    def report(self, ids: Any, losses: Any) -> None:
+        """Buffer losses as priorities; they reach the store without blocking the step."""
+        if self._reporter is None:
+            msg = "PrioritizedSampler is not bound to a store; build a Pipeline with it first"
+            raise ConfigError(msg)
+        self._reporter.add(ids, losses)
+
+    def flush(self) -> None:
+        if self._reporter is not None:
+            self._reporter.flush()
+
+    def stats(self) -> dict[str, Any]:
+        from raying.sampling import store as st
+
+        if self.handle is None:
+            return {"sampler": self.name}
+        self.flush()
+        out = st.stats(self.handle)
+        out["sampler"] = self.name
+        out["reports_sent"] = self._reporter.sent if self._reporter else 0
+        out["reports_rejected_length"] = self._reporter.rejected_length if self._reporter else 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The store's tables (priorities included) and the sampler's settings."""
+        from raying.sampling import store as st
+
+        self.flush()
+        tables = st.state_dict(self.handle) if self.handle is not None else None
+        return {"sampler": self.name, "seed": self.seed, "alpha": self.alpha,
+                "tables": tables}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from raying.sampling import store as st
+
+        if state.get("sampler") != self.name:
+            msg = (f"state was saved by a {state.get('sampler')!r} sampler; this pipeline uses "
+                   f"{self.name!r}")
+            raise ConfigError(msg)
+        if state.get("tables") is not None and self.handle is not None:
+            st.load_state_dict(self.handle, state["tables"])
+        with self._lock:
+            self._buf = None
+
+    def close(self) -> None:
+        self.flush()

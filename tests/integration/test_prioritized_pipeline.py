@@ -1,0 +1,115 @@
+"""Prioritized sampling through the real pipeline, store and asynchronous feedback."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+import raying
+
+
+def _binom_z(k: int, n: int, p: float) -> float:
+    return (k - n * p) / math.sqrt(n * p * (1 - p))
+
+
+@pytest.fixture(scope="module")
+def manifest(image_folder):
+    return raying.Manifest.scan(str(image_folder))
+
+
+def test_batches_carry_prob_and_weight(manifest, ray_local):
+    s = raying.PrioritizedSampler(alpha=1.0, beta=1.0, uniform_mix=0.1, seed=0,
+                                  samples_per_epoch=96)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=32), sampler=s,
+                           config=raying.PipelineConfig(block_rows=32))
+    rows = list(pipe.iter_batches(batch_size=32, epoch=0))
+    assert sum(len(b["id"]) for b in rows) == 96
+    b = rows[0]
+    # All priorities start equal: uniform probabilities, weights 1.
+    assert np.allclose(b["prob"], 1 / 60) and np.allclose(b["weight"], 1.0)
+    assert b["weight"].dtype == np.float32 and b["prob"].dtype == np.float64
+    assert np.array_equal(b["label"], manifest.labels[b["id"]])
+    pipe.close()
+
+
+def test_reported_losses_reshape_later_reads(manifest, ray_local):
+    s = raying.PrioritizedSampler(alpha=1.0, beta=1.0, uniform_mix=0.1, seed=1,
+                                  samples_per_epoch=600)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
+                           config=raying.PipelineConfig(block_rows=64, keep_warm=False))
+    hard = np.flatnonzero(manifest.labels == 0)  # 20 of 60 ids
+    losses = np.where(manifest.labels == 0, 9.0, 1.0)
+    pipe.report(np.arange(60), losses)
+    s.flush()
+    raying.sampling.store.flush(s.handle)
+    seen = []
+    probs = {}
+    weights = {}
+    for b in pipe.iter_batches(batch_size=64, epoch=0):
+        seen.append(b["id"])
+        probs.update(zip(b["id"].tolist(), b["prob"].tolist()))
+        weights.update(zip(b["id"].tolist(), b["weight"].tolist()))
+    ids = np.concatenate(seen)
+    mass_hard = 0.9 * (20 * 9.0) / (20 * 9.0 + 40 * 1.0) + 0.1 * 20 / 60
+    k = int(np.isin(ids, hard).sum())
+    assert abs(_binom_z(k, len(ids), mass_hard)) < 4, (k, len(ids), mass_hard)
+    assert _binom_z(k, len(ids), 1 / 3) > 10, "hard samples must be drawn far more than 1/3"
+    p_hard = 0.9 * 9.0 / 220.0 + 0.1 / 60
+    p_easy = 0.9 * 1.0 / 220.0 + 0.1 / 60
+    assert probs[int(hard[0])] == pytest.approx(p_hard, rel=1e-9)
+    easy = int(np.flatnonzero(manifest.labels == 1)[0])
+    if easy in probs:
+        assert probs[easy] == pytest.approx(p_easy, rel=1e-9)
+        assert weights[easy] == pytest.approx(1.0)
+    assert weights[int(hard[0])] == pytest.approx((60 * p_hard) ** -1 / (60 * p_easy) ** -1,
+                                                  rel=1e-6)
+    pipe.close()
+
+
+def test_losses_during_an_epoch_shape_the_rest_of_it(manifest, ray_local):
+    s = raying.PrioritizedSampler(alpha=1.0, uniform_mix=0.0, seed=2, samples_per_epoch=2048)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
+                           config=raying.PipelineConfig(block_rows=64, window=2,
+                                                        keep_warm=False))
+    target = 7
+    before, after = [], []
+    reported = False
+    for i, b in enumerate(pipe.iter_batches(batch_size=64, epoch=0, prefetch_batches=1)):
+        (after if reported else before).append(b["id"])
+        if i == 4:
+            # Only sample 7 matters from now on.
+            pipe.report(np.arange(60), np.where(np.arange(60) == target, 1.0, 0.0))
+            s.flush()
+            reported = True
+    tail = np.concatenate(after[8:])  # past the reads already in flight and buffered
+    assert len(tail) > 500 and (tail == target).all()
+    assert (np.concatenate(before) == target).mean() < 0.2
+    pipe.close()
+
+
+def test_train_workers_report_by_store_name(manifest, ray_local):
+    import ray
+
+    s = raying.PrioritizedSampler(seed=3)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s)
+    name = pipe.store_name
+
+    @ray.remote(num_cpus=0)
+    def worker(ids, value):
+        raying.report(ids, np.full(len(ids), value), store=name)
+        raying.sampling.feedback.flush_all()
+
+    ray.get([worker.remote(np.arange(0, 30), 2.0), worker.remote(np.arange(30, 60), 5.0)])
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        pr = raying.sampling.store.priorities(s.handle)
+        if (pr[:30] == 2.0).all() and (pr[30:] == 5.0).all():
+            break
+        time.sleep(0.05)
+    assert (pr[:30] == 2.0).all() and (pr[30:] == 5.0).all()
+    st = pipe.stats()["sampling"]
+    assert st["updates_received"] >= 60
+    pipe.close()

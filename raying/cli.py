@@ -21,6 +21,8 @@ EXAMPLES = {
     "bench": "raying bench --quick\n  raying bench --images 10000 --rounds 3 --out bench-results/",
     "advise": "raying advise ./images/\n  raying advise s3://bucket/train --json",
     "cluster": "raying cluster start   # a local head with token auth\n"
+               "  raying cluster status\n"
+               "  raying cluster start --env-file ~/.config/raying/secrets.env\n"
                "  raying cluster stop",
 }
 
@@ -154,12 +156,21 @@ def build_parser() -> argparse.ArgumentParser:
     _storage_args(a)
     a.set_defaults(func=_lazy("raying.advise", "main"))
 
-    c = add("cluster", "Start or stop a local Ray head with token authentication.")
+    c = add("cluster", "Start, check or stop a local Ray head with token authentication.")
     c.add_argument("action", choices=["start", "stop", "status"])
-    c.add_argument("--port", type=int, default=6380)
-    c.add_argument("--dashboard-port", type=int, default=8265)
-    c.add_argument("--num-cpus", type=int, default=None)
-    c.add_argument("--token-file", default=None, help="where the auth token is kept")
+    c.add_argument("--port", type=int, default=6380, help="GCS port (0: a free one)")
+    c.add_argument("--dashboard-port", type=int, default=8265,
+                   help="job API / dashboard port on 127.0.0.1 (0: a free one)")
+    c.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the head")
+    c.add_argument("--resources", default=None, metavar="JSON",
+                   help='custom resources, e.g. \'{"trainer": 1}\'')
+    c.add_argument("--token-file", default=None,
+                   help="where the auth token is kept (default <state-dir>/auth_token)")
+    c.add_argument("--state-dir", default=None,
+                   help="state file, token and log of the head (default ~/.raying/cluster)")
+    c.add_argument("--env-file", default=None, metavar="FILE",
+                   help="KEY=VALUE lines set in every process of the head: secrets for the "
+                        "jobs, kept out of job submissions (see docs/secrets.md)")
     c.set_defaults(func=_lazy("raying.cluster", "main"))
     return p
 

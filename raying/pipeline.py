@@ -180,6 +180,7 @@ class Pipeline:
                      prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
                      drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
         """numpy batches: ``id``, ``label``, ``image`` (uint8 NHWC), ``weight``, ``prob``."""
+        self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
         assembler = BatchAssembler(batch_size, drop_last=drop_last)
 
         def batches():
@@ -207,6 +208,7 @@ class Pipeline:
         """
         from raying.config import DEFAULT_MEAN, DEFAULT_STD
 
+        self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
         conv = TorchConverter(device, normalize=normalize, mean=mean or DEFAULT_MEAN,
                               std=std or DEFAULT_STD, pin_memory=pin_memory)
         assembler = BatchAssembler(batch_size, drop_last=drop_last)

@@ -24,6 +24,7 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     ``as_supervised=True``, which Keras ``fit`` takes as (x, y, sample_weight).
     """
     tf = _tf()
+    pipe._block_stream()  # start Ray (if needed) in this thread, not in tf.data's
     size = pipe.transform.size
     counter = itertools.count(0 if epoch is None else int(epoch))
 

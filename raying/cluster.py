@@ -1,0 +1,363 @@
+"""`raying cluster`: a local Ray head with token authentication, started and stopped by its own.
+
+Ray 2.60 serves the job API (``ray job submit``) to anyone who can reach the dashboard port
+unless token authentication is on. ``start`` turns it on for one head::
+
+    raying cluster start  ->  token file (0600)  ->  ray start --head --block  (own session)
+                              RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH=<token file>,
+                              dashboard on 127.0.0.1, free ports, a marker in every process' env
+    raying cluster stop   ->  SIGTERM to that `ray start`, then every process carrying the
+                              marker (job drivers included); SIGKILL after a grace period
+
+``ray stop`` would stop every Ray process of the machine (other users' clusters too); ``stop``
+here touches only the processes of the head it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from raying.errors import ConfigError, RayingError
+
+DEFAULT_CLUSTER_PORT = 6380
+DEFAULT_DASHBOARD_PORT = 8265
+DEFAULT_STATE_DIR = "~/.raying/cluster"
+# How long `start` waits for the head's job API to answer.
+DEFAULT_START_TIMEOUT_S = 90.0
+# How long `stop` waits after SIGTERM before it sends SIGKILL.
+DEFAULT_STOP_GRACE_S = 10.0
+# Every process of a head started here carries this variable: `stop` finds them by it.
+MARKER_ENV = "RAYING_CLUSTER_ID"
+STATE_FILE = "cluster.json"
+_HEALTH_PATH = "/api/gcs_healthz"  # public: answers without a token
+_VERSION_PATH = "/api/version"  # needs the token when auth is on
+
+
+class ClusterError(RayingError, RuntimeError):
+    """The local head did not start, or its state cannot be read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalCluster:
+    """A running local head; everything a client needs except the token itself.
+
+    Attributes:
+        address: the GCS address (``127.0.0.1:port``), for ``ray.init(address=...)``.
+        dashboard_url: the job API (``ray job submit --address ...``).
+        token_file: where the auth token is kept (mode 0600).
+        state_dir: folder with the state file and the head's log.
+        temp_dir: the head's Ray temp dir (sessions, logs).
+        pid: process id of the ``ray start --block`` that owns the head.
+        cluster_id: the marker value in every process of this head.
+    """
+
+    address: str
+    dashboard_url: str
+    token_file: str
+    state_dir: str
+    temp_dir: str
+    pid: int
+    cluster_id: str
+
+    def client_env(self) -> dict[str, str]:
+        """Environment for Ray clients (``ray job submit``, ``ray.init``) to send the token."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_file}
+
+    def auth_headers(self) -> dict[str, str]:
+        """HTTP headers for ``JobSubmissionClient(url, headers=...)``."""
+        token = Path(self.token_file).read_text().strip()
+        return {"Authorization": f"Bearer {token}"}
+
+    def job_client(self):
+        """A ``JobSubmissionClient`` that sends the token."""
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.dashboard_url, headers=self.auth_headers())
+
+    def submit_command(self, entrypoint: str = "python jobs/train_torch.py --smoke-test") -> str:
+        """The exact shell command that submits ``entrypoint`` to this head."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.client_env().items())
+        return (f"{env} ray job submit --address {self.dashboard_url} --working-dir . "
+                f"-- {entrypoint}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the usual small race applies)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ensure_token(path: Path) -> None:
+    if path.exists() and path.read_text().strip():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # what `ray get-auth-token --generate` writes
+
+
+def _http_status(url: str, headers: Mapping[str, str] | None = None) -> int | None:
+    req = urllib.request.Request(url, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(req, timeout=2.0) as resp:  # noqa: S310 - local URL
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _state_path(state_dir: str | os.PathLike) -> Path:
+    return Path(state_dir).expanduser() / STATE_FILE
+
+
+def load(state_dir: str | os.PathLike = DEFAULT_STATE_DIR) -> LocalCluster:
+    """The head recorded in ``state_dir`` (it may have died since)."""
+    path = _state_path(state_dir)
+    if not path.exists():
+        msg = (f"no local head recorded in {path.parent}; start one with `raying cluster "
+               f"start`")
+        raise ClusterError(msg)
+    return LocalCluster(**json.loads(path.read_text()))
+
+
+def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DASHBOARD_PORT,
+          num_cpus: int | None = None, resources: Mapping[str, float] | None = None,
+          labels: Mapping[str, str] | None = None, token_file: str | None = None,
+          state_dir: str | os.PathLike = DEFAULT_STATE_DIR,
+          env: Mapping[str, str] | None = None,
+          timeout_s: float = DEFAULT_START_TIMEOUT_S) -> LocalCluster:
+    """Start a local head with token auth and wait until its job API answers.
+
+    Args:
+        port: GCS port; 0 picks a free one.
+        dashboard_port: dashboard / job API port on 127.0.0.1; 0 picks a free one.
+        num_cpus: logical CPUs of the head; None lets Ray count them.
+        resources: custom resources, e.g. ``{"trainer": 1}``.
+        labels: node labels, e.g. ``{"raying/role": "head"}``.
+        token_file: the token; created (0600) if missing. Default ``<state_dir>/auth_token``.
+        state_dir: where the state file, token and log go.
+        env: extra environment for every process of the head (secrets the jobs need, on the
+            cluster rather than in job submissions; never printed).
+        timeout_s: how long to wait for the job API.
+    """
+    state = Path(state_dir).expanduser().resolve()
+    if _state_path(state).exists():
+        old = load(state)
+        if _alive(old.pid):
+            msg = (f"a head started from {state} is running ({old.dashboard_url}, pid "
+                   f"{old.pid}); stop it with `raying cluster stop` or use another state dir")
+            raise ClusterError(msg)
+        _state_path(state).unlink()
+    state.mkdir(parents=True, exist_ok=True)
+    token = Path(token_file).expanduser().resolve() if token_file else state / "auth_token"
+    _ensure_token(token)
+    port = port or free_port()
+    dashboard_port = dashboard_port or free_port()
+    # Short: Ray's unix socket paths under the session dir must stay below 108 characters.
+    temp_dir = tempfile.mkdtemp(prefix="rc-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    cluster_id = uuid.uuid4().hex
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    if ray_bin is None:
+        msg = "the `ray` command is not on PATH; install it with pip install 'ray[default]'"
+        raise ClusterError(msg)
+    cmd = [ray_bin, "start", "--head", "--block", f"--port={port}",
+           "--node-ip-address=127.0.0.1", "--include-dashboard=true",
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+           f"--temp-dir={temp_dir}", "--disable-usage-stats",
+           # Every port of its own, so this head coexists with other local clusters.
+           f"--ray-client-server-port={free_port()}", f"--node-manager-port={free_port()}",
+           f"--object-manager-port={free_port()}", f"--metrics-export-port={free_port()}",
+           f"--dashboard-agent-listen-port={free_port()}",
+           f"--dashboard-agent-grpc-port={free_port()}",
+           f"--runtime-env-agent-port={free_port()}"]
+    if num_cpus is not None:
+        cmd.append(f"--num-cpus={int(num_cpus)}")
+    if resources:
+        cmd.append(f"--resources={json.dumps(dict(resources))}")
+    if labels:
+        cmd.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+    child_env = {k: v for k, v in os.environ.items()
+                 if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN") and not k.startswith("RAY_AUTH")}
+    child_env.update(env or {})
+    child_env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+                      MARKER_ENV: cluster_id})
+    log = open(state / "head.log", "ab")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    log.close()
+    cluster = LocalCluster(address=f"127.0.0.1:{port}",
+                           dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+                           token_file=str(token), state_dir=str(state), temp_dir=temp_dir,
+                           pid=proc.pid, cluster_id=cluster_id)
+    _state_path(state).write_text(json.dumps(dataclasses.asdict(cluster), indent=2))
+    try:
+        _wait_ready(cluster, proc, timeout_s)
+    except BaseException:
+        stop(cluster)
+        raise
+    return cluster
+
+
+def _wait_ready(cluster: LocalCluster, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    headers = cluster.auth_headers()
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = (Path(cluster.state_dir) / "head.log").read_text(errors="replace")[-2000:]
+            msg = f"`ray start --head` exited with code {proc.returncode}:\n{tail}"
+            raise ClusterError(msg)
+        if (_http_status(cluster.dashboard_url + _HEALTH_PATH) == 200
+                and _http_status(cluster.dashboard_url + _VERSION_PATH, headers) == 200):
+            return
+        time.sleep(0.5)
+    msg = (f"the head's job API ({cluster.dashboard_url}) did not answer within {timeout_s:g} "
+           f"s; see {cluster.state_dir}/head.log")
+    raise ClusterError(msg)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):  # a zombie (our own unreaped child) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def marked_pids(cluster_id: str) -> list[int]:
+    """Processes whose environment carries this head's marker (Linux ``/proc``)."""
+    needle = f"{MARKER_ENV}={cluster_id}".encode()
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        if pid == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and _alive(pid):
+            pids.append(pid)
+    return pids
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def stop(cluster: LocalCluster | None = None, *,
+         state_dir: str | os.PathLike = DEFAULT_STATE_DIR,
+         grace_s: float = DEFAULT_STOP_GRACE_S) -> int:
+    """Stop the head and every process it started; returns how many processes were left.
+
+    Only processes of this head are signalled (found by their marker); ``ray stop`` is never
+    used, because it stops every Ray process of the machine.
+    """
+    cluster = cluster or load(state_dir)
+    if _alive(cluster.pid):  # `ray start --block` kills its children on SIGTERM
+        _signal_all([cluster.pid], signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while _alive(cluster.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    left = marked_pids(cluster.cluster_id)
+    _signal_all(left, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = marked_pids(cluster.cluster_id)
+    _signal_all(left + ([cluster.pid] if _alive(cluster.pid) else []), signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(cluster.pid, os.WNOHANG)  # reap it when this process started it
+    deadline = time.monotonic() + grace_s
+    while marked_pids(cluster.cluster_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        _state_path(cluster.state_dir).unlink()
+    return len(left)
+
+
+def status(state_dir: str | os.PathLike = DEFAULT_STATE_DIR) -> dict[str, Any]:
+    """What the recorded head looks like now: alive, healthy, address, processes."""
+    cluster = load(state_dir)
+    alive = _alive(cluster.pid)
+    healthy = alive and _http_status(cluster.dashboard_url + _HEALTH_PATH) == 200
+    return {"running": bool(alive), "healthy": bool(healthy), "address": cluster.address,
+            "dashboard": cluster.dashboard_url, "token_file": cluster.token_file,
+            "pid": cluster.pid, "processes": len(marked_pids(cluster.cluster_id)),
+            "submit": cluster.submit_command()}
+
+
+def _read_env_file(path: str) -> dict[str, str]:
+    out = {}
+    for n, line in enumerate(Path(path).expanduser().read_text().splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            msg = f"{path}:{n}: expected KEY=VALUE, got a line without '=' (values not shown)"
+            raise ConfigError(msg)
+        out[key.strip().removeprefix("export ").strip()] = value.strip().strip("'\"")
+    return out
+
+
+def _print_started(cluster: LocalCluster) -> None:
+    print(f"head:       {cluster.address}  (ray.init(address=...) needs the env below)")
+    print(f"dashboard:  {cluster.dashboard_url}  (127.0.0.1 only; token auth on)")
+    print(f"token file: {cluster.token_file}  (mode 0600; never paste it into a job)")
+    print("submit a job:")
+    print(f"  {cluster.submit_command()}")
+    print("from Python:")
+    print(f"  JobSubmissionClient({cluster.dashboard_url!r}, headers={{'Authorization': "
+          f"'Bearer ' + open({cluster.token_file!r}).read().strip()}})")
+    print("stop it:     raying cluster stop")
+
+
+def main(ns: Any) -> int:
+    """`raying cluster start|stop|status` (see raying.cli)."""
+    state_dir = getattr(ns, "state_dir", None) or DEFAULT_STATE_DIR
+    if ns.action == "start":
+        env = _read_env_file(ns.env_file) if getattr(ns, "env_file", None) else None
+        resources = json.loads(ns.resources) if getattr(ns, "resources", None) else None
+        cluster = start(port=ns.port, dashboard_port=ns.dashboard_port, num_cpus=ns.num_cpus,
+                        resources=resources, token_file=ns.token_file, state_dir=state_dir,
+                        env=env)
+        _print_started(cluster)
+        return 0
+    if ns.action == "stop":
+        cluster = load(state_dir)
+        left = stop(cluster)
+        print(f"stopped the head at {cluster.address}"
+              + (f" ({left} processes needed SIGTERM after it)" if left else ""))
+        return 0
+    info = status(state_dir)
+    for k, v in info.items():
+        print(f"{k:>10}: {v}")
+    return 0 if info["running"] else 1

@@ -38,6 +38,7 @@ class ArmConfig:
         size: image size the transform outputs.
         crop_scale: the training crop's area range (random-resized-crop).
         torch_threads: intra-op threads of the trainer (the rest of the CPUs decode).
+        ema: decay of the weight average that is evaluated (None: the raw weights).
     """
 
     arm: str = "uniform"
@@ -56,6 +57,7 @@ class ArmConfig:
     size: int = 32
     crop_scale: tuple[float, float] = (0.6, 1.0)
     torch_threads: int = 1
+    ema: float | None = 0.98
 
     def __post_init__(self) -> None:
         if self.arm not in _ARMS:
@@ -173,6 +175,11 @@ def train_arm(train_manifest: Any, val: tuple[Any, Any], cfg: ArmConfig, *,
     rare = np.asarray(rare_classes, dtype=np.int64)
     model = build_model(n_classes).to(memory_format=torch.channels_last)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    # Scored with an exponential moving average of the weights: Adam at a constant rate swings
+    # between look-alike classes from step to step, and the average makes the curves readable.
+    scored = (torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
+        if cfg.ema else model)
     transform = raying.ImageTransform(size=cfg.size, random_crop=True, flip=True,
                                       scale=cfg.crop_scale)
     if cfg.arm == "prioritized":
@@ -196,7 +203,7 @@ def train_arm(train_manifest: Any, val: tuple[Any, Any], cfg: ArmConfig, *,
     def evaluate() -> dict[str, Any]:
         nonlocal t_window, window_images, window_rare, eval_s
         t_eval = time.perf_counter()
-        acc = per_class_accuracy(model, val_x, val_y, n_classes)
+        acc = per_class_accuracy(scored, val_x, val_y, n_classes)
         st = pipe.stats()
         now = time.perf_counter()
         common = np.setdiff1d(np.arange(n_classes), rare)
@@ -246,6 +253,8 @@ def train_arm(train_manifest: Any, val: tuple[Any, Any], cfg: ArmConfig, *,
                     opt.zero_grad(set_to_none=True)
                     objective.backward()
                     opt.step()
+                    if scored is not model:
+                        scored.update_parameters(model)
                     pipe.report(batch["id"], loss.detach())  # buffered; never blocks the step
                     step += 1
                     n = int(batch["id"].shape[0])

@@ -112,8 +112,10 @@ class Pipeline:
         self.name = self.config.name or f"raying-{uuid.uuid4().hex[:8]}"
         self.account = RunAccount(manifest)
         self._stream = None
-        self._cursor: dict[str, Any] = {"epoch": 0, "units": [], "delivered": 0}
-        self._resume: tuple[int, int, int] | None = None
+        # Where the consumer stands: units seen so far as (index, first row, end row) and rows
+        # delivered in the epoch (``base`` of them before the first listed unit, on resume).
+        self._cursor: dict[str, Any] = {"epoch": 0, "units": [], "delivered": 0, "base": 0}
+        self._resume: tuple[int, int, int, int] | None = None
         self._bound = False
         self._lookup: ManifestLookup | None = None
         self._spec = ReadSpec.of(manifest, self.transform, getattr(self.sampler, "seed", 0),
@@ -161,12 +163,13 @@ class Pipeline:
     def iter_blocks(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """The epoch's blocks in plan order (host numpy; image uint8 NHWC)."""
         stream = self._block_stream()
-        start_unit, skip = 0, 0
+        start_unit, skip, base = 0, 0, 0
         if self._resume is not None and self._resume[0] == epoch:
-            _, start_unit, skip = self._resume
+            _, start_unit, skip, base = self._resume
         self._resume = None
         units: list[tuple[int, int, int]] = []
-        self._cursor = {"epoch": int(epoch), "units": units, "delivered": 0}
+        self._cursor = {"epoch": int(epoch), "units": units, "delivered": base, "base": base,
+                        "start": (start_unit, skip)}
         first = True
         for index, block in stream.iter_epoch(int(epoch), start_unit=start_unit, skip_rows=skip,
                                               on_account=self.account.add):
@@ -269,12 +272,14 @@ class Pipeline:
     def state_dict(self) -> dict[str, Any]:
         """Where this pipeline stands: epoch, position in its plan, sampler state."""
         cur = self._cursor
-        if not cur["units"] and self._resume is not None:
-            _, unit, row = self._resume
+        if self._resume is not None:
+            epoch, unit, row, delivered = self._resume
         else:
-            unit, row = _position(cur["units"], cur["delivered"])
-        return {"version": 1, "epoch": cur["epoch"], "unit": unit, "row": row,
-                "delivered": cur["delivered"], "sampler": self.sampler.state_dict(),
+            epoch, delivered = cur["epoch"], cur["delivered"]
+            unit, row = _position(cur["units"], delivered - cur["base"],
+                                  cur.get("start", (0, 0)))
+        return {"version": 1, "epoch": epoch, "unit": unit, "row": row,
+                "delivered": delivered, "sampler": self.sampler.state_dict(),
                 "fingerprint": self.manifest.fingerprint()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -284,9 +289,12 @@ class Pipeline:
                    f"{state.get('fingerprint')} != {self.manifest.fingerprint()}); rebuild the "
                    f"pipeline on the same manifest")
             raise ConfigError(msg)
+        self._bind()
         self.sampler.load_state_dict(state["sampler"])
-        self._resume = (int(state["epoch"]), int(state["unit"]), int(state["row"]))
-        self._cursor = {"epoch": int(state["epoch"]), "units": [], "delivered": 0}
+        self._resume = (int(state["epoch"]), int(state["unit"]), int(state["row"]),
+                        int(state.get("delivered", 0)))
+        if self._stream is not None:
+            self._stream.cancel()
 
     def close(self) -> None:
         """Cancel reads in flight and flush pending feedback."""
@@ -308,7 +316,8 @@ class Pipeline:
                 f"transform={self.transform!r}, on_error={self.on_error!r})")
 
 
-def _position(units: list[tuple[int, int, int]], delivered: int) -> tuple[int, int]:
+def _position(units: list[tuple[int, int, int]], delivered: int,
+              start: tuple[int, int] = (0, 0)) -> tuple[int, int]:
     """(unit index, row within that unit's output) of the next undelivered row."""
     left = delivered
     for index, begin, end in units:
@@ -317,5 +326,5 @@ def _position(units: list[tuple[int, int, int]], delivered: int) -> tuple[int, i
         left -= end - begin
     if units:
         return units[-1][0] + 1, 0
-    return 0, 0
+    return start
 

@@ -1,0 +1,221 @@
+"""CPU-seconds and peak memory of a process tree, read from /proc by a watcher outside it.
+
+The bench runs each measurement in a child process; the orchestrator watches the child and
+every descendant (Ray's raylet, GCS and workers, torch DataLoader workers, the limit's
+processes) without running inside the tree, so the watcher's own cost is not charged to the
+peer.
+
+- CPU: ``utime + stime`` of every process ever seen in the tree, each at its last reading,
+  summed. A process that exits keeps its last reading, so workers that come and go are still
+  counted (up to one sampling interval of their final work). Readings are taken every
+  ``DEFAULT_CPU_INTERVAL_S`` and on demand at the child's marks (epoch ends), so the CPU of a
+  window between two marks is exact up to the latency of a pipe read (~1 ms).
+- Memory: the tree's PSS (``Pss`` of ``/proc/<pid>/smaps_rollup``, summed), sampled every
+  ``DEFAULT_PSS_INTERVAL_S``. PSS splits each shared page between the processes that map it,
+  so copy-on-write pages of forked workers and Ray's shared-memory object store are counted
+  once, not once per process as a sum of RSS would. It is a sampled peak: a spike shorter than
+  the interval can be missed. The sum of the processes' ``VmHWM`` (kernel-tracked peak RSS,
+  which double-counts shared pages) is kept as an upper bound.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+# How often the watcher reads the tree's CPU times, discovers new processes and reads PSS.
+DEFAULT_CPU_INTERVAL_S = 0.25
+DEFAULT_DISCOVER_INTERVAL_S = 1.0
+DEFAULT_PSS_INTERVAL_S = 1.0
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+_MB = 1024.0 * 1024.0
+
+
+def _stat(pid: int) -> tuple[int, int, float] | None:
+    """(ppid, start time in ticks, CPU seconds) of ``pid``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses; the fields follow the last ')'.
+    fields = raw[raw.rfind(b")") + 2:].split()
+    return int(fields[1]), int(fields[19]), (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def _kib_field(path: str, key: bytes) -> int:
+    """A ``Key:  N kB`` field of a /proc file in KiB (0 if the process is gone)."""
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                if line.startswith(key):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every live process below it (one scan of /proc)."""
+    parent: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        st = _stat(int(name))
+        if st is not None:
+            parent.setdefault(st[0], []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(parent.get(pid, ()))
+    return out
+
+
+class TreeWatch:
+    """Watches the process tree under ``root`` from a background thread.
+
+    Call :meth:`mark` at the moments whose CPU readings you need (``cpu_at(name)`` later) and
+    :meth:`phase` to attribute the peak PSS to a part of the run (``phase_peaks``).
+    """
+
+    def __init__(self, root: int, *, cpu_interval_s: float = DEFAULT_CPU_INTERVAL_S,
+                 discover_interval_s: float = DEFAULT_DISCOVER_INTERVAL_S,
+                 pss_interval_s: float = DEFAULT_PSS_INTERVAL_S) -> None:
+        self.root = root
+        self._intervals = (cpu_interval_s, discover_interval_s, pss_interval_s)
+        self._lock = threading.Lock()
+        self._procs: dict[tuple[int, int], float] = {}  # (pid, start ticks) -> last CPU s
+        self._live: dict[int, int] = {root: -1}  # pid -> start ticks (-1: not read yet)
+        self._hwm: dict[tuple[int, int], int] = {}  # (pid, start) -> peak RSS KiB
+        self.marks: dict[str, tuple[float, float]] = {}  # name -> (monotonic, CPU s)
+        self.peak_pss_mb = 0.0
+        self.phase_peaks: dict[str, float] = {}
+        self._phase: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-treewatch", daemon=True)
+        self.samples = 0
+
+    # -- public ----------------------------------------------------------------------------------
+    def start(self) -> TreeWatch:
+        self._discover()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def mark(self, name: str) -> None:
+        """Record the tree's CPU seconds now under ``name`` (new processes looked up first)."""
+        with self._lock:
+            self._discover_locked()
+            self._read_cpu_locked()
+            self.marks[name] = (time.monotonic(), self._total_locked())
+
+    def phase(self, name: str | None) -> None:
+        """Attribute PSS samples from now on to ``name`` (None: to no phase)."""
+        with self._lock:
+            self._phase = name
+            if name is not None:
+                self.phase_peaks.setdefault(name, 0.0)
+        if name is not None:
+            self._read_pss()
+
+    def cpu_between(self, start: str, end: str) -> float | None:
+        """CPU seconds the tree spent between two marks (None if either is missing)."""
+        if start not in self.marks or end not in self.marks:
+            return None
+        return self.marks[end][1] - self.marks[start][1]
+
+    def cpu_total(self) -> float:
+        with self._lock:
+            return self._total_locked()
+
+    def known_pids(self) -> list[tuple[int, int]]:
+        """Every (pid, start ticks) seen in the tree, for a clean-up check after the run."""
+        with self._lock:
+            return list(self._procs)
+
+    def peak_rss_sum_mb(self) -> float:
+        with self._lock:
+            return sum(self._hwm.values()) / 1024.0
+
+    # -- sampling --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        cpu_s, disc_s, pss_s = self._intervals
+        next_disc = next_pss = time.monotonic()
+        while not self._stop.wait(cpu_s):
+            now = time.monotonic()
+            with self._lock:
+                if now >= next_disc:
+                    self._discover_locked()
+                    next_disc = now + disc_s
+                self._read_cpu_locked()
+            if now >= next_pss:
+                self._read_pss()
+                next_pss = now + pss_s
+            self.samples += 1
+
+    def _discover(self) -> None:
+        with self._lock:
+            self._discover_locked()
+
+    def _discover_locked(self) -> None:
+        for pid in descendants(self.root):
+            if pid not in self._live or self._live[pid] == -1:
+                st = _stat(pid)
+                if st is not None:
+                    self._live[pid] = st[1]
+
+    def _read_cpu_locked(self) -> None:
+        gone = []
+        for pid, start in self._live.items():
+            st = _stat(pid)
+            if st is None or (start != -1 and st[1] != start):
+                gone.append(pid)
+                continue
+            self._procs[(pid, st[1])] = st[2]
+        for pid in gone:
+            self._live.pop(pid, None)
+
+    def _total_locked(self) -> float:
+        return sum(self._procs.values())
+
+    def _read_pss(self) -> None:
+        with self._lock:
+            live = list(self._live.items())
+        total_kib = 0
+        hwm = {}
+        for pid, start in live:
+            total_kib += _kib_field(f"/proc/{pid}/smaps_rollup", b"Pss:")
+            hwm[(pid, start)] = _kib_field(f"/proc/{pid}/status", b"VmHWM:")
+        mb = total_kib / 1024.0
+        with self._lock:
+            for key, v in hwm.items():
+                if v > self._hwm.get(key, 0):
+                    self._hwm[key] = v
+            self.peak_pss_mb = max(self.peak_pss_mb, mb)
+            if self._phase is not None:
+                self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0.0), mb)
+
+
+def alive(procs: list[tuple[int, int]]) -> list[int]:
+    """The pids of ``procs`` (pid, start ticks) that still run as the same process."""
+    out = []
+    for pid, start in procs:
+        st = _stat(pid)
+        if st is not None and st[1] == start:
+            out.append(pid)
+    return out
+
+
+def summary(watch: TreeWatch) -> dict[str, Any]:
+    """Whole-run figures of a watch, for the JSON."""
+    return {"peak_pss_mb": round(watch.peak_pss_mb, 1),
+            "peak_rss_sum_mb": round(watch.peak_rss_sum_mb(), 1),
+            "cpu_s": round(watch.cpu_total(), 3), "processes_seen": len(watch.known_pids()),
+            "phase_peak_pss_mb": {k: round(v, 1) for k, v in watch.phase_peaks.items()}}

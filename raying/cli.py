@@ -148,6 +148,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     b.add_argument("--data", default=None, help="where generated workloads are cached")
     b.add_argument("--json", action="store_true", help="print JSON")
+    b.add_argument("--epochs", type=int, default=None,
+                   help="epochs per cell, the first one cold (default 3; quick 2)")
+    b.add_argument("--batch-sizes", default=None, help="comma list (default 64,256; quick 64)")
+    b.add_argument("--modes", default=None,
+                   help="consumer modes: iterate,sleep,compute (quick: iterate,compute)")
+    b.add_argument("--w2-images", type=int, default=None, help="images in W2 (default 2000)")
+    b.add_argument("--w4-images", type=int, default=None, help="rows in W4 (default: W1's)")
+    b.add_argument("--decode-size", type=int, default=None,
+                   help="side of W4's stored pixels (default 256; crops of 224)")
+    b.add_argument("--cores", type=int, default=None,
+                   help="workers/CPUs every peer may use (default: this process's CPUs)")
+    b.add_argument("--isolate", choices=["workload", "peer"], default=None,
+                   help="one process per (workload, peer), or per peer (default: workload; "
+                        "quick: peer)")
+    b.add_argument("--sleep-ms", type=float, default=None,
+                   help="sleep mode: ms per image slept by the consumer (default 0.25)")
+    b.add_argument("--work-ms", type=float, default=None,
+                   help="compute mode: CPU ms per image done by the consumer (default 0.25)")
+    b.add_argument("--work-kb-per-image", type=float, default=None,
+                   help="compute mode: fixed KiB of sha256 per image instead of --work-ms")
+    b.add_argument("--timeout", type=float, default=None,
+                   help="seconds one measurement may take (default 1800; quick 300)")
     b.set_defaults(func=_lazy("raying.bench.run", "main"))
 
     a = add("advise", "Measure a dataset, its storage and this machine; recommend a config.")

@@ -198,6 +198,9 @@ def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DAS
         cmd.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
     child_env = {k: v for k, v in os.environ.items()
                  if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN") and not k.startswith("RAY_AUTH")}
+    # Entrypoints' `python` is the interpreter (and venv) this head runs on.
+    child_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
+                                         child_env.get("PATH", os.defpath)])
     child_env.update(env or {})
     child_env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
                       MARKER_ENV: cluster_id})

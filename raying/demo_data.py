@@ -177,7 +177,7 @@ def render(rng: np.random.Generator, label: int, *, size: int, noise: float) -> 
 
 
 def _write_split(root: Path, counts: list[int], spec: DemoDataSpec,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, bar: Any) -> None:
     from raying.datagen import encode
 
     for label, count in enumerate(counts):
@@ -187,6 +187,7 @@ def _write_split(root: Path, counts: list[int], spec: DemoDataSpec,
         for i in range(count):
             img = render(rng, label, size=spec.size, noise=noise)
             (folder / f"{i:05d}.jpg").write_bytes(encode(img, "jpg", quality=92))
+            bar.update(1)
 
 
 def _write_bad_files(train: Path) -> tuple[str, ...]:
@@ -201,7 +202,7 @@ def _write_bad_files(train: Path) -> tuple[str, ...]:
 
 
 def ensure_demo_data(cache_dir: str | os.PathLike | None = None,
-                     spec: DemoDataSpec | None = None) -> DemoData:
+                     spec: DemoDataSpec | None = None, *, progress: bool = False) -> DemoData:
     """Generate the demo dataset once and reuse it: ``<cache_dir>/<spec key>/{train,val}``.
 
     Generation is deterministic from ``spec.seed``; a folder is only reused when its
@@ -210,6 +211,7 @@ def ensure_demo_data(cache_dir: str | os.PathLike | None = None,
     Args:
         cache_dir: the cache folder; default ``~/.cache/raying/demo-data``.
         spec: what to generate; default :class:`DemoDataSpec()`.
+        progress: show a progress bar while generating.
 
     Returns:
         Where the train and validation folders are.
@@ -230,12 +232,16 @@ def ensure_demo_data(cache_dir: str | os.PathLike | None = None,
         msg = (f"cannot write the demo dataset under {base}: {exc.strerror}; pass a writable "
                f"folder with --data")
         raise ConfigError(msg) from None
+    from raying.progress import progress_bar
+
     rng = np.random.default_rng([spec.seed, 0xDA7A])
     counts = [spec.rare_per_class if c in spec.rare_classes else spec.common_per_class
               for c in range(len(CLASS_SHAPES))]
-    _write_split(train, counts, spec, rng)
-    _write_split(val, [spec.val_per_class] * len(CLASS_SHAPES), spec,
-                 np.random.default_rng([spec.seed, 0x7A1]))
+    val_counts = [spec.val_per_class] * len(CLASS_SHAPES)
+    with progress_bar(total=sum(counts) + sum(val_counts), desc="generating demo data",
+                      unit="img", enabled=progress) as bar:
+        _write_split(train, counts, spec, rng, bar)
+        _write_split(val, val_counts, spec, np.random.default_rng([spec.seed, 0x7A1]), bar)
     bad = _write_bad_files(train) if spec.bad_files else ()
     meta: dict[str, Any] = {**dataclasses.asdict(spec), "bad_paths": list(bad),
                             "classes": list(CLASS_SHAPES), "train_counts": counts}

@@ -51,6 +51,8 @@ class PipelineConfig:
         spread: spread read tasks over nodes (``SPREAD``) instead of packing them.
         name: names the pipeline's actors (priority store); default a fresh id.
         max_image_pixels: images claiming more pixels are set aside as decompression bombs.
+        io: read planning and the tiered cache (issue 5): a ``raying.io.options.IOConfig`` or
+            a dict of its fields; None reads every file directly (see docs/io.md).
     """
 
     block_rows: int = DEFAULT_BLOCK_ROWS
@@ -60,6 +62,7 @@ class PipelineConfig:
     spread: bool = False
     name: str | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    io: Any = None  # issue 5: IOConfig | dict | None, passed to ReadSpec
 
     def __post_init__(self) -> None:
         if self.block_rows < 1:
@@ -119,7 +122,8 @@ class Pipeline:
         self._bound = False
         self._lookup: ManifestLookup | None = None
         self._spec = ReadSpec.of(manifest, self.transform, getattr(self.sampler, "seed", 0),
-                                 on_error, max_pixels=self.config.max_image_pixels)
+                                 on_error, max_pixels=self.config.max_image_pixels,
+                                 io=self.config.io)  # issue 5
 
     # -- plans ---------------------------------------------------------------------------------
     def _bind(self) -> None:

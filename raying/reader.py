@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 from raying import storage as _storage
 from raying.config import DEFAULT_MAX_IMAGE_PIXELS, StorageOptions
 from raying.errors import DataError, DecodeError
+from raying.io import fetch as _io_fetch  # issue 5: planned, cached reads (raying/io/fetch.py)
 from raying.plan import ReadUnit
 
 BLOCK_KEYS = ("id", "label", "image", "weight", "prob")
@@ -32,15 +33,17 @@ class ReadSpec:
     seed: int
     on_error: str = "skip"
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    io: Any = None  # issue 5: a raying.io.options.IOConfig; None reads as before
 
     @classmethod
     def of(cls, manifest: Any, transform: Any, seed: int, on_error: str, *,
-           max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ReadSpec:
+           max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, io: Any = None) -> ReadSpec:
         decoded = manifest.meta.get("decoded")
         return cls(root=manifest.root, storage=manifest.storage, fmt=manifest.format,
                    files=tuple(manifest.files), image_column=manifest.meta.get("image_column"),
                    decoded=tuple(decoded) if decoded else None, transform=transform,
-                   seed=int(seed), on_error=on_error, max_pixels=int(max_pixels))
+                   seed=int(seed), on_error=on_error, max_pixels=int(max_pixels),
+                   io=_io_fetch.IOConfig.coerce(io))  # issue 5
 
 
 def empty_block(size: int) -> dict[str, np.ndarray]:
@@ -61,12 +64,13 @@ def run_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None
     t0 = time.perf_counter()
     ids = np.asarray(unit.ids, dtype=np.int64)
     fs, root = _storage.resolve(spec.root, spec.storage)
+    io_account: dict[str, int] = {}  # issue 5: io_*/cache_* counters (raying.io.fetch)
     if spec.fmt == "images":
         if paths is None:
             msg = "an image read unit needs the paths of its ids"
             raise DataError(msg)
         full = [f"{root.rstrip('/')}/{p}" for p in paths]
-        datas = _storage.read_many(fs, full)
+        datas, io_account = _io_fetch.read_samples(spec, fs, full, unit)  # issue 5
         where = list(paths)
         t1 = time.perf_counter()
         nbytes = sum(len(d) for d in datas if isinstance(d, (bytes, bytearray, memoryview)))
@@ -94,6 +98,7 @@ def run_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None
     account = {"epoch": unit.epoch, "unit": unit.index, "rows_in": len(ids),
                "rows_out": len(block["id"]), "skipped": skipped, "bytes_read": int(nbytes),
                "read_s": t1 - t0, "decode_s": time.perf_counter() - t1}
+    account.update(io_account)  # issue 5
     return block, account
 
 

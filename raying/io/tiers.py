@@ -63,24 +63,27 @@ def fill_concurrency(latency_s: float, bandwidth_bytes_per_s: float | None,
     """Reads in flight that keep a link of this latency and bandwidth busy, with 2x headroom.
 
     Each request holds the link idle for ``latency_s``; ``bandwidth * latency / size``
-    requests in flight hide that wait behind other requests' transfers.
+    requests in flight hide that wait behind other requests' transfers. Rounded up to a
+    power of two (pools are kept per bound, so few distinct bounds).
     """
     if latency_s <= 0:
         return 1
     if not bandwidth_bytes_per_s:
         return MAX_CONCURRENCY
-    per_request = request_bytes / bandwidth_bytes_per_s
-    need = math.ceil(2 * (latency_s + per_request) / per_request)
-    return max(2, min(MAX_CONCURRENCY, need))
+    per_request = max(request_bytes, 1) / bandwidth_bytes_per_s
+    need = 2 * (latency_s + per_request) / per_request
+    return max(2, min(MAX_CONCURRENCY, 2 ** math.ceil(math.log2(need))))
 
 
-def profile_for(fs: pafs.FileSystem, *, request_bytes: int = TYPICAL_REQUEST_BYTES
-                ) -> TierProfile:
+def profile_for(fs: pafs.FileSystem, *, request_bytes: int | None = None) -> TierProfile:
     """The profile of a filesystem from :func:`raying.storage.resolve`.
 
     The slow-storage simulator's wrapper yields a profile computed from its tier (a tier with
-    ``concurrency=1`` is a disk head: 2 reads in flight, as for ``hdd``).
+    ``concurrency=1`` is a disk head: 2 reads in flight, as for ``hdd``) and the request size
+    (default: the mean this process has observed on ``fs``, see :func:`observe`).
     """
+    if request_bytes is None:
+        request_bytes = typical_request_bytes(fs)
     handler = getattr(fs, "handler", None)
     if isinstance(handler, SlowFileSystemHandler):
         tier = handler.tier
@@ -102,10 +105,33 @@ def profile_for(fs: pafs.FileSystem, *, request_bytes: int = TYPICAL_REQUEST_BYT
     return PROFILES["ssd"]
 
 
+_POOLS_LOCK = threading.Lock()
+# (pid, id of fs) -> [requests, bytes] seen by this process.
+_OBSERVED: dict[tuple[int, int], list[int]] = {}
+
+
+def observe(fs: pafs.FileSystem, requests: int, nbytes: int) -> None:
+    """Record requests made to ``fs`` and the bytes they returned (sizes the concurrency)."""
+    if requests <= 0:
+        return
+    with _POOLS_LOCK:
+        seen = _OBSERVED.setdefault((os.getpid(), id(fs)), [0, 0])
+        seen[0] += requests
+        seen[1] += nbytes
+
+
+def typical_request_bytes(fs: pafs.FileSystem) -> int:
+    """Mean bytes per request observed on ``fs`` here, else ``TYPICAL_REQUEST_BYTES``."""
+    with _POOLS_LOCK:
+        seen = _OBSERVED.get((os.getpid(), id(fs)))
+    if not seen or seen[0] < 16:
+        return TYPICAL_REQUEST_BYTES
+    return max(1, seen[1] // seen[0])
+
+
 # (pid, id of fs, bound) -> (fs, pool); the fs is kept so that its id is never reused, the pid
 # keeps a forked child from using its parent's (threadless) pool.
 _POOLS: dict[tuple[int, int, int], tuple[pafs.FileSystem, ThreadPoolExecutor]] = {}
-_POOLS_LOCK = threading.Lock()
 
 
 def tier_pool(fs: pafs.FileSystem, concurrency: int) -> ThreadPoolExecutor:

@@ -1,0 +1,248 @@
+"""What the Ray job entrypoints share: config files, smoke data, secrets hygiene, the summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# The line a job prints last; tests and log scrapers find the run's summary by it.
+SUMMARY_PREFIX = "RAYING_SUMMARY "
+# Smoke-test dataset: small enough for seconds on one CPU, big enough for several blocks.
+SMOKE_IMAGES = 96
+SMOKE_CLASSES = 3
+SMOKE_SOURCE_PX = (40, 48)
+# Ids per epoch above which workers send counts instead of their ids to the run ledger.
+MAX_LEDGER_IDS = 1_000_000
+# Variables that hold credentials: their presence is reported, their values never.
+CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+CREDENTIAL_FILE_ENV = ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_PROFILE")
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """Arguments every job takes."""
+    p.add_argument("--config", metavar="FILE",
+                   help="JSON or YAML file of argument values (keys as the long options, "
+                        "e.g. batch_size); options given on the command line win")
+    p.add_argument("--smoke-test", action="store_true",
+                   help="a seconds-long run on generated data (no --data needed)")
+    p.add_argument("--data", metavar="URI",
+                   help="dataset: image folder or Parquet (path, s3://, hdfs://); on a "
+                        "multi-node cluster it must be storage every node reaches")
+    p.add_argument("--endpoint-url", help="S3-compatible endpoint (credentials come from the "
+                                          "nodes' AWS environment, never from arguments)")
+    p.add_argument("--region", help="S3 region")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the summary as indented JSON")
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """A dict of argument values from a JSON or YAML file."""
+    text = Path(path).expanduser().read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        msg = f"config file {path} must hold a mapping of option names to values, got {type(data).__name__}"
+        raise SystemExit(msg)
+    return data
+
+
+def parse_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; values of ``--config FILE`` become defaults the command line overrides."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if known.config:
+        values = {k.replace("-", "_"): v for k, v in load_config(known.config).items()}
+        dests = {a.dest for a in p._actions} - {"help", "config"}
+        unknown = sorted(set(values) - dests)
+        if unknown:
+            p.error(f"config file {known.config}: unknown keys {unknown}; expected some of "
+                    f"{sorted(dests)}")
+        p.set_defaults(**values)
+    return p.parse_args(argv)
+
+
+def smoke_data(n: int = SMOKE_IMAGES) -> str:
+    """Generate the smoke-test image folder (deterministic) in a temp dir; returns its path."""
+    from raying.datagen import make_image_folder
+
+    root = Path(tempfile.gettempdir()) / f"raying-smoke-{n}-{os.getuid()}"
+    done = root / ".complete"
+    if not done.exists():
+        make_image_folder(root, n=n, classes=SMOKE_CLASSES, size=SMOKE_SOURCE_PX, seed=7)
+        done.write_text("ok")
+    return str(root)
+
+
+def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """Non-secret storage settings from the arguments; secrets stay in the environment."""
+    opts = {k: getattr(args, k) for k in ("endpoint_url", "region") if getattr(args, k, None)}
+    return opts or None
+
+
+def credentials_source() -> str:
+    """Where storage credentials come from on this node, by name only (never the values)."""
+    env = [k for k in CREDENTIAL_ENV if os.environ.get(k)]
+    files = [k for k in CREDENTIAL_FILE_ENV if os.environ.get(k)]
+    parts = []
+    if env:
+        parts.append("environment: " + ", ".join(env))
+    if files:
+        parts.append("files/profile: " + ", ".join(files))
+    if not parts:
+        return "none on this node (the AWS default chain: ~/.aws, instance role)"
+    return "; ".join(parts) + " (values not shown)"
+
+
+def manifest(args: argparse.Namespace):
+    """The run's manifest: ``--data``, or generated smoke data."""
+    import raying
+
+    uri = args.data
+    if uri is None:
+        if not args.smoke_test:
+            raise SystemExit("--data URI is required (or --smoke-test for generated data)")
+        uri = smoke_data()
+    return raying.Manifest.scan(uri, storage=storage_options(args))
+
+
+class _DatasetView:
+    """What ``raying.datasource.build_dataset`` reads of a pipeline, without its locks.
+
+    TEMPORARY: ``build_dataset``'s datasource closes over the whole Pipeline (for its name),
+    and a Pipeline holds thread locks, so Ray Train cannot ship ``pipe.dataset(e)`` to its
+    controller. Until the datasource stops capturing ``pipe``, jobs build the dataset from
+    this view and then strip it to the one field the closure still reads.
+    """
+
+    def __init__(self, pipe: Any, epoch: int) -> None:
+        self._plan = pipe.plan(epoch)  # binds the sampler (and its store) first
+        self.manifest = pipe.manifest
+        self.transform = pipe.transform
+        self.sampler = pipe.sampler
+        self._spec = pipe._spec
+        self._accounts_actor = getattr(pipe, "_accounts_actor", None)
+
+    def plan(self, epoch: int) -> Any:
+        return self._plan
+
+
+def train_dataset(pipe: Any, epoch: int):
+    """``pipe.dataset(epoch)`` in a form Ray Train can pickle (see ``_DatasetView``)."""
+    import types
+
+    import ray
+
+    from raying.datasource import build_dataset
+    from raying.pipeline import ensure_ray
+
+    ds = pipe.dataset(epoch)
+    try:
+        ray.cloudpickle.dumps(ds)
+        return ds
+    except TypeError:
+        pass
+    ensure_ray()
+    view = _DatasetView(pipe, epoch)
+    ds = build_dataset(view, epoch)
+    pipe._accounts_actor = view._accounts_actor  # dataset_account(pipe) keeps working
+    view.__dict__ = {"manifest": types.SimpleNamespace(format=pipe.manifest.format)}
+    return ds
+
+
+def ledger_actor():
+    """A tiny actor the Train workers send their per-epoch records to (ids, rows, losses)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class RunLedger:
+        def __init__(self) -> None:
+            self.records: list[dict[str, Any]] = []
+
+        def add(self, record: dict[str, Any]) -> None:
+            self.records.append(record)
+
+        def all(self) -> list[dict[str, Any]]:
+            return self.records
+
+    return RunLedger.remote()
+
+
+def epoch_coverage(records: list[dict[str, Any]], n: int) -> dict[int, dict[str, Any]]:
+    """Per epoch: rows over all workers and whether every id came exactly once."""
+    out: dict[int, dict[str, Any]] = {}
+    for epoch in sorted({r["epoch"] for r in records}):
+        mine = [r for r in records if r["epoch"] == epoch]
+        rows = sum(r["rows"] for r in mine)
+        entry: dict[str, Any] = {"rows": rows, "workers": len(mine),
+                                 "rows_by_rank": {int(r["rank"]): r["rows"] for r in mine},
+                                 "loss": sum(r["loss_sum"] for r in mine) / max(rows, 1)}
+        if all(r.get("ids") is not None for r in mine):
+            ids = np.concatenate([np.asarray(r["ids"], np.int64) for r in mine] or
+                                 [np.zeros(0, np.int64)])
+            counts = np.bincount(ids, minlength=n) if ids.size else np.zeros(n, np.int64)
+            entry.update(unique=int((counts > 0).sum()), repeated=int((counts > 1).sum()),
+                         missing=int((counts == 0).sum()),
+                         exactly_once=bool(ids.size == n and (counts == 1).all()))
+        out[int(epoch)] = entry
+    return out
+
+
+def store_summary(handle: Any) -> dict[str, Any]:
+    """The priority store's health, the figures a run summary shows."""
+    from raying.sampling import store as st
+
+    s = st.stats(handle)
+    return {"name": s["name"], "n": s["n"], "shards": s["shards"],
+            "updates_received": s["updates_received"], "updates_applied": s["updates_applied"],
+            "rejected": sum(s["rejected"].values()), "pending": s["pending"],
+            "ess_fraction": round(s["ess_fraction"], 4),
+            "never_updated_share": round(s["age"]["never_updated_share"], 4),
+            "snapshots": s["snapshots"]}
+
+
+def emit_summary(title: str, summary: dict[str, Any], *, as_json: bool = False) -> None:
+    """Print the summary for people, then one machine-readable line (``SUMMARY_PREFIX``)."""
+    if as_json:
+        print(json.dumps(summary, indent=2, default=_plain))
+    else:
+        print(f"== {title} ==")
+        for key, value in summary.items():
+            if isinstance(value, dict):
+                print(f"{key}:")
+                for k, v in value.items():
+                    print(f"  {k}: {json.dumps(v, default=_plain)}")
+            else:
+                print(f"{key}: {json.dumps(value, default=_plain)}")
+    print(SUMMARY_PREFIX + json.dumps(summary, default=_plain), flush=True)
+    sys.stdout.flush()
+
+
+def find_summary(text: str) -> dict[str, Any] | None:
+    """The last summary line in a job's logs, parsed (None if there is none)."""
+    found = None
+    for line in text.splitlines():
+        at = line.find(SUMMARY_PREFIX)
+        if at >= 0:
+            found = json.loads(line[at + len(SUMMARY_PREFIX):])
+    return found
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)

@@ -1,0 +1,254 @@
+"""Ray job: data-parallel torch training (Ray Train) on raying's dataset, losses fed back.
+
+What runs where::
+
+    driver (this job)   manifest, plan per epoch, Pipeline.dataset(e) -> Ray Data datasets
+    Ray Data            read tasks = read + decode + augment, spread over the CPU nodes
+    Train workers (N)   on trainer nodes (GPU, or a custom resource standing in for one):
+                        get_dataset_shard(f"epoch_{e}").iter_torch_batches -> uint8 NHWC
+                        -> float, normalized on the device -> DDP step
+                        -> raying.report(ids, per-sample losses, store=...) (never blocks)
+    priority store      a named actor (0 CPU, restarts on failure), owned by the driver
+
+Each epoch is its own dataset (its own plan: order and augmentation), split over the workers
+without dropping rows, so with the uniform sampler every id reaches exactly one worker once
+per epoch; DDP's join() absorbs the uneven number of batches per worker.
+
+Examples:
+    ray job submit --working-dir . -- python jobs/train_torch.py --smoke-test
+    ray job submit --working-dir . -- python jobs/train_torch.py --data s3://bucket/train \\
+        --num-workers 8 --use-gpu --epochs 10 --sampler prioritized
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ray.cloudpickle
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+# Train workers unpickle train_loop and its helpers; they cannot import jobs/ modules by name.
+ray.cloudpickle.register_pickle_by_value(_common)
+if __name__ != "__main__":  # imported by path (tests): ship this module by value too
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+NORMAL = {"epochs": 2, "batch_size": 64, "size": 128, "block_rows": 128, "num_workers": 2,
+          "cpus_per_worker": 1.0, "lr": 0.05}
+SMOKE = {"epochs": 2, "batch_size": 16, "size": 32, "block_rows": 16, "num_workers": 2,
+         "cpus_per_worker": 0.25, "lr": 0.05}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=__doc__[__doc__.index("Examples:"):],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _common.add_common_args(p)
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--size", type=int, help="training crop size (pixels)")
+    p.add_argument("--block-rows", type=int, help="images per read task")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--num-workers", type=int, help="Train workers (one per GPU)")
+    p.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
+    p.add_argument("--cpus-per-worker", type=float)
+    p.add_argument("--trainer-resource", metavar="NAME",
+                   help="a custom resource each worker needs one of (places workers on the "
+                        "nodes that have it, e.g. 'trainer' where no GPU exists)")
+    p.add_argument("--sampler", choices=["uniform", "prioritized"], default="uniform",
+                   help="uniform: every id once per epoch (losses still recorded in the "
+                        "store); prioritized: reads drawn from the store")
+    p.add_argument("--no-spread", dest="spread", action="store_false",
+                   help="let Ray pack read tasks instead of spreading them over nodes")
+    p.add_argument("--name", help="names the pipeline's actors (priority store)")
+    p.add_argument("--snapshot-uri", help="where the priority store writes its snapshots")
+    p.add_argument("--storage-path", help="Ray Train run storage (shared on multi-node)")
+    return p
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options left unset from the smoke-test or normal defaults."""
+    for key, value in (SMOKE if args.smoke_test else NORMAL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def exactly_once_split():
+    """A Train DataConfig that splits every dataset over the workers without dropping rows.
+
+    Ray Train's default (``streaming_split(equal=True)``) evens the shards by dropping up to
+    ``world_size - 1`` rows per epoch; here each block goes whole to one worker.
+    """
+    from ray.train import DataConfig
+
+    class ExactlyOnceSplit(DataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            output: list[dict[str, Any]] = [{} for _ in range(world_size)]
+            hints = worker_node_ids if self._enable_shard_locality else None
+            for name, ds in datasets.items():
+                if ds.name is None:
+                    ds.set_name(name)
+                ds = ds.copy(ds)
+                ds.context.execution_options = self._resolve_execution_options(name)
+                splits = ds.streaming_split(world_size, equal=False, locality_hints=hints)
+                for rank, split in enumerate(splits):
+                    output[rank][name] = split
+            return output
+
+    return ExactlyOnceSplit()
+
+
+def _model(classes: int):
+    import torch
+
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, classes))
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """One Train worker: its shard of every epoch, a DDP step per batch, losses reported."""
+    import ray
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.nn.functional as F
+
+    import raying
+    from raying.config import DEFAULT_MEAN, DEFAULT_STD
+    from raying.sampling import feedback
+    from raying.sampling import store as st
+
+    rank = ray.train.get_context().get_world_rank()
+    node = ray.get_runtime_context().get_node_id()
+    torch.manual_seed(config["seed"])
+    model = ray.train.torch.prepare_model(_model(config["classes"]))
+    device = ray.train.torch.get_device()
+    opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    mean = torch.tensor(DEFAULT_MEAN, device=device).view(1, 3, 1, 1) * 255.0
+    inv_std = 1.0 / (torch.tensor(DEFAULT_STD, device=device).view(1, 3, 1, 1) * 255.0)
+    store, ledger = config["store"], config["ledger"]
+    for epoch in range(config["epochs"]):
+        shard = ray.train.get_dataset_shard(f"epoch_{epoch}")
+        rows, loss_sum, seen = 0, 0.0, []
+        # Shards differ by up to a block: join() lets a finished worker shadow the others'
+        # gradient all-reduces instead of hanging them.
+        join = model.join() if hasattr(model, "join") else contextlib.nullcontext()
+        with join:
+            for batch in shard.iter_torch_batches(batch_size=config["batch_size"],
+                                                  device=device):
+                # uint8 NHWC off Ray Data; float NCHW, normalized, only on the device.
+                x = (batch["image"].permute(0, 3, 1, 2).float() - mean) * inv_std
+                per_sample = F.cross_entropy(model(x), batch["label"], reduction="none")
+                loss = (per_sample * batch["weight"].float()).mean()
+                per_sample = per_sample.detach()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                raying.report(batch["id"], per_sample, store=store)  # fire-and-forget
+                rows += int(batch["id"].shape[0])
+                loss_sum += float(per_sample.sum())
+                if config["keep_ids"]:
+                    seen.append(batch["id"].cpu().numpy())
+        feedback.flush_all()
+        import numpy as np
+
+        ids = np.concatenate(seen) if seen else np.zeros(0, np.int64)
+        ledger.add.remote({"rank": rank, "epoch": epoch, "node": node, "rows": rows,
+                           "loss_sum": loss_sum, "ids": ids if config["keep_ids"] else None})
+        ray.train.report({"epoch": epoch, "rows": rows, "loss": loss_sum / max(rows, 1)})
+    # Training is over: now waiting is fine. Every report of this worker is in the store.
+    st.flush(st.get_store(store))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the pipeline and the trainer, train, and return the run's summary."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    import raying
+    from raying.pipeline import ensure_ray
+    from raying.sampling import store as st
+
+    args = resolve(args)
+    ensure_ray()
+    t0 = time.perf_counter()
+    m = _common.manifest(args)
+    store_cfg = {"snapshot_uri": args.snapshot_uri} if args.snapshot_uri else None
+    if args.sampler == "prioritized":
+        sampler: Any = raying.PrioritizedSampler(alpha=1.0, beta=0.5, uniform_mix=0.1,
+                                                 seed=args.seed, store=store_cfg)
+    else:
+        sampler = raying.UniformSampler(seed=args.seed)
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=args.size), sampler=sampler,
+                           config=raying.PipelineConfig(block_rows=args.block_rows,
+                                                        spread=args.spread, name=args.name))
+    if pipe.store_name is not None:
+        handle = st.get_store(pipe.store_name)
+    else:  # uniform reads, but the losses are kept: a later prioritized run starts from them
+        handle = st.create_store(f"{pipe.name}-priorities", len(m), config=store_cfg)
+    datasets = {f"epoch_{e}": _common.train_dataset(pipe, e) for e in range(args.epochs)}
+    ledger = _common.ledger_actor()
+    resources: dict[str, float] = {"CPU": args.cpus_per_worker}
+    if args.trainer_resource:
+        resources[args.trainer_resource] = 1
+    if args.use_gpu:
+        resources["GPU"] = 1
+    keep_ids = len(m) <= _common.MAX_LEDGER_IDS
+    storage_path = args.storage_path or tempfile.mkdtemp(prefix="raying-train-")
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config={"epochs": args.epochs, "batch_size": args.batch_size,
+                           "lr": args.lr, "seed": args.seed, "classes": max(len(m.classes or []), 2),
+                           "store": handle.name, "ledger": ledger, "keep_ids": keep_ids},
+        scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(name=f"{pipe.name}-torch", storage_path=storage_path),
+        datasets=datasets,
+        dataset_config=exactly_once_split(),
+    )
+    t_fit = time.perf_counter()
+    trainer.fit()
+    fit_s = time.perf_counter() - t_fit
+    records = ray.get(ledger.all.remote())
+    coverage = _common.epoch_coverage(records, len(m))
+    nodes = {}
+    for r in records:
+        nodes.setdefault(int(r["rank"]), r["node"])
+    summary = {
+        "job": "train_torch", "samples": len(m), "sampler": args.sampler,
+        "workers": args.num_workers, "worker_nodes": nodes,
+        "epochs": coverage,
+        "final_loss": coverage[max(coverage)]["loss"] if coverage else None,
+        "store": _common.store_summary(handle),
+        "credentials": _common.credentials_source(),
+        "fit_s": round(fit_s, 2), "wall_s": round(time.perf_counter() - t0, 2),
+    }
+    pipe.close()
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _common.parse_args(build_parser(), argv)
+    summary = run(args)
+    _common.emit_summary("raying train_torch: run summary", summary, as_json=args.json)
+    bad = [e for e, c in summary["epochs"].items() if c.get("exactly_once") is False]
+    if args.sampler == "uniform" and bad:
+        print(f"error: epochs {bad} did not deliver every id exactly once", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

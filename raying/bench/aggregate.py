@@ -1,0 +1,181 @@
+"""From raw runs to the bench's figures: per-round metrics, medians over rounds, ratios, targets.
+
+Definitions (the JSON's ``definitions`` repeats them):
+
+- steady img/s: rows of epochs 1..E-1 / (end of epoch E-1 - end of epoch 0); the cold first
+  epoch is excluded, the gaps at later epoch boundaries are included.
+- GB/s (W4): steady img/s x S*S*3 stored bytes per row / 1e9.
+- ttfb cold: from the start of building the loader (dataset listing included) to the first
+  batch of epoch 0; ``ttfb_cold_iter_s`` is the part after the iterator was asked for.
+- ttfb warm: from asking for epoch e's iterator (right after epoch e-1 ended) to its first
+  batch, median over e >= 1.
+- CPU-s per 1k images: CPU seconds of the whole process tree (measuring process, its threads,
+  workers, Ray's raylet/GCS/agents) over the steady window / steady rows x 1000. In the
+  ``compute`` mode it includes the consumer's own work.
+- peak memory: the tree's PSS sampled during the cell (see ``raying.bench.measure``).
+- ratio to L: to the limit of the same workload and batch size (W4: the plain pyarrow read;
+  W5: W1's limit). Ratio to the best peer: to the best other loader (not a reference) in the
+  same workload, batch size and consumer mode.
+- Every figure is the median over rounds; ``*_rounds`` lists the values of each round.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from raying.bench.child import REFERENCE_PEERS, steady
+
+# issue 4's "Must show" thresholds, checked in the iterate mode at every batch size.
+TARGET_VS_BEST_OF_TORCH_TF = 1.15
+TARGET_VS_LIMIT = 0.85
+TARGET_W4_VS_PYARROW = 0.6
+TARGET_W5_VS_UNIFORM = 0.95
+TARGET_WARM_TTFB_S = 0.25
+TARGET_MEMORY_VS_TORCH = 1.5
+
+
+def _median(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def cell_metrics(cell: dict[str, Any], wl: dict[str, Any], epochs: int) -> dict[str, Any]:
+    """The figures of one cell of one round (raw timings + the watcher's readings)."""
+    ep = cell.get("epochs", [])
+    rows_ok = (len(ep) == epochs and not cell.get("errors")
+               and all(e["rows"] == wl["rows"] and not e["problems"] for e in ep))
+    rate = steady(ep)
+    steady_rows = sum(e["rows"] for e in ep[1:])
+    cpu = cell.get("cpu_steady_s")
+    out = {
+        "rows_ok": rows_ok,
+        "rows_per_epoch": [e["rows"] for e in ep],
+        "expected_rows": wl["rows"],
+        "problems": [p for e in ep for p in e["problems"]][:5] + list(cell.get("errors", [])),
+        "steady_img_s": rate,
+        "gb_s": rate * wl["decoded"] ** 2 * 3 / 1e9 if rate and wl.get("decoded") else None,
+        "setup_s": cell.get("setup_s"),
+        "ttfb_cold_s": ep[0]["first_s"] if ep else None,
+        "ttfb_cold_iter_s": ep[0]["ttfb_s"] if ep else None,
+        "ttfb_warm_s": _median([e["ttfb_s"] for e in ep[1:]]),
+        "cpu_s_per_1k": cpu / steady_rows * 1000 if cpu is not None and steady_rows else None,
+        "peak_pss_mb": cell.get("peak_pss_mb"),
+        "epoch_s": [round(e["end_s"] - e["request_s"], 4) for e in ep],
+    }
+    return out
+
+
+_MEDIAN_KEYS = ("steady_img_s", "gb_s", "setup_s", "ttfb_cold_s", "ttfb_cold_iter_s",
+                "ttfb_warm_s", "cpu_s_per_1k", "peak_pss_mb", "ray_start_s")
+
+
+def combine(runs: list[dict[str, Any]], workloads: dict[str, dict[str, Any]],
+            epochs: int) -> list[dict[str, Any]]:
+    """One row per (workload, peer, batch size, mode): medians over rounds, then ratios."""
+    groups: dict[tuple[str, str, int, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        for cell in run["cells"]:
+            key = (cell["workload"], run["peer"], int(cell["batch_size"]), cell["mode"])
+            m = cell_metrics(cell, workloads[cell["workload"]], epochs)
+            m["ray_start_s"] = run.get("start", {}).get("ray_start_s")
+            m["round"] = run["round"]
+            groups.setdefault(key, []).append(m)
+    rows = []
+    for (wl, peer, batch, mode), ms in groups.items():
+        row: dict[str, Any] = {"workload": wl, "peer": peer, "batch_size": batch, "mode": mode,
+                               "rounds": len(ms), "rows_ok": all(m["rows_ok"] for m in ms),
+                               "rows_per_epoch": [m["rows_per_epoch"] for m in ms],
+                               "expected_rows": ms[0]["expected_rows"],
+                               "problems": [p for m in ms for p in m["problems"]][:5]}
+        for k in _MEDIAN_KEYS:
+            row[k] = _median([m[k] for m in ms])
+            row[k + "_rounds"] = [m[k] for m in ms]
+        rows.append(row)
+    _ratios(rows)
+    order = {w: i for i, w in enumerate(sorted(workloads))}
+    peers = ("L", "pyarrow", "torch", "tf", "raydata", "raying")
+    modes = ("iterate", "sleep", "compute")
+    rows.sort(key=lambda r: (order.get(r["workload"], 99), r["batch_size"],
+                             modes.index(r["mode"]) if r["mode"] in modes else 9,
+                             peers.index(r["peer"]) if r["peer"] in peers else 9))
+    return rows
+
+
+def _find(rows: list[dict[str, Any]], wl: str, peer: str, batch: int, mode: str):
+    for r in rows:
+        if (r["workload"], r["peer"], r["batch_size"], r["mode"]) == (wl, peer, batch, mode):
+            return r
+    return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _ratios(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        wl, batch, mode = r["workload"], r["batch_size"], r["mode"]
+        ref_wl, ref_peer = ("W1", "L") if wl == "W5" else (wl, "pyarrow" if wl == "W4" else "L")
+        ref = _find(rows, ref_wl, ref_peer, batch, "iterate")
+        key = "gb_s" if wl == "W4" else "steady_img_s"
+        r["reference"] = f"{ref_wl}/{ref_peer}" if ref else None
+        r["ratio_to_L"] = _ratio(r[key], ref[key]) if ref else None
+        others = [o for o in rows if o["workload"] == wl and o["batch_size"] == batch
+                  and o["mode"] == mode and o["peer"] not in REFERENCE_PEERS
+                  and o["peer"] != r["peer"] and o["steady_img_s"]]
+        best = max(others, key=lambda o: o["steady_img_s"], default=None)
+        r["best_peer"] = best["peer"] if best else None
+        r["ratio_to_best_peer"] = _ratio(r["steady_img_s"], best["steady_img_s"]) if best else None
+        if wl == "W5":
+            uni = _find(rows, "W1", r["peer"], batch, mode)
+            r["ratio_to_uniform"] = _ratio(r["steady_img_s"], uni["steady_img_s"]) if uni else None
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """issue 4's "Must show" checks for raying, in the iterate mode at every batch size."""
+    out = []
+
+    def add(name: str, value: float | None, limit: float | None, *, most: bool = False,
+            detail: str = "") -> None:
+        ok = None
+        if value is not None and limit is not None:
+            ok = value <= limit if most else value >= limit
+        out.append({"target": name, "value": value, "threshold": limit,
+                    "kind": "at most" if most else "at least", "pass": ok, "detail": detail})
+
+    batches = sorted({r["batch_size"] for r in rows})
+    for b in batches:
+        for wl in ("W1", "W3"):
+            me = _find(rows, wl, "raying", b, "iterate")
+            if me is None:
+                continue
+            base = [_find(rows, wl, p, b, "iterate") for p in ("torch", "tf")]
+            base = [x for x in base if x and x["steady_img_s"]]
+            if base:
+                best = max(base, key=lambda x: x["steady_img_s"])
+                add(f"{wl} b{b}: raying / best of torch, tf",
+                    _ratio(me["steady_img_s"], best["steady_img_s"]),
+                    TARGET_VS_BEST_OF_TORCH_TF, detail=f"best = {best['peer']}")
+            add(f"{wl} b{b}: raying / L", me.get("ratio_to_L"), TARGET_VS_LIMIT)
+        me = _find(rows, "W4", "raying", b, "iterate")
+        if me is not None:
+            add(f"W4 b{b}: raying GB/s / pyarrow GB/s", me.get("ratio_to_L"),
+                TARGET_W4_VS_PYARROW)
+        me = _find(rows, "W5", "raying", b, "iterate")
+        if me is not None:
+            add(f"W5 b{b}: prioritized / uniform", me.get("ratio_to_uniform"),
+                TARGET_W5_VS_UNIFORM)
+        for wl in ("W1", "W2", "W3", "W4", "W5"):
+            me = _find(rows, wl, "raying", b, "iterate")
+            if me is None:
+                continue
+            add(f"{wl} b{b}: raying warm ttfb (s)", me["ttfb_warm_s"], TARGET_WARM_TTFB_S,
+                most=True)
+            torch = _find(rows, wl, "torch", b, "iterate")
+            if torch is not None:
+                add(f"{wl} b{b}: raying CPU-s/1k / torch", _ratio(me["cpu_s_per_1k"],
+                    torch["cpu_s_per_1k"]), 1.0, most=True)
+                add(f"{wl} b{b}: raying peak PSS / torch", _ratio(me["peak_pss_mb"],
+                    torch["peak_pss_mb"]), TARGET_MEMORY_VS_TORCH, most=True)
+    return out

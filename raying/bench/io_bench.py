@@ -1,0 +1,389 @@
+"""I/O scheduling benchmark (issue 5): read planner and tiered cache vs direct reads, slow tier.
+
+What it measures, all in this process on a simulated tier (``raying.io.slow``; default 5 ms
+per request, 50 MB/s, shared by every thread):
+
+1. **Images, prioritized, 3 epochs.** A trace of read units is drawn once from a
+   ``PriorityTable`` (alpha 1, uniform_mix 0.1, systematic plans of 4,096 as
+   ``PrioritizedSampler`` draws them) while a simulated trainer reports each drawn sample's
+   loss (a fixed per-sample difficulty, lognormal with ``--sigma``, times 20% noise), so the
+   first epoch starts uniform and later ones concentrate. Every configuration replays the same
+   trace with 2 units in flight (the read tasks this 2-CPU machine runs at once):
+   ``direct`` is raying's read path without ``io`` (``storage.read_many``, 16 threads per
+   unit); the others go through ``raying.io.fetch.fetch_files`` (dedupe, directory order,
+   per-tier concurrency) with no cache, an LRU or a priority memory tier of ``--capacity``
+   of the dataset, and memory + disk tiers. It reports the read stage's samples/s (decode is
+   not included: it is the same work for all, see docs/io.md), requests, bytes read, read
+   amplification and hit ratios per tier.
+2. **Hit ratio, priority vs LRU,** at 10/15/20% capacity over ``--seeds`` seeded traces,
+   replayed one unit at a time (deterministic).
+3. **Parquet read amplification,** bytes read / bytes delivered for a uniform epoch (the
+   reader's path and the planned path) and for prioritized two-stage plans.
+
+Example:
+    python -m raying.bench.io_bench                 # about 2 minutes on 2 cores
+    python -m raying.bench.io_bench --quick --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raying import storage as _storage
+from raying.config import DEFAULT_PLAN_CHUNK_IDS
+from raying.io import slow
+from raying.io.fetch import fetch_files, summarize
+from raying.io.options import CacheConfig, IOConfig
+from raying.io.planner import OpStats, Prefetcher, read_amplification
+
+DEFAULT_IMAGES = 3000
+DEFAULT_SIDE = 256
+DEFAULT_EPOCHS = 3
+DEFAULT_LATENCY_MS = 5.0
+DEFAULT_BANDWIDTH_MB_S = 50.0
+DEFAULT_CAPACITY = 0.15
+DEFAULT_DISK_CAPACITY = 0.5
+DEFAULT_SIGMA = 1.0
+DEFAULT_SEEDS = 5
+BLOCK_ROWS = 256
+INFLIGHT_UNITS = 2
+ROW_GROUP_ROWS = 256
+ROWS_PER_GROUP = 16
+
+
+@dataclasses.dataclass
+class TraceUnit:
+    """One read unit of the trace: its epoch, drawn ids and their probabilities at draw time."""
+
+    epoch: int
+    ids: np.ndarray
+    probs: np.ndarray
+
+
+def make_trace(n: int, *, epochs: int, sigma: float, seed: int, block_rows: int = BLOCK_ROWS,
+               starts: np.ndarray | None = None) -> list[TraceUnit]:
+    """Prioritized read units with simulated loss feedback (see the module docstring).
+
+    With ``starts`` (first id of each Parquet row group) units are two-stage plans:
+    ``ROWS_PER_GROUP`` rows from each row group drawn by its mass.
+    """
+    from raying.sampling.table import PriorityTable
+
+    rng = np.random.default_rng(seed)
+    difficulty = rng.lognormal(0.0, sigma, n)
+    table = PriorityTable(n, alpha=1.0, uniform_mix=0.1, seed=seed)
+    units = []
+    for epoch in range(epochs):
+        left = n
+        while left > 0:
+            k = min(block_rows, left)
+            left -= k
+            if starts is None:
+                ids, probs = table.sample(DEFAULT_PLAN_CHUNK_IDS, systematic=True)
+                pick = rng.permutation(len(ids))[:k]
+                ids, probs = ids[pick], probs[pick]
+            else:
+                ids, probs = table.sample_in_groups(k, starts, ROWS_PER_GROUP)
+                order = np.argsort(ids, kind="stable")
+                ids, probs = ids[order], probs[order]
+            units.append(TraceUnit(epoch, ids, probs))
+            table.update(ids, difficulty[ids] * rng.lognormal(0.0, 0.2, k))
+    return units
+
+
+def _drive(trace: list[TraceUnit], fetch: Callable[[TraceUnit], Any]) -> dict[str, Any]:
+    """Replay ``trace`` with ``INFLIGHT_UNITS`` units in flight; samples/s overall and per epoch."""
+    t0 = time.perf_counter()
+    ends: dict[int, float] = {}
+    with Prefetcher(trace, fetch, depth=INFLIGHT_UNITS - 1) as it:
+        for unit, _ in it:
+            ends[unit.epoch] = time.perf_counter()
+    wall = time.perf_counter() - t0
+    per_epoch, prev = [], t0
+    for e in sorted(ends):
+        rows = sum(len(u.ids) for u in trace if u.epoch == e)
+        per_epoch.append(round(rows / (ends[e] - prev), 1))
+        prev = ends[e]
+    rows = sum(len(u.ids) for u in trace)
+    return {"wall_s": round(wall, 3), "samples_per_s": round(rows / wall, 1),
+            "samples_per_s_by_epoch": per_epoch}
+
+
+def _image_run(name: str, paths: np.ndarray, sizes: np.ndarray, trace: list[TraceUnit],
+               tier: tuple[float, float], io: IOConfig | None) -> dict[str, Any]:
+    fs = slow.slow_filesystem(pafs.LocalFileSystem(), tier)
+    totals: dict[str, int] = {}
+
+    def fetch(unit: TraceUnit) -> None:
+        wanted = [str(p) for p in paths[unit.ids]]
+        if io is None:
+            datas = _storage.read_many(fs, wanted)
+        else:
+            datas, account = fetch_files(fs, wanted, io=io, scores=unit.probs, namespace=name)
+            for k, v in account.items():
+                totals[k] = totals.get(k, 0) + v
+        bad = [d for d in datas if isinstance(d, BaseException)]
+        if bad:
+            raise bad[0]
+
+    row = {"config": name, **_drive(trace, fetch)}
+    counters = slow.io_counters(fs).snapshot()
+    delivered = int(sum(int(sizes[u.ids].sum()) for u in trace))
+    row.update(requests=counters["requests"], bytes_read=counters["bytes_read"],
+               read_amplification=round(read_amplification(counters["bytes_read"], delivered), 3))
+    if io is not None and io.cache is not None:
+        s = summarize(totals)
+        row.update({k: round(s[k], 3) for k in ("cache_hit_ratio", "cache_hit_ratio_memory",
+                                                 "cache_hit_ratio_disk")})
+    return row
+
+
+def _cache(kind: str, total_bytes: int, capacity: float, disk: float, where: Path,
+           tag: str) -> CacheConfig:
+    mem_dir = os.path.join(tempfile.gettempdir() if not os.path.isdir("/dev/shm")
+                           else "/dev/shm", f"raying-io-bench-{os.getpid()}-{tag}")
+    shutil.rmtree(mem_dir, ignore_errors=True)
+    policy = "lru" if kind == "lru" else "priority"
+    if kind == "tiered":
+        shutil.rmtree(where / f"disk-{tag}", ignore_errors=True)
+        return CacheConfig(memory_bytes=int(capacity * total_bytes), memory_dir=mem_dir,
+                           disk_bytes=int(disk * total_bytes),
+                           disk_dir=str(where / f"disk-{tag}"), policy=policy)
+    return CacheConfig(memory_bytes=int(capacity * total_bytes), memory_dir=mem_dir,
+                       policy=policy)
+
+
+def images_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespace,
+                 work: Path) -> list[dict[str, Any]]:
+    """Part 1: every configuration on the same prioritized 3-epoch trace."""
+    trace = make_trace(len(paths), epochs=args.epochs, sigma=args.sigma, seed=args.seed)
+    tier = (args.latency_ms / 1000, args.bandwidth_mb_s * 1e6)
+    total = int(sizes.sum())
+    configs: list[tuple[str, IOConfig | None]] = [
+        ("direct (no io)", None),
+        ("planner, no cache", IOConfig()),
+        (f"planner + LRU {args.capacity:.0%}",
+         IOConfig(cache=_cache("lru", total, args.capacity, 0, work, "lru"))),
+        (f"planner + priority {args.capacity:.0%}",
+         IOConfig(cache=_cache("priority", total, args.capacity, 0, work, "prio"))),
+        (f"planner + priority {args.capacity:.0%} mem + {args.disk:.0%} disk",
+         IOConfig(cache=_cache("tiered", total, args.capacity, args.disk, work, "tier"))),
+    ]
+    rows = []
+    for name, io in configs:
+        rows.append(_image_run(name, paths, sizes, trace, tier, io))
+        _print_row(rows[-1])
+        if io is not None and io.cache is not None:
+            shutil.rmtree(io.cache.memory_dir, ignore_errors=True)
+    base = rows[0]["samples_per_s"]
+    for r in rows:
+        r["speedup_vs_direct"] = round(r["samples_per_s"] / base, 2)
+    return rows
+
+
+def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespace,
+                    work: Path) -> list[dict[str, Any]]:
+    """Part 2: priority vs LRU hit ratio over seeded traces, one unit at a time."""
+    fs = pafs.LocalFileSystem()
+    total = int(sizes.sum())
+    out = []
+    for capacity in (0.10, 0.15, 0.20):
+        ratios: dict[str, list[float]] = {"lru": [], "priority": []}
+        for seed in range(args.seeds):
+            trace = make_trace(len(paths), epochs=args.epochs, sigma=args.sigma, seed=seed)
+            for policy in ("lru", "priority"):
+                io = IOConfig(cache=_cache(policy, total, capacity, 0, work, f"hr-{policy}"))
+                totals: dict[str, int] = {}
+                for unit in trace:
+                    _, account = fetch_files(fs, [str(p) for p in paths[unit.ids]], io=io,
+                                             scores=unit.probs, namespace="hit-ratio")
+                    for k, v in account.items():
+                        totals[k] = totals.get(k, 0) + v
+                ratios[policy].append(summarize(totals)["cache_hit_ratio"])
+                shutil.rmtree(io.cache.memory_dir, ignore_errors=True)
+        row = {"capacity": capacity, "seeds": args.seeds,
+               "lru_mean": round(statistics.mean(ratios["lru"]), 4),
+               "priority_mean": round(statistics.mean(ratios["priority"]), 4),
+               "lru": [round(x, 4) for x in ratios["lru"]],
+               "priority": [round(x, 4) for x in ratios["priority"]]}
+        row["ratio"] = round(row["priority_mean"] / row["lru_mean"], 2)
+        row["ratio_min_over_seeds"] = round(min(
+            p / max(q, 1e-9) for p, q in zip(ratios["priority"], ratios["lru"], strict=True)), 2)
+        out.append(row)
+        print(f"  capacity {capacity:.0%}: hit ratio LRU {row['lru_mean']:.3f}, priority "
+              f"{row['priority_mean']:.3f} -> x{row['ratio']} (worst seed x"
+              f"{row['ratio_min_over_seeds']})")
+    return out
+
+
+def write_parquet(paths: np.ndarray, labels: np.ndarray, dst: Path) -> Path:
+    """The images as Parquet (raying pack's layout: id, label, image, path; 256-row groups)."""
+    if (dst / ".complete").exists():
+        return dst
+    dst.mkdir(parents=True, exist_ok=True)
+    shard = 1024
+    for k, start in enumerate(range(0, len(paths), shard)):
+        ids = np.arange(start, min(start + shard, len(paths)))
+        table = pa.table({"id": pa.array(ids, pa.int64()),
+                          "label": pa.array(labels[ids], pa.int64()),
+                          "image": pa.array([Path(p).read_bytes() for p in paths[ids]],
+                                            pa.binary()),
+                          "path": pa.array([str(p) for p in paths[ids]])})
+        pq.write_table(table, dst / f"part-{k:05d}.parquet", row_group_size=ROW_GROUP_ROWS,
+                       compression="none", use_dictionary=["label"])
+    (dst / ".complete").write_text("ok")
+    return dst
+
+
+def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    """Part 3: read amplification of uniform and prioritized Parquet epochs."""
+    from raying.io.parquet import read_chunks
+    from raying.manifest import Manifest
+    from raying.reader import ReadSpec, _read_parquet_rows
+    from raying.sampling.uniform import UniformSampler
+
+    m = Manifest.scan(str(root), format="parquet", label="label")
+    spec = ReadSpec.of(m, None, 0, "skip")
+    sizes = m.sizes
+    f, g, starts, _ = m.row_group_table()
+    tier = (args.latency_ms / 1000, args.bandwidth_mb_s * 1e6)
+    files = [f"{str(root).rstrip('/')}/{rel}" for rel in m.files]
+    uniform = UniformSampler(seed=args.seed).plan(m, 0, block_rows=BLOCK_ROWS).units
+    prio = make_trace(len(m), epochs=1, sigma=args.sigma, seed=args.seed, starts=starts)
+    rows = []
+    cache = _cache("priority", int(sizes.sum()), args.capacity, 0, work, "pq")
+    for mode, units in (("uniform", uniform), ("prioritized", prio)):
+        for path_name in ("reader (direct)", "planned") + (
+                (f"planned + priority {args.capacity:.0%}",) if mode == "prioritized" else ()):
+            fs = slow.slow_filesystem(pafs.LocalFileSystem(), tier)
+            io = IOConfig(cache=cache if "priority" in path_name else None)
+
+            def fetch(unit, fs=fs, path_name=path_name, io=io) -> None:
+                ids = np.asarray(unit.ids)
+                pos = np.searchsorted(starts, ids, side="right") - 1
+                if path_name.startswith("reader"):
+                    from raying.plan import ReadUnit
+
+                    groups = np.unique(pos)
+                    ru = ReadUnit(epoch=0, index=0, draw=len(ids), ids=ids,
+                                  row_groups=np.stack([f[groups], g[groups], starts[groups]], 1))
+                    _read_parquet_rows(spec, fs, m.root, ru, ids)
+                    return
+                mass: dict[int, float] = {}
+                for p, pr in zip(pos.tolist(), np.asarray(unit.probs).tolist(), strict=True):
+                    mass[p] = mass.get(p, 0.0) + pr
+                read_chunks(fs, [(files[f[p]], int(g[p])) for p in mass], "image", io=io,
+                            scores=list(mass.values()), namespace="pq", stats=OpStats())
+
+            res = _drive(units, fetch)
+            c = slow.io_counters(fs).snapshot()
+            delivered = int(sum(int(sizes[np.asarray(u.ids)].sum()) for u in units))
+            row = {"mode": mode, "path": path_name, **res, "requests": c["requests"],
+                   "bytes_read": c["bytes_read"], "bytes_delivered": delivered,
+                   "read_amplification": round(read_amplification(c["bytes_read"],
+                                                                  delivered), 3)}
+            rows.append(row)
+            print(f"  {mode:<12} {path_name:<26} {row['samples_per_s']:>9,.0f} samples/s  "
+                  f"{row['requests']:>6} requests  amplification {row['read_amplification']}")
+    shutil.rmtree(cache.memory_dir, ignore_errors=True)
+    return rows
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    hits = ""
+    if "cache_hit_ratio" in r:
+        hits = (f"  hits {r['cache_hit_ratio']:.2f} (mem {r['cache_hit_ratio_memory']:.2f}, "
+                f"disk {r['cache_hit_ratio_disk']:.2f})")
+    print(f"  {r['config']:<40} {r['samples_per_s']:>8,.0f} samples/s  by epoch "
+          f"{r['samples_per_s_by_epoch']}  {r['requests']:>6} requests  "
+          f"amplification {r['read_amplification']:.2f}{hits}")
+
+
+def dataset(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The generated image folder (cached): paths, sizes, labels in id order."""
+    from raying.datagen import make_image_folder
+
+    root = Path(args.data) / f"images-{args.images}-{args.side}"
+    if not (root / ".complete").exists():
+        print(f"generating {args.images} images of {args.side}px in {root} ...")
+        make_image_folder(root, n=args.images, classes=10, size=(args.side, args.side), seed=0)
+        (root / ".complete").write_text("ok")
+    files = sorted(p for p in root.rglob("*.jpg"))
+    paths = np.array([str(p) for p in files], dtype=object)
+    sizes = np.array([p.stat().st_size for p in files], dtype=np.int64)
+    labels = np.array([int(p.parent.name.split("_")[1]) for p in files], dtype=np.int64)
+    return paths, sizes, labels
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the three parts and print (and optionally save) the figures."""
+    p = argparse.ArgumentParser(prog="python -m raying.bench.io_bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", type=int, default=DEFAULT_IMAGES)
+    p.add_argument("--side", type=int, default=DEFAULT_SIDE, help="image side in pixels")
+    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
+    p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS)
+    p.add_argument("--bandwidth-mb-s", type=float, default=DEFAULT_BANDWIDTH_MB_S)
+    p.add_argument("--capacity", type=float, default=DEFAULT_CAPACITY,
+                   help="memory tier as a share of the dataset")
+    p.add_argument("--disk", type=float, default=DEFAULT_DISK_CAPACITY,
+                   help="disk tier as a share of the dataset (tiered configuration)")
+    p.add_argument("--sigma", type=float, default=DEFAULT_SIGMA,
+                   help="spread (lognormal sigma) of per-sample difficulty")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="traces for the hit ratio")
+    p.add_argument("--parts", default="images,hits,parquet")
+    p.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "raying-io-bench"))
+    p.add_argument("--quick", action="store_true", help="small sizes, checks that it runs")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.images, args.side, args.seeds = 400, 64, 2
+    parts = set(args.parts.split(","))
+    paths, sizes, labels = dataset(args)
+    work = Path(tempfile.mkdtemp(prefix="raying-io-bench-"))
+    result: dict[str, Any] = {
+        "setup": {"images": len(paths), "mean_file_bytes": int(sizes.mean()),
+                  "dataset_bytes": int(sizes.sum()), "epochs": args.epochs,
+                  "tier": {"latency_ms": args.latency_ms, "bandwidth_mb_s": args.bandwidth_mb_s},
+                  "sampler": "PriorityTable alpha=1 uniform_mix=0.1 systematic",
+                  "difficulty": f"lognormal(0, {args.sigma})", "seed": args.seed,
+                  "units_in_flight": INFLIGHT_UNITS, "block_rows": BLOCK_ROWS}}
+    print(f"{len(paths)} images, mean {sizes.mean() / 1024:.1f} KiB, tier "
+          f"{args.latency_ms:g} ms + {args.bandwidth_mb_s:g} MB/s, {args.epochs} epochs")
+    try:
+        if "images" in parts:
+            print("1. images, prioritized sampling, read stage:")
+            result["images"] = images_study(paths, sizes, args, work)
+        if "hits" in parts:
+            print(f"2. hit ratio, priority vs LRU ({args.seeds} seeds):")
+            result["hit_ratio"] = hit_ratio_study(paths, sizes, args, work)
+        if "parquet" in parts:
+            print("3. Parquet read amplification (bytes read / bytes delivered):")
+            root = write_parquet(paths, labels, Path(args.data) / f"parquet-{args.images}-"
+                                 f"{args.side}")
+            result["parquet"] = parquet_study(root, args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

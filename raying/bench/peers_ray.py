@@ -1,0 +1,197 @@
+"""The Ray peers: plain Ray Data as a user writes it, and raying with its default settings.
+
+Both start their own local Ray in the measuring process, ``ray.init(address="local",
+num_cpus=cores, include_dashboard=False)``, timed as ``ray_start_s`` (never part of a time to
+first batch).
+
+Ray Data (Ray 2.60 APIs):
+
+- Image folders: ``read_binary_files(root, include_paths=True,
+  shuffle=FileShuffleConfig(seed), override_num_blocks=ceil(N / 256))`` (a new file order
+  every execution, i.e. every epoch; blocks of ~256 images, ~100 ms of work) ->
+  ``map_batches(decode_augment, batch_format="numpy",
+  compute=TaskPoolStrategy(size=cores))`` (simplejpeg + cv2, the same kernel as torch and L;
+  the label from the class folder in the path) -> ``iter_batches(batch_size=B,
+  batch_format="numpy")`` with its default prefetch.
+- Parquet (W3, W4): ``read_parquet(root, columns=["image", "label"],
+  shuffle=FileShuffleConfig(seed), override_num_blocks=ceil(N / 256))`` -> ``map_batches``
+  (decode + augment, or crop + flip of the stored pixels) -> ``iter_batches(...,
+  local_shuffle_buffer_size=256)`` (Ray Data's documented row shuffle; the file shuffle alone
+  would only permute a few shards).
+
+Progress bars are switched off (``DataContext.enable_progress_bars = False``) to keep the logs
+readable; nothing else in the DataContext is changed.
+
+raying: ``raying.Pipeline(Manifest.scan(root))`` (``Manifest.scan(root, format="parquet",
+label="label")`` for Parquet) with the default transform (random-resized-crop 224 + flip),
+the default uniform sampler and ``PipelineConfig()``; batches from ``pipe.iter_batches(
+batch_size=B, epoch=e)``. W4 passes ``ImageTransform(size=224, scale=(c, c), ratio=(1, 1))``
+with ``c = (224 / S)**2``: a plain 224 crop of the stored SxS pixels, the same work as the other
+peers. W5 passes ``PrioritizedSampler()`` (defaults) and reports a random loss per sample
+after every batch through ``pipe.report`` (non-blocking).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from raying.bench.workloads import OUTPUT_SIZE, Workload
+
+DEFAULT_RAYDATA_BLOCK_ROWS = 256
+DEFAULT_RAYDATA_SHUFFLE_BUFFER_ROWS = 256
+
+
+def _start_ray(cores: int) -> dict[str, Any]:
+    import ray
+
+    t0 = time.perf_counter()
+    ray.init(address="local", num_cpus=cores, include_dashboard=False)
+    return {"ray_start_s": time.perf_counter() - t0, "ray_version": ray.__version__}
+
+
+# -- Ray Data ------------------------------------------------------------------------------------
+def _decode_augment(batch: dict[str, np.ndarray], classes: list[str]) -> dict[str, np.ndarray]:
+    import cv2
+
+    from raying.bench import kernels
+
+    cv2.setNumThreads(1)
+    rng = np.random.default_rng()
+    datas = batch["bytes"] if "bytes" in batch else batch["image"]
+    out = np.empty((len(datas), OUTPUT_SIZE, OUTPUT_SIZE, 3), dtype=np.uint8)
+    for i, data in enumerate(datas):
+        kernels.decode_crop_flip(data, rng, out[i])
+    if "path" in batch:
+        index = {c: k for k, c in enumerate(classes)}
+        labels = np.array([index[os.path.basename(os.path.dirname(p))] for p in batch["path"]],
+                          dtype=np.int64)
+    else:
+        labels = np.asarray(batch["label"], dtype=np.int64)
+    return {"image": out, "label": labels}
+
+
+def _crop_flip_pixels(batch: dict[str, np.ndarray], side: int) -> dict[str, np.ndarray]:
+    from raying.bench import kernels
+
+    rng = np.random.default_rng()
+    values = batch["image"]
+    out = np.empty((len(values), OUTPUT_SIZE, OUTPUT_SIZE, 3), dtype=np.uint8)
+    for i, v in enumerate(values):
+        pixels = np.frombuffer(v, dtype=np.uint8).reshape(side, side, 3)
+        kernels.crop_flip(pixels, rng, out[i])
+    return {"image": out, "label": np.asarray(batch["label"], dtype=np.int64)}
+
+
+class _RayDataLoader:
+    def __init__(self, ds: Any, batch: int, shuffle_buffer: int | None) -> None:
+        self.ds = ds
+        self.batch = batch
+        self.shuffle_buffer = shuffle_buffer
+
+    def epoch(self, e: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for b in self.ds.iter_batches(batch_size=self.batch, batch_format="numpy",
+                                      local_shuffle_buffer_size=self.shuffle_buffer):
+            yield b["image"], b["label"]
+
+    def extra(self) -> dict[str, Any]:
+        stats = self.ds.stats()
+        print(stats, flush=True)  # to the measurement's log: operators, fusion, task times
+        return {"stats_head": stats[:2000]}
+
+    def close(self) -> None:
+        self.ds = None
+
+
+class RayDataPeer:
+    """Plain Ray Data: read_* + map_batches + iter_batches."""
+
+    def start(self, cores: int) -> dict[str, Any]:
+        info = _start_ray(cores)
+        import ray
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+        return info
+
+    def open(self, wl: Workload, *, batch_size: int, cores: int, seed: int) -> _RayDataLoader:
+        import ray
+
+        blocks = max(cores, math.ceil(wl.rows / DEFAULT_RAYDATA_BLOCK_ROWS))
+        shuffle = ray.data.FileShuffleConfig(seed=seed)
+        compute = ray.data.TaskPoolStrategy(size=cores)
+        if wl.kind == "images":
+            classes = sorted(e.name for e in os.scandir(wl.root) if e.is_dir())
+            ds = ray.data.read_binary_files(wl.root, include_paths=True, shuffle=shuffle,
+                                            override_num_blocks=blocks)
+            ds = ds.map_batches(_decode_augment, batch_format="numpy", compute=compute,
+                                fn_kwargs={"classes": classes})
+            return _RayDataLoader(ds, batch_size, None)
+        ds = ray.data.read_parquet(wl.root, columns=["image", "label"], shuffle=shuffle,
+                                   override_num_blocks=blocks)
+        if wl.decoded:
+            ds = ds.map_batches(_crop_flip_pixels, batch_format="numpy", compute=compute,
+                                fn_kwargs={"side": int(wl.decoded)})
+        else:
+            ds = ds.map_batches(_decode_augment, batch_format="numpy", compute=compute,
+                                fn_kwargs={"classes": []})
+        return _RayDataLoader(ds, batch_size, DEFAULT_RAYDATA_SHUFFLE_BUFFER_ROWS)
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()
+
+
+# -- raying --------------------------------------------------------------------------------------
+class _RayingLoader:
+    def __init__(self, pipe: Any, batch: int, report: bool, seed: int) -> None:
+        self.pipe = pipe
+        self.batch = batch
+        self.report = report
+        self.rng = np.random.default_rng(seed)
+
+    def epoch(self, e: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for b in self.pipe.iter_batches(batch_size=self.batch, epoch=e):
+            yield b["image"], b["label"]
+            if self.report:  # after the step, as a trainer reports its per-sample losses
+                self.pipe.report(b["id"], self.rng.random(len(b["id"])))
+
+    def extra(self) -> dict[str, Any]:
+        return self.pipe.stats()
+
+    def close(self) -> None:
+        self.pipe.close()
+
+
+class RayingPeer:
+    """raying.Pipeline with default settings (uniform), prioritized with live updates on W5."""
+
+    def start(self, cores: int) -> dict[str, Any]:
+        return _start_ray(cores)
+
+    def open(self, wl: Workload, *, batch_size: int, cores: int, seed: int) -> _RayingLoader:
+        import raying
+
+        if wl.kind == "images":
+            m = raying.Manifest.scan(wl.root)
+        else:
+            m = raying.Manifest.scan(wl.root, format="parquet", label="label")
+        kwargs: dict[str, Any] = {}
+        if wl.decoded:
+            c = (OUTPUT_SIZE / wl.decoded) ** 2
+            kwargs["transform"] = raying.ImageTransform(size=OUTPUT_SIZE, scale=(c, c),
+                                                        ratio=(1.0, 1.0))
+        if wl.prioritized:
+            kwargs["sampler"] = raying.PrioritizedSampler()
+        pipe = raying.Pipeline(m, **kwargs)
+        return _RayingLoader(pipe, batch_size, wl.prioritized, seed)
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()

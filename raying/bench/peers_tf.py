@@ -1,0 +1,135 @@
+"""tf.data as the TensorFlow guides write an ImageNet input pipeline: native ops, AUTOTUNE.
+
+- Image folders: ``from_tensor_slices((paths, labels))`` -> ``shuffle(N,
+  reshuffle_each_iteration=True)`` -> ``map(read_file -> extract_jpeg_shape ->
+  sample_distorted_bounding_box -> decode_and_crop_jpeg -> resize 224 -> uint8 ->
+  random_flip_left_right, num_parallel_calls=AUTOTUNE)`` -> ``batch(B)`` ->
+  ``prefetch(AUTOTUNE)``. ``sample_distorted_bounding_box`` with torchvision's ranges (area
+  0.08-1, aspect 3/4-4/3, 10 attempts, whole image as fallback) plus ``decode_and_crop_jpeg``
+  is TF's native random-resized-crop: only the crop window is decoded.
+- Parquet (W3, W4): ``from_generator`` over row groups (permuted every epoch, rows shuffled
+  within each group, read with pyarrow) yielding one group at a time -> ``unbatch`` -> the
+  same ``map`` on the JPEG bytes (W3), or ``random_crop`` 224 + flip of the stored pixels (W4)
+  -> ``batch`` -> ``prefetch``.
+
+TF's thread pools are left at their defaults (all cores). Batches stay ``tf.Tensor`` (uint8
+NHWC on the host); the bench only reads their shape.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from raying.bench.kernels import CROP_RATIO, CROP_SCALE  # noqa: E402
+from raying.bench.workloads import (  # noqa: E402
+    OUTPUT_SIZE,
+    Workload,
+    list_images,
+    parquet_files,
+    row_groups,
+)
+
+_NO_BOXES = tf.zeros([1, 0, 4], dtype=tf.float32)
+
+
+def _crop_decode(data: tf.Tensor) -> tf.Tensor:
+    """JPEG bytes -> random-resized-crop 224 uint8, mirrored half the time."""
+    shape = tf.image.extract_jpeg_shape(data)
+    begin, size, _ = tf.image.sample_distorted_bounding_box(
+        shape, bounding_boxes=_NO_BOXES, min_object_covered=0.0,
+        aspect_ratio_range=CROP_RATIO, area_range=CROP_SCALE, max_attempts=10,
+        use_image_if_no_bounding_boxes=True)
+    top, left, _ = tf.unstack(begin)
+    height, width, _ = tf.unstack(size)
+    image = tf.image.decode_and_crop_jpeg(data, tf.stack([top, left, height, width]),
+                                          channels=3)
+    image = tf.image.resize(image, [OUTPUT_SIZE, OUTPUT_SIZE], method="bilinear")
+    image = tf.cast(tf.clip_by_value(image + 0.5, 0.0, 255.0), tf.uint8)
+    return tf.image.random_flip_left_right(image)
+
+
+def _load_file(path: tf.Tensor, label: tf.Tensor):
+    return _crop_decode(tf.io.read_file(path)), label
+
+
+def _load_bytes(data: tf.Tensor, label: tf.Tensor):
+    return _crop_decode(data), label
+
+
+def _crop_pixels(pixels: tf.Tensor, label: tf.Tensor):
+    image = tf.image.random_crop(pixels, [OUTPUT_SIZE, OUTPUT_SIZE, 3])
+    return tf.image.random_flip_left_right(image), label
+
+
+def _row_group_dataset(files: list[str], decoded: int | None, seed: int) -> tf.data.Dataset:
+    import pyarrow.parquet as pq
+
+    groups = row_groups(files)
+    handles = [pq.ParquetFile(f) for f in files]
+    epochs = [0]
+
+    def gen():
+        rng = np.random.default_rng([seed, epochs[0]])
+        epochs[0] += 1
+        for gi in rng.permutation(len(groups)):
+            f, g, _ = groups[gi]
+            table = handles[f].read_row_group(int(g), columns=["image", "label"])
+            perm = rng.permutation(table.num_rows)
+            labels = table.column("label").to_numpy()[perm]
+            if decoded:
+                col = table.column("image").combine_chunks()
+                s = decoded
+                flat = np.frombuffer(col.buffers()[1], dtype=np.uint8)
+                pixels = flat[col.offset * s * s * 3:(col.offset + len(col)) * s * s * 3]
+                yield pixels.reshape(len(col), s, s, 3)[perm], labels
+            else:
+                datas = table.column("image").to_pylist()
+                yield np.array([datas[i] for i in perm], dtype=object), labels
+
+    if decoded:
+        sig = (tf.TensorSpec([None, decoded, decoded, 3], tf.uint8),
+               tf.TensorSpec([None], tf.int64))
+    else:
+        sig = (tf.TensorSpec([None], tf.string), tf.TensorSpec([None], tf.int64))
+    return tf.data.Dataset.from_generator(gen, output_signature=sig).unbatch()
+
+
+class _TfLoader:
+    def __init__(self, ds: tf.data.Dataset) -> None:
+        self.ds = ds
+
+    def epoch(self, e: int) -> Iterator[tuple[Any, Any]]:
+        yield from self.ds
+
+    def close(self) -> None:
+        self.ds = None
+
+
+class TfPeer:
+    """tf.data with AUTOTUNE and TF's native JPEG ops."""
+
+    def start(self, cores: int) -> dict[str, Any]:
+        return {"tf_version": tf.__version__}
+
+    def open(self, wl: Workload, *, batch_size: int, cores: int, seed: int) -> _TfLoader:
+        tf.random.set_seed(seed)
+        auto = tf.data.AUTOTUNE
+        if wl.kind == "images":
+            paths, labels, _ = list_images(wl.root)
+            ds = tf.data.Dataset.from_tensor_slices((paths, labels))
+            ds = ds.shuffle(len(paths), seed=seed, reshuffle_each_iteration=True)
+            ds = ds.map(_load_file, num_parallel_calls=auto)
+        else:
+            ds = _row_group_dataset(parquet_files(wl.root), wl.decoded, seed)
+            ds = ds.map(_crop_pixels if wl.decoded else _load_bytes, num_parallel_calls=auto)
+        return _TfLoader(ds.batch(batch_size).prefetch(auto))
+
+    def stop(self) -> None:
+        pass

@@ -1,0 +1,431 @@
+"""`raying bench`: raying against the limit, torch DataLoader, tf.data and Ray Data, side by side.
+
+The protocol of DESIGN.md section 4, in one command and one run:
+
+1. Workloads W1-W5 are generated (or found in ``--data``), see :mod:`raying.bench.workloads`.
+2. For every round, every (workload, peer) measurement runs in its own child process
+   (:mod:`raying.bench.child`; ``--isolate peer`` groups a peer's workloads into one process, as
+   ``--quick`` does to save start-ups), peers interleaved round-robin and rotated each round.
+   The orchestrator watches each child's process tree from outside for CPU-seconds and peak
+   PSS (:mod:`raying.bench.measure`). Each measurement runs every (batch size, consumer mode)
+   cell with a fresh loader and ``--epochs`` epochs; the first is the cold epoch.
+3. Medians over rounds, ratios to the limit and to the best peer, issue 4's targets
+   (:mod:`raying.bench.aggregate`); ``bench.json``, ``bench.png`` and a console table in
+   ``--out`` (:mod:`raying.bench.report`), with one log per measurement in ``--out/logs``.
+
+Same work for every peer: decode + random-resized-crop 224 (torchvision's ranges) + 50% flip,
+uint8 NHWC out, labels included, shuffle on, every batch's rows counted and checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from raying.bench import aggregate, measure, report
+from raying.bench.child import PEER_WORKLOADS, PEERS, REFERENCE_PEERS
+from raying.bench.workloads import ALL_WORKLOADS, QUICK_W1_IMAGES, QUICK_W2_IMAGES, Sizes
+from raying.errors import ConfigError
+
+ALL_PEERS = ("L", "pyarrow", "torch", "tf", "raydata", "raying")
+ALL_MODES = ("iterate", "sleep", "compute")
+DEFAULT_ROUNDS = 3
+DEFAULT_EPOCHS = 3  # one cold epoch, two steady ones
+DEFAULT_BATCH_SIZES = (64, 256)
+QUICK_EPOCHS = 2
+QUICK_BATCH_SIZES = (64,)
+QUICK_MODES = ("iterate", "compute")
+# The consumer's per-image cost in the sleep and compute modes: 0.25 ms/image caps a consumer
+# at 4,000 img/s, above what 2 cores decode, so overlap and contention both show.
+DEFAULT_SLEEP_MS_PER_IMAGE = 0.25
+DEFAULT_WORK_MS_PER_IMAGE = 0.25
+DEFAULT_JOB_TIMEOUT_S = 1800.0
+QUICK_JOB_TIMEOUT_S = 300.0
+# After a measurement exits, how long its descendants (Ray's processes) may take to go.
+LEFTOVER_GRACE_S = 15.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Everything one bench run does; ``config`` in the JSON."""
+
+    quick: bool
+    rounds: int
+    epochs: int
+    batch_sizes: tuple[int, ...]
+    modes: tuple[str, ...]
+    workloads: tuple[str, ...]
+    peers: tuple[str, ...]
+    sizes: Sizes
+    cores: int
+    isolate: str
+    sleep_ms_per_image: float
+    work_ms_per_image: float
+    work_bytes_per_image: int | None
+    timeout_s: float
+    out: str
+    data: str
+    seed: int = 0
+
+
+def _csv(value: str | None, allowed: tuple[str, ...], what: str, default: tuple[str, ...]):
+    if not value:
+        return default
+    items = tuple(v.strip() for v in value.split(",") if v.strip())
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        msg = f"--{what} takes a comma list of {', '.join(allowed)}; got {value!r}"
+        raise ConfigError(msg)
+    return items
+
+
+def _positive(name: str, value: Any) -> None:
+    if value is not None and value < 1:
+        msg = f"--{name} must be >= 1, got {value!r}"
+        raise ConfigError(msg)
+
+
+def config_from_args(ns: argparse.Namespace) -> BenchConfig:
+    """The run's config from the CLI's namespace (missing attributes take the defaults)."""
+    g = lambda name, default=None: getattr(ns, name, default)  # noqa: E731
+    quick = bool(g("quick", False))
+    for name in ("images", "rounds", "epochs", "w2_images", "w4_images", "cores",
+                 "decode_size"):
+        _positive(name.replace("_", "-"), g(name))
+    epochs = g("epochs") or (QUICK_EPOCHS if quick else DEFAULT_EPOCHS)
+    if epochs < 2:
+        msg = f"--epochs must be >= 2 (one cold epoch, then steady ones), got {epochs}"
+        raise ConfigError(msg)
+    try:
+        batches = tuple(int(b) for b in g("batch_sizes").split(",")) if g("batch_sizes") else (
+            QUICK_BATCH_SIZES if quick else DEFAULT_BATCH_SIZES)
+    except ValueError:
+        msg = f"--batch-sizes takes a comma list of integers, got {g('batch_sizes')!r}"
+        raise ConfigError(msg) from None
+    for b in batches:
+        _positive("batch-sizes", b)
+    sizes = Sizes(w1=g("images") or (QUICK_W1_IMAGES if quick else Sizes.w1),
+                  w2=g("w2_images") or (QUICK_W2_IMAGES if quick else Sizes.w2),
+                  w4=g("w4_images"), decode_size=g("decode_size") or Sizes.decode_size)
+    if sizes.decode_size < 224:
+        msg = f"--decode-size must be >= 224 (W4 crops 224 from it), got {sizes.decode_size}"
+        raise ConfigError(msg)
+    cores = g("cores") or len(os.sched_getaffinity(0))
+    isolate = g("isolate") or ("peer" if quick else "workload")
+    if isolate not in ("workload", "peer"):
+        msg = f"--isolate must be 'workload' or 'peer', got {isolate!r}"
+        raise ConfigError(msg)
+    data = g("data") or os.path.join(tempfile.gettempdir(), "raying-bench-data")
+    work_kb = g("work_kb_per_image")
+    return BenchConfig(
+        quick=quick, rounds=g("rounds") or (1 if quick else DEFAULT_ROUNDS), epochs=epochs,
+        batch_sizes=batches,
+        modes=_csv(g("modes"), ALL_MODES, "modes", QUICK_MODES if quick else ALL_MODES),
+        workloads=_csv(g("workloads"), ALL_WORKLOADS, "workloads", ALL_WORKLOADS),
+        peers=_csv(g("peers"), ALL_PEERS, "peers", ALL_PEERS), sizes=sizes, cores=cores,
+        isolate=isolate,
+        sleep_ms_per_image=float(g("sleep_ms") or DEFAULT_SLEEP_MS_PER_IMAGE),
+        work_ms_per_image=float(g("work_ms") or DEFAULT_WORK_MS_PER_IMAGE),
+        work_bytes_per_image=int(work_kb * 1024) if work_kb else None,
+        timeout_s=float(g("timeout") or (QUICK_JOB_TIMEOUT_S if quick else DEFAULT_JOB_TIMEOUT_S)),
+        out=g("out") or "bench-results", data=data)
+
+
+# -- the plan ------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Job:
+    """One child process: a peer, a round, the cells it runs."""
+
+    round: int
+    peer: str
+    workloads: tuple[str, ...]
+    cells: list[dict[str, Any]]
+
+    @property
+    def tag(self) -> str:
+        return f"r{self.round}-{self.peer}-{'+'.join(self.workloads)}"
+
+
+def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
+    """Rounds of jobs: workloads in order, peers rotated by one place every round."""
+
+    def cells(peer: str, wls: tuple[str, ...]) -> list[dict[str, Any]]:
+        modes = ("iterate",) if peer in REFERENCE_PEERS else cfg.modes
+        return [{"workload": w, "batch_size": b, "mode": m}
+                for w in wls for b in cfg.batch_sizes for m in modes]
+
+    rounds = []
+    for r in range(cfg.rounds):
+        peers = list(cfg.peers)
+        peers = peers[r % len(peers):] + peers[:r % len(peers)]
+        jobs = []
+        if cfg.isolate == "peer":
+            for p in peers:
+                wls = tuple(w for w in cfg.workloads if w in PEER_WORKLOADS[p])
+                if wls:
+                    jobs.append(Job(r, p, wls, cells(p, wls)))
+        else:
+            for w in cfg.workloads:
+                for p in peers:
+                    if w in PEER_WORKLOADS[p]:
+                        jobs.append(Job(r, p, (w,), cells(p, (w,))))
+        rounds.append(jobs)
+    return rounds
+
+
+# -- one measurement -----------------------------------------------------------------------------
+def _py_spy_dump(pids: list[int]) -> str:
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(exe):
+        return "(py-spy not found)"
+    out = []
+    for pid in pids:
+        try:
+            res = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True,
+                                 text=True, timeout=30)
+            out.append(res.stdout or res.stderr)
+        except (OSError, subprocess.SubprocessError) as exc:
+            out.append(f"py-spy dump {pid}: {exc}")
+    return "\n".join(out)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_job(job: Job, cfg: BenchConfig, spec_extra: dict[str, Any], logs: str,
+            say) -> dict[str, Any]:
+    """Run one child, watch its tree, and return its raw result with CPU and memory added."""
+    spec = {"peer": job.peer, "cells": job.cells, "epochs": cfg.epochs, "cores": cfg.cores,
+            "seed": cfg.seed + 1000 * job.round, **spec_extra}
+    base = os.path.join(logs, job.tag)
+    with open(base + ".spec.json", "w") as fh:
+        json.dump(spec, fh)
+    result_path = base + ".result.json"
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
+               RAY_USAGE_STATS_ENABLED="0")
+    env.pop("RAY_ADDRESS", None)  # every Ray peer starts its own local Ray
+    read_fd, write_fd = os.pipe()
+    load_before = os.getloadavg()
+    t0 = time.monotonic()
+    with open(base + ".log", "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "raying.bench.child", base + ".spec.json", result_path,
+             str(write_fd)], pass_fds=(write_fd,), stdout=log, stderr=subprocess.STDOUT,
+            env=env)
+    os.close(write_fd)
+    watch = measure.TreeWatch(proc.pid).start()
+    timed_out = False
+    sel = selectors.DefaultSelector()
+    reader = os.fdopen(read_fd, "r")
+    sel.register(reader, selectors.EVENT_READ)
+    deadline = t0 + cfg.timeout_s
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            if not sel.select(timeout=1.0):
+                if proc.poll() is not None:
+                    break
+                continue
+            line = reader.readline()
+            if not line:
+                break
+            msg = json.loads(line)
+            if "mark" in msg:
+                watch.mark(msg["mark"])
+            if "phase" in msg:
+                watch.phase(msg["phase"])
+            if "say" in msg:
+                say(msg["say"])
+    finally:
+        sel.close()
+        reader.close()
+    if timed_out:
+        pids = measure.alive(watch.known_pids())
+        dump = _py_spy_dump(pids[:6])
+        with open(base + ".log", "a") as log:
+            log.write(f"\n--- timed out after {cfg.timeout_s:.0f} s; py-spy dump ---\n{dump}\n")
+        _kill(pids)
+        say(f"  TIMEOUT after {cfg.timeout_s:.0f} s (py-spy dump in {base}.log)")
+    rc = proc.wait()
+    watch.mark("exit")
+    watch.stop()
+    seconds = time.monotonic() - t0
+    leftovers = _reap(watch.known_pids(), proc.pid)
+    try:
+        with open(result_path) as fh:
+            result = json.load(fh)
+    except (OSError, ValueError):
+        result = {"peer": job.peer, "cells": []}
+    done = len(result["cells"])
+    if rc != 0 or timed_out or done < len(job.cells):
+        tail = _tail(base + ".log")
+        why = "timed out" if timed_out else f"exit code {rc}"
+        say(f"  measurement {job.tag} {why}; {done}/{len(job.cells)} cells done. Log tail:\n"
+            + tail)
+        for cell in job.cells[done:]:
+            result["cells"].append({**cell, "epochs": [], "errors": [f"not run: child {why}"]})
+    for k, cell in enumerate(result["cells"]):
+        cell["cpu_steady_s"] = watch.cpu_between(f"{k}.e0.end", f"{k}.e{cfg.epochs - 1}.end")
+        cell["cpu_all_s"] = watch.cpu_between(f"{k}.open", f"{k}.e{cfg.epochs - 1}.end")
+        cell["peak_pss_mb"] = watch.phase_peaks.get(str(k))
+    result.update({"round": job.round, "peer": job.peer, "workloads": list(job.workloads),
+                   "tag": job.tag, "returncode": rc, "timed_out": timed_out,
+                   "seconds": round(seconds, 2), "log": base + ".log",
+                   "tree": measure.summary(watch), "leftover_pids": leftovers,
+                   "cpu_start_s": watch.cpu_between("start.begin", "start.end"),
+                   "loadavg_before": load_before, "loadavg_after": os.getloadavg()})
+    return result
+
+
+def _reap(known: list[tuple[int, int]], root: int) -> list[int]:
+    """Wait for the child's descendants to exit; kill (by pid) those still there after grace."""
+    others = [p for p in known if p[0] != root]
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while measure.alive(others) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = measure.alive(others)
+    _kill(left)
+    return left
+
+
+def _tail(path: str, lines: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return "".join(fh.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# -- host and calibration ------------------------------------------------------------------------
+def calibrate_work(ms_per_image: float) -> tuple[int, float]:
+    """Bytes of sha256 per image that cost ``ms_per_image`` on one core here (best of 5)."""
+    buf = os.urandom(1 << 20)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(16):
+            hashlib.sha256(buf).digest()
+        best = min(best, time.perf_counter() - t0)
+    bytes_per_s = 16 * len(buf) / best
+    return int(bytes_per_s * ms_per_image / 1000), bytes_per_s
+
+
+def _host(cores: int) -> dict[str, Any]:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh
+                          if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    versions = {}
+    for mod in ("ray", "torch", "tensorflow", "numpy", "pyarrow", "simplejpeg", "cv2", "raying"):
+        try:
+            from importlib.metadata import version
+
+            name = {"cv2": "opencv-python-headless"}.get(mod, mod)
+            versions[mod] = version(name)
+        except Exception:  # noqa: BLE001 - a missing package is reported as such
+            versions[mod] = None
+    mem = 0
+    try:
+        with open("/proc/meminfo") as fh:
+            mem = int(fh.readline().split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"cpu": model, "cores_used": cores, "cpu_count": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)), "mem_mb": mem,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "versions": versions, "loadavg_start": os.getloadavg()}
+
+
+# -- main ----------------------------------------------------------------------------------------
+def main(ns: argparse.Namespace) -> int:
+    """Run the bench; returns 0 when every peer ran and counted its rows right, else 1."""
+    from raying.bench import workloads as _w
+
+    cfg = config_from_args(ns)
+    quiet = bool(getattr(ns, "json", False))
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr if quiet else sys.stdout, flush=True)
+
+    os.makedirs(cfg.out, exist_ok=True)
+    logs = os.path.join(cfg.out, "logs")
+    os.makedirs(logs, exist_ok=True)
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    t_run = time.monotonic()
+    say(f"raying bench: {cfg.cores} cores, workloads {','.join(cfg.workloads)}, peers "
+        f"{','.join(cfg.peers)}, {cfg.rounds} round(s) x {cfg.epochs} epochs, batch "
+        f"{','.join(map(str, cfg.batch_sizes))}, modes {','.join(cfg.modes)}; data in {cfg.data}")
+    wls = _w.prepare(list(cfg.workloads), cfg.sizes, cfg.data, say=say)
+    work_bytes, sha_rate = (cfg.work_bytes_per_image, None)
+    if work_bytes is None:
+        work_bytes, sha_rate = calibrate_work(cfg.work_ms_per_image)
+    spec_extra = {"workloads": {k: v.to_dict() for k, v in wls.items()},
+                  "sleep_s_per_image": cfg.sleep_ms_per_image / 1000.0,
+                  "work_bytes_per_image": work_bytes}
+    rounds = plan_jobs(cfg)
+    total = sum(len(r) for r in rounds)
+    runs: list[dict[str, Any]] = []
+    n = 0
+    for jobs in rounds:
+        for job in jobs:
+            n += 1
+            say(f"[round {job.round + 1}/{cfg.rounds} | {n}/{total}] {'+'.join(job.workloads)} "
+                f"{job.peer}: {len(job.cells)} cell(s)")
+            res = run_job(job, cfg, spec_extra, logs, say)
+            start = res.get("start", {})
+            if start.get("ray_start_s") is not None:
+                say(f"  ray start-up {start['ray_start_s']:.1f} s (not in any ttfb)")
+            runs.append(res)
+    wl_dicts = {k: v.to_dict() for k, v in wls.items()}
+    rows = aggregate.combine(runs, wl_dicts, cfg.epochs)
+    checks = aggregate.targets(rows)
+    doc = {
+        "version": 1, "started": started, "seconds": round(time.monotonic() - t_run, 1),
+        "command": " ".join(sys.argv), "host": _host(cfg.cores),
+        "config": {**dataclasses.asdict(cfg), "work_bytes_per_image": work_bytes,
+                   "sha256_bytes_per_s": sha_rate},
+        "definitions": aggregate.__doc__, "peers": {p: PEERS[p] for p in cfg.peers},
+        "workloads": wl_dicts, "results": rows, "targets": checks, "runs": runs,
+    }
+    doc["host"]["loadavg_end"] = os.getloadavg()
+    json_path = os.path.join(cfg.out, "bench.json")
+    png_path = os.path.join(cfg.out, "bench.png")
+    report.write_json(doc, json_path)
+    report.chart(rows, png_path, f"raying bench, {cfg.cores} cores, {started}, median of "
+                                 f"{cfg.rounds} round(s)")
+    if quiet:
+        print(json.dumps({"results": rows, "targets": checks}, indent=1,
+                         default=report._json_default))
+    else:
+        say(report.table(rows, wl_dicts))
+        say(report.targets_table(checks))
+        say(f"\n{json_path}\n{png_path}\nlogs: {logs}  ({doc['seconds']:.0f} s)")
+    ok = all(r["rows_ok"] for r in rows)
+    if not ok:
+        say("some peers failed or miscounted rows: see 'rows' above and the logs")
+    return 0 if ok else 1

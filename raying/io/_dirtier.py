@@ -1,0 +1,344 @@
+"""One cache tier: a size-bounded directory of checksummed entries with a SQLite (WAL) index.
+
+Layout of a tier directory::
+
+    index.sqlite (+ -wal, -shm)   entries(digest, nbytes, crc, score, seen, born), meta(clock)
+    data/ab/abcdef...             one file per entry: 16-byte header (magic, crc32, length)
+                                  then the payload
+
+Safety between processes (every Ray worker of a node shares the tier):
+
+* Lookups read the index without locking (WAL readers never wait) and verify each file's
+  header and checksum against the index; a bad or missing file is a miss, and its row goes.
+* Admission and eviction run in one ``BEGIN IMMEDIATE`` transaction (one writer at a time,
+  across processes): victims' files are deleted, then new files are written (temp file +
+  rename, so no reader ever sees a partial file), then rows change and the transaction
+  commits. The entries on disk therefore never exceed the capacity, even between steps.
+* A writer that dies mid-transaction leaves its rows rolled back: its new files become
+  orphans (swept on the next open) and its deleted victims become rows without files
+  (dropped at their next lookup).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import sqlite3
+import struct
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Iterator, Sequence
+
+from raying.io.options import (
+    DEFAULT_CACHE_DECAY_READS,
+    DEFAULT_CACHE_LOCK_TIMEOUT_S,
+    DEFAULT_CACHE_ORPHAN_AGE_S,
+)
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"RYC1"
+HEADER = struct.Struct("<4sIQ")
+# SQLite's default limit on host parameters per statement is 999 (older builds).
+_SQL_CHUNK = 500
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    digest TEXT PRIMARY KEY, nbytes INTEGER NOT NULL, crc INTEGER NOT NULL,
+    score REAL NOT NULL, seen INTEGER NOT NULL, born REAL NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS entries_seen ON entries(seen);
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+INSERT OR IGNORE INTO meta VALUES ('clock', 0);
+"""
+
+
+def digest_of(key: str) -> str:
+    """The file name of a key (40 hex characters of its SHA-256)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:40]
+
+
+def entry_bytes(payload_len: int) -> int:
+    """Bytes an entry of ``payload_len`` takes on disk (what capacities count)."""
+    return HEADER.size + payload_len
+
+
+class DirTier:
+    """A size-bounded, checksummed, multi-process cache directory (see the module docstring).
+
+    Args:
+        root: the directory (created if needed).
+        capacity_bytes: the most bytes of entries (headers included) it ever holds.
+        policy: ``"priority"``: evict the lowest expected future reads, admit only what beats
+            the entries it would evict; ``"lru"``: evict the least recently drawn, admit all.
+        decay_reads: caps an entry's expected reads at ``decay_reads / draws since it was
+            last drawn`` (priority policy).
+        name: for stats and messages (``"memory"``, ``"disk"``).
+    """
+
+    def __init__(self, root: str, capacity_bytes: int, *, policy: str = "priority",
+                 decay_reads: float = DEFAULT_CACHE_DECAY_READS, name: str = "") -> None:
+        self.root = os.path.abspath(root)
+        self.capacity = int(capacity_bytes)
+        self.policy = policy
+        self.decay = float(decay_reads)
+        self.name = name or self.root
+        self._data = os.path.join(self.root, "data")
+        os.makedirs(self._data, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+        self._pid = -1
+        with self._lock:
+            self._db()
+        self.sweep_orphans()
+
+    # -- the index -----------------------------------------------------------------------------
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None or self._pid != os.getpid():  # a forked child opens its own
+            conn = sqlite3.connect(os.path.join(self.root, "index.sqlite"),
+                                   timeout=DEFAULT_CACHE_LOCK_TIMEOUT_S, isolation_level=None,
+                                   check_same_thread=False)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            with _write(conn):
+                for stmt in _SCHEMA.strip().split(";"):
+                    if stmt.strip():
+                        conn.execute(stmt)
+            self._conn, self._pid = conn, os.getpid()
+        return self._conn
+
+    def _path(self, digest: str) -> str:
+        return os.path.join(self._data, digest[:2], digest)
+
+    # -- reads ---------------------------------------------------------------------------------
+    def get_many(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
+                 draws: int | None = None, touch: Sequence[str] = (),
+                 touch_scores: Sequence[float] | None = None
+                 ) -> tuple[dict[int, memoryview], int]:
+        """Look up ``keys``; verified payloads of the hits, by position, and corrupt count.
+
+        Hits are marked as drawn now (recency; for the priority policy their score becomes
+        the given one, the sampler's latest probability); so are the ``touch`` keys, drawn
+        but served by a tier above, which are not read. ``draws`` advances the tier's clock
+        (default ``len(keys)``), which ages the entries that are not drawn.
+        """
+        digests = [digest_of(k) for k in keys]
+        rows: dict[str, tuple[int, int]] = {}
+        if digests:
+            with self._lock:
+                conn = self._db()
+                for part in _chunks(sorted(set(digests))):
+                    q = f"SELECT digest, nbytes, crc FROM entries WHERE digest IN ({_marks(part)})"
+                    rows.update({d: (n, c) for d, n, c in conn.execute(q, part)})
+        good: dict[str, memoryview] = {}
+        bad: set[str] = set()
+        for d, (nbytes, crc) in rows.items():
+            payload = self._read(d, nbytes, crc)
+            if payload is None:
+                bad.add(d)
+            else:
+                good[d] = payload
+        corrupt = sum(int(os.path.exists(self._path(d))) for d in bad)
+        found = {k: good[d] for k, d in enumerate(digests) if d in good}
+        touched: dict[str, float | None] = {}
+        for k in found:
+            touched[digests[k]] = float(scores[k]) if scores is not None else None
+        for k, key in enumerate(touch):
+            touched[digest_of(key)] = (float(touch_scores[k]) if touch_scores is not None
+                                       else None)
+        with self._lock:
+            conn = self._db()
+            with _write(conn):
+                clock = self._clock(conn) + (len(keys) if draws is None else int(draws))
+                conn.execute("UPDATE meta SET v = ? WHERE k = 'clock'", (clock,))
+                conn.executemany(
+                    "UPDATE entries SET seen = ?, score = COALESCE(?, score) WHERE digest = ?",
+                    [(clock, s, d) for d, s in touched.items()])
+                for d in bad:  # only if the row still describes the file found bad
+                    cur = conn.execute("DELETE FROM entries WHERE digest = ? AND nbytes = ? "
+                                       "AND crc = ?", (d, *rows[d]))
+                    if cur.rowcount:
+                        _unlink(self._path(d))
+        if corrupt:
+            logger.warning("raying cache %s: %d corrupt entries dropped (they are refetched)",
+                           self.name, corrupt)
+        return found, corrupt
+
+    def _read(self, digest: str, nbytes: int, crc: int) -> memoryview | None:
+        try:
+            with open(self._path(digest), "rb") as f:
+                data = f.read()
+        except OSError:
+            return None
+        if len(data) != nbytes or len(data) < HEADER.size:
+            return None
+        magic, h_crc, length = HEADER.unpack_from(data)
+        if magic != MAGIC or length != len(data) - HEADER.size or h_crc != crc:
+            return None
+        view = memoryview(data)[HEADER.size:]
+        if zlib.crc32(view) != crc:
+            return None
+        return view
+
+    # -- writes --------------------------------------------------------------------------------
+    def put_many(self, keys: Sequence[str], payloads: Sequence[bytes | memoryview],
+                 scores: Sequence[float] | None = None) -> tuple[int, int]:
+        """Offer entries; returns (admitted, evicted).
+
+        LRU admits everything that fits the capacity, evicting the least recently drawn.
+        Priority offers candidates from the highest score down and admits one only while the
+        entries it would evict all have lower expected reads than its own score.
+        """
+        if self.capacity <= 0 or not keys:
+            return 0, 0
+        cands: dict[str, tuple[int, float]] = {}
+        for k, key in enumerate(keys):
+            size = entry_bytes(len(payloads[k]))
+            if size <= self.capacity:
+                score = float(scores[k]) if scores is not None else 0.0
+                d = digest_of(key)
+                if d not in cands or cands[d][1] < score:
+                    cands[d] = (k, score)
+        if not cands:
+            return 0, 0
+        with self._lock:
+            conn = self._db()
+            with _write(conn):
+                present = set()
+                for part in _chunks(sorted(cands)):
+                    q = f"SELECT digest FROM entries WHERE digest IN ({_marks(part)})"
+                    present.update(d for (d,) in conn.execute(q, part))
+                order = [d for d in cands if d not in present]
+                if self.policy == "priority":
+                    order.sort(key=lambda d: -cands[d][1])
+                sizes = {d: entry_bytes(len(payloads[cands[d][0]])) for d in order}
+                clock = self._clock(conn)
+                used = conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
+                need = used + sum(sizes.values()) - self.capacity
+                victims = self._victims(conn, clock, need) if need > 0 else iter(())
+                admit, evict = [], []
+                for d in order:
+                    score = cands[d][1]
+                    while used + sizes[d] > self.capacity:
+                        v = next(victims, None)
+                        if v is None or (self.policy == "priority" and v[2] >= score):
+                            break
+                        evict.append(v)
+                        used -= v[1]
+                    if used + sizes[d] > self.capacity:
+                        break
+                    admit.append(d)
+                    used += sizes[d]
+                for d, _, _ in evict:
+                    _unlink(self._path(d))
+                conn.executemany("DELETE FROM entries WHERE digest = ?",
+                                 [(d,) for d, _, _ in evict])
+                rows = []
+                now = time.time()
+                for d in admit:
+                    k, score = cands[d]
+                    crc = self._write_file(d, payloads[k])
+                    rows.append((d, sizes[d], crc, score, clock, now))
+                conn.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", rows)
+        return len(admit), len(evict)
+
+    def _victims(self, conn: sqlite3.Connection, clock: int, need: int
+                 ) -> Iterator[tuple[str, int, float]]:
+        """Entries in eviction order, enough to free ``need`` bytes (fetched before deletes)."""
+        if self.policy == "priority":
+            q = ("SELECT digest, nbytes, MIN(score, ? / (? - seen + 1.0)) AS eff FROM entries "
+                 "ORDER BY eff ASC")
+            cur = conn.execute(q, (self.decay, clock))
+        else:
+            cur = conn.execute("SELECT digest, nbytes, seen FROM entries ORDER BY seen ASC")
+        out, freed = [], 0
+        for row in cur:
+            out.append(row)
+            freed += row[1]
+            if freed >= need:
+                break
+        cur.close()
+        return iter(out)
+
+    def _write_file(self, digest: str, payload: bytes | memoryview) -> int:
+        crc = zlib.crc32(payload)
+        path = self._path(digest)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(HEADER.pack(MAGIC, crc, len(payload)))
+                f.write(payload)
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink(tmp)
+            raise
+        return crc
+
+    # -- upkeep --------------------------------------------------------------------------------
+    def _clock(self, conn: sqlite3.Connection) -> int:
+        return conn.execute("SELECT v FROM meta WHERE k = 'clock'").fetchone()[0]
+
+    def used_bytes(self) -> int:
+        """Bytes of entries the index holds."""
+        with self._lock:
+            conn = self._db()
+            return conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return self._db().execute("SELECT COUNT(*) FROM entries").fetchone()[0]
+
+    def sweep_orphans(self, max_age_s: float = DEFAULT_CACHE_ORPHAN_AGE_S) -> int:
+        """Delete entry and temp files without an index row older than ``max_age_s``."""
+        with self._lock:
+            known = {d for (d,) in self._db().execute("SELECT digest FROM entries")}
+        removed, now = 0, time.time()
+        for sub in os.listdir(self._data):
+            folder = os.path.join(self._data, sub)
+            if not os.path.isdir(folder):
+                continue
+            for name in os.listdir(folder):
+                if name in known:
+                    continue
+                path = os.path.join(folder, name)
+                with contextlib.suppress(OSError):
+                    if now - os.stat(path).st_mtime > max_age_s:
+                        os.unlink(path)
+                        removed += 1
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+            self._conn = None
+
+
+@contextlib.contextmanager
+def _write(conn: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction; the lock is taken at BEGIN so the decisions inside hold."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def _chunks(items: list[str]) -> Iterator[list[str]]:
+    for i in range(0, len(items), _SQL_CHUNK):
+        yield items[i:i + _SQL_CHUNK]
+
+
+def _marks(part: list[str]) -> str:
+    return ",".join("?" * len(part))
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -1,0 +1,243 @@
+"""The tiered cache in front of slow storage: memory tier, then local-disk tier, then storage.
+
+A lookup walks the tiers in order; what a lower tier serves is offered to the tiers above it,
+and what storage serves is offered to every tier (each admits by its own policy). Both tiers
+are :class:`~raying.io._dirtier.DirTier` directories, so all processes of a node share them.
+
+Why a tmpfs directory for the memory tier rather than an LRU inside each worker or one actor:
+Ray runs read tasks in several worker processes per node; a per-process LRU would hold one
+copy per worker and be lost whenever a worker is replaced, and an actor would put an RPC and
+an object-store copy on every hit and serialize all workers behind one thread. A file on
+``/dev/shm`` is one copy per node, read with a memcpy from the page cache, survives worker
+restarts, and shares the disk tier's safety (checksums, atomic renames, a bounded index).
+
+The priority policy ranks entries by expected future reads, ``P_i`` from the sampler at the
+entry's latest draw, capped by ``decay_reads / draws since then``; see :class:`DirTier`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from raying.errors import DataError
+from raying.io._dirtier import DirTier, digest_of, entry_bytes
+from raying.io.options import CacheConfig
+
+__all__ = ["CacheStats", "DirTier", "TieredCache", "decode_array", "digest_of", "encode_array",
+           "entry_bytes", "open_cache"]
+
+TIER_NAMES = ("memory", "disk")
+_ARRAY_MAGIC = b"RYA1"
+_ARRAY_HEAD = struct.Struct("<4sI")
+
+
+@dataclasses.dataclass
+class CacheStats:
+    """What the cache did for some lookups; :meth:`account` flattens it for a unit's account.
+
+    Attributes:
+        lookups: keys looked up.
+        hits: keys served, per tier name.
+        hit_bytes: payload bytes served, per tier name.
+        admitted: entries written, per tier name.
+        evicted: entries evicted, per tier name.
+        corrupt: entries found corrupt (dropped and refetched).
+    """
+
+    lookups: int = 0
+    hits: dict[str, int] = dataclasses.field(default_factory=dict)
+    hit_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    admitted: dict[str, int] = dataclasses.field(default_factory=dict)
+    evicted: dict[str, int] = dataclasses.field(default_factory=dict)
+    corrupt: int = 0
+
+    def add(self, other: CacheStats) -> None:
+        """Add another's counts to these."""
+        self.lookups += other.lookups
+        self.corrupt += other.corrupt
+        for name in ("hits", "hit_bytes", "admitted", "evicted"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            for tier, v in theirs.items():
+                mine[tier] = mine.get(tier, 0) + v
+
+    def hit_ratio(self, tier: str | None = None) -> float:
+        """Share of lookups served by ``tier`` (all tiers when None); NaN before any lookup."""
+        if not self.lookups:
+            return float("nan")
+        hits = sum(self.hits.values()) if tier is None else self.hits.get(tier, 0)
+        return hits / self.lookups
+
+    def account(self) -> dict[str, int]:
+        """Flat integer counters, summable across units (``cache_*`` keys of run_unit)."""
+        out = {"cache_lookups": self.lookups, "cache_corrupt": self.corrupt}
+        for tier in TIER_NAMES:
+            out[f"cache_hits_{tier}"] = self.hits.get(tier, 0)
+            out[f"cache_hit_bytes_{tier}"] = self.hit_bytes.get(tier, 0)
+            out[f"cache_admitted_{tier}"] = self.admitted.get(tier, 0)
+            out[f"cache_evicted_{tier}"] = self.evicted.get(tier, 0)
+        return out
+
+
+def _bump(d: dict[str, int], key: str, n: int) -> None:
+    if n:
+        d[key] = d.get(key, 0) + n
+
+
+class TieredCache:
+    """Memory tier, then disk tier, for raw bytes (and decoded arrays) keyed by location.
+
+    Args:
+        config: the tiers' capacities, directories and policy.
+        namespace: prefixed to every key (datasets sharing a directory stay apart).
+
+    Example:
+        >>> cache = TieredCache(CacheConfig(memory_bytes=2**30, disk_bytes=50 * 2**30,
+        ...                                 disk_dir="/mnt/nvme/raying-cache"))
+        >>> got = cache.get_many(keys, scores=probs)      # None where missed
+        >>> cache.put_many(missed_keys, fetched, scores=missed_probs)
+    """
+
+    def __init__(self, config: CacheConfig, *, namespace: str = "") -> None:
+        self.config = config
+        self.namespace = config.namespace or namespace
+        self.tiers: list[tuple[str, DirTier]] = []
+        if config.memory_bytes:
+            self.tiers.append(("memory", _tier(config.memory_dir, config.memory_bytes, config,
+                                               "memory")))
+        if config.disk_bytes and config.disk_dir:
+            self.tiers.append(("disk", _tier(config.disk_dir, config.disk_bytes, config, "disk")))
+        self.stats = CacheStats()
+        self._lock = threading.Lock()
+
+    def _keys(self, keys: Sequence[str]) -> list[str]:
+        return [f"{self.namespace}\0{k}" for k in keys]
+
+    def get_many(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
+                 stats: CacheStats | None = None) -> list[memoryview | None]:
+        """The verified payload of each key, or None; hits are offered to the tiers above.
+
+        Args:
+            keys: locations (e.g. file paths) of the wanted samples, distinct.
+            scores: the sampler's probability of each key (the priority policy's score).
+            stats: counters to add to (also added to ``self.stats``).
+        """
+        local = CacheStats(lookups=len(keys))
+        full = self._keys(keys)
+        out: list[memoryview | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        for level, (name, tier) in enumerate(self.tiers):
+            served = [i for i in range(len(keys)) if out[i] is not None]
+            found, corrupt = tier.get_many(
+                [full[i] for i in missing],
+                [scores[i] for i in missing] if scores is not None else None,
+                draws=len(keys), touch=[full[i] for i in served],
+                touch_scores=[scores[i] for i in served] if scores is not None else None)
+            local.corrupt += corrupt
+            promote = [missing[j] for j in found]
+            for j, payload in found.items():
+                out[missing[j]] = payload
+            _bump(local.hits, name, len(found))
+            _bump(local.hit_bytes, name, sum(len(p) for p in found.values()))
+            if promote and level > 0:
+                self._offer(promote, full, out, scores, local, upto=level)
+            missing = [i for i in missing if out[i] is None]
+        self._record(local, stats)
+        return out
+
+    def put_many(self, keys: Sequence[str], payloads: Sequence[bytes | memoryview],
+                 scores: Sequence[float] | None = None, *,
+                 stats: CacheStats | None = None) -> None:
+        """Offer fetched payloads to every tier (each admits by its policy and capacity)."""
+        local = CacheStats()
+        idx = list(range(len(keys)))
+        self._offer(idx, self._keys(keys), list(payloads), scores, local, upto=len(self.tiers))
+        self._record(local, stats)
+
+    def _offer(self, idx: list[int], full: list[str], payloads: Sequence[Any],
+               scores: Sequence[float] | None, local: CacheStats, *, upto: int) -> None:
+        for name, tier in self.tiers[:upto]:
+            admitted, evicted = tier.put_many(
+                [full[i] for i in idx], [payloads[i] for i in idx],
+                [scores[i] for i in idx] if scores is not None else None)
+            _bump(local.admitted, name, admitted)
+            _bump(local.evicted, name, evicted)
+
+    def _record(self, local: CacheStats, stats: CacheStats | None) -> None:
+        with self._lock:
+            self.stats.add(local)
+        if stats is not None:
+            stats.add(local)
+
+    # -- decoded arrays (pre-augment pixels) ----------------------------------------------------
+    def get_arrays(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
+                   stats: CacheStats | None = None) -> list[np.ndarray | None]:
+        """Decoded arrays cached under ``keys`` (a namespace apart from the raw bytes)."""
+        got = self.get_many([f"decoded:{k}" for k in keys], scores, stats=stats)
+        return [None if g is None else decode_array(g) for g in got]
+
+    def put_arrays(self, keys: Sequence[str], arrays: Sequence[np.ndarray],
+                   scores: Sequence[float] | None = None, *,
+                   stats: CacheStats | None = None) -> None:
+        """Offer decoded arrays (e.g. pixels before augmentation) to the tiers."""
+        self.put_many([f"decoded:{k}" for k in keys], [encode_array(a) for a in arrays],
+                      scores, stats=stats)
+
+    def used_bytes(self) -> dict[str, int]:
+        """Bytes held per tier (all namespaces)."""
+        return {name: tier.used_bytes() for name, tier in self.tiers}
+
+
+def encode_array(arr: np.ndarray) -> bytes:
+    """An array as bytes: magic, header length, JSON (dtype, shape), then the raw data."""
+    arr = np.ascontiguousarray(arr)
+    head = json.dumps({"dtype": arr.dtype.str, "shape": list(arr.shape)}).encode()
+    return _ARRAY_HEAD.pack(_ARRAY_MAGIC, len(head)) + head + arr.tobytes()
+
+
+def decode_array(data: bytes | memoryview) -> np.ndarray:
+    """The array of :func:`encode_array` (a read-only view of ``data``)."""
+    view = memoryview(data)
+    magic, n = _ARRAY_HEAD.unpack_from(view)
+    if magic != _ARRAY_MAGIC:
+        msg = "cached array has a bad header; clear the cache directory"
+        raise DataError(msg)
+    meta = json.loads(bytes(view[_ARRAY_HEAD.size:_ARRAY_HEAD.size + n]))
+    body = view[_ARRAY_HEAD.size + n:]
+    return np.frombuffer(body, dtype=np.dtype(meta["dtype"])).reshape(meta["shape"])
+
+
+_TIERS: dict[tuple, DirTier] = {}
+_CACHES: dict[tuple, TieredCache] = {}
+_REG_LOCK = threading.Lock()
+
+
+def _tier(root: str, capacity: int, config: CacheConfig, name: str) -> DirTier:
+    key = (os.getpid(), os.path.abspath(root), capacity, config.policy, config.decay_reads)
+    with _REG_LOCK:
+        tier = _TIERS.get(key)
+    if tier is None:
+        tier = DirTier(root, capacity, policy=config.policy, decay_reads=config.decay_reads,
+                       name=name)
+        with _REG_LOCK:
+            tier = _TIERS.setdefault(key, tier)
+    return tier
+
+
+def open_cache(config: CacheConfig, *, namespace: str = "") -> TieredCache:
+    """The process's TieredCache for ``config`` and ``namespace`` (opened once, then reused)."""
+    key = (os.getpid(), config, namespace)
+    with _REG_LOCK:
+        cache = _CACHES.get(key)
+    if cache is None:
+        cache = TieredCache(config, namespace=namespace)
+        with _REG_LOCK:
+            cache = _CACHES.setdefault(key, cache)
+    return cache

@@ -1,0 +1,135 @@
+"""The read path of a unit of image files: cache tiers first, then planned storage reads.
+
+``run_unit`` (raying/reader.py) calls :func:`read_samples` for the encoded bytes of an image
+unit. With no ``io`` setting it is exactly ``storage.read_many``; with one::
+
+    paths of the unit --dedupe--> distinct files --TieredCache.get_many(scores=P_i)-->
+        hits (memory, disk) + misses --plan_files (directory order)--> run_ops on the tier's
+        pool (its reads-in-flight bound) --> bytes --put_many(scores=P_i)--> tiers admit
+
+and the account of the unit gets the ``io_*`` and ``cache_*`` counters of
+:data:`ACCOUNT_KEYS` (integers; sum them over units, then :func:`summarize`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow.fs as pafs
+
+from raying import storage as _storage
+from raying.io.cache import TIER_NAMES, CacheStats, open_cache
+from raying.io.options import IOConfig
+from raying.io.planner import OpStats, plan_files, read_amplification, run_ops
+from raying.io.tiers import profile_for
+
+# Integer counters a unit's account carries when an IOConfig is set (RunAccount sums them).
+ACCOUNT_KEYS = (
+    "io_requests", "io_bytes_fetched", "io_bytes_delivered", "io_reads_deduped",
+    "cache_lookups", "cache_corrupt",
+    *(f"cache_{what}_{tier}" for tier in TIER_NAMES
+      for what in ("hits", "hit_bytes", "admitted", "evicted")),
+)
+
+
+def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
+                 ) -> tuple[list[Any], dict[str, int]]:
+    """The bytes of each path of an image unit (or its error), and the I/O account.
+
+    Args:
+        spec: the ReadSpec; its ``io`` (an IOConfig, a dict, or None) picks the read path.
+        fs: the dataset's filesystem.
+        paths: the unit's file paths on ``fs``, one per id (repeats allowed).
+        unit: the ReadUnit; its ``probs`` (the sampler's ``P_i``) score cache entries.
+
+    Returns:
+        ``(datas, account)``: bytes (or a memoryview) or the StorageError per path; the
+        ``io_*``/``cache_*`` counters (empty when ``spec.io`` is None).
+    """
+    io = IOConfig.coerce(getattr(spec, "io", None))
+    if io is None:
+        return _storage.read_many(fs, paths), {}
+    probs = getattr(unit, "probs", None)
+    return fetch_files(fs, paths, io=io, scores=probs, namespace=str(spec.root))
+
+
+def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,
+                scores: Sequence[float] | np.ndarray | None = None, namespace: str = ""
+                ) -> tuple[list[Any], dict[str, int]]:
+    """Fetch whole files through the cache and the planner (see the module docstring).
+
+    Args:
+        fs: the filesystem.
+        paths: one path per wanted sample (repeats allowed: read once).
+        io: the read settings.
+        scores: the sampler's probability per path (cache priority), or None.
+        namespace: keeps this dataset's cache keys apart (the dataset URI).
+
+    Returns:
+        ``(datas, account)`` as for :func:`read_samples`.
+    """
+    ops_stats = OpStats()
+    cstats = CacheStats()
+    # Distinct files, each with the largest probability it was drawn with.
+    first: dict[str, int] = {}
+    best: dict[str, float] = {}
+    for k, p in enumerate(paths):
+        first.setdefault(p, k)
+        if scores is not None:
+            s = float(scores[k])
+            best[p] = max(best.get(p, s), s)
+    if not io.dedupe:
+        first = {f"{p}\0{k}": k for k, p in enumerate(paths)}
+    keys = list(first)
+    files = [paths[first[k]] for k in keys]
+    key_scores = [best.get(f, 0.0) for f in files] if scores is not None else None
+    got: list[Any] = [None] * len(keys)
+    cache = None
+    if io.cache is not None and io.cache.enabled:
+        cache = open_cache(io.cache, namespace=namespace)
+        got = list(cache.get_many(files, key_scores, stats=cstats))
+    miss = [i for i, g in enumerate(got) if g is None]
+    if miss:
+        concurrency = io.concurrency or profile_for(fs).concurrency
+        ops = plan_files([files[i] for i in miss], dedupe=False)
+        fetched = run_ops(fs, ops, len(miss), concurrency=concurrency, stats=ops_stats)
+        keep = []
+        for j, i in enumerate(miss):
+            got[i] = fetched[j]
+            if not isinstance(fetched[j], BaseException):
+                keep.append(i)
+        if cache is not None and keep:
+            cache.put_many([files[i] for i in keep], [got[i] for i in keep],
+                           [key_scores[i] for i in keep] if key_scores is not None else None,
+                           stats=cstats)
+    slot = {p: got[i] for i, p in enumerate(files)} if io.dedupe else None
+    datas = ([slot[p] for p in paths] if slot is not None else got)
+    delivered = sum(len(d) for d in datas if not isinstance(d, BaseException))
+    account = {"io_requests": ops_stats.requests, "io_bytes_fetched": ops_stats.bytes_fetched,
+               "io_bytes_delivered": int(delivered),
+               "io_reads_deduped": len(paths) - len(keys)}
+    account.update(cstats.account())
+    return datas, account
+
+
+def summarize(totals: dict[str, Any]) -> dict[str, Any]:
+    """Ratios for ``pipe.stats()`` from summed account counters.
+
+    Returns:
+        ``read_amplification`` (bytes fetched from storage per byte delivered),
+        ``cache_hit_ratio`` (all tiers) and ``cache_hit_ratio_<tier>`` (share of lookups
+        each tier served), and the raw counters.
+    """
+    out: dict[str, Any] = {k: int(totals.get(k, 0)) for k in ACCOUNT_KEYS}
+    out["read_amplification"] = read_amplification(out["io_bytes_fetched"],
+                                                   out["io_bytes_delivered"])
+    lookups = out["cache_lookups"]
+    hits = 0
+    for tier in TIER_NAMES:
+        h = out[f"cache_hits_{tier}"]
+        hits += h
+        out[f"cache_hit_ratio_{tier}"] = h / lookups if lookups else float("nan")
+    out["cache_hit_ratio"] = hits / lookups if lookups else float("nan")
+    return out

@@ -1,0 +1,182 @@
+"""Planned Parquet reads: a window's row groups as few ranged requests, through the cache.
+
+For the (file, row group) pairs of a window, the byte range of the wanted column's chunk in
+each row group comes from the file's footer (read once per process). Ranges of one file are
+sorted and merged when the hole between them (the other columns) is under the tier's gap, so
+adjacent row groups become one ranged request; cached chunks (raw Parquet bytes, keyed by
+file, row group and column) are not requested at all. pyarrow then decodes each chunk from
+memory, through a file object that serves only the fetched ranges.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raying import storage as _storage
+from raying.errors import DataError
+from raying.io.cache import CacheStats, open_cache
+from raying.io.options import IOConfig
+from raying.io.planner import OpStats, coalesce_ranges, run_ops
+from raying.io.tiers import profile_for
+
+_FOOTERS: dict[tuple[int, str], tuple[pq.FileMetaData, int]] = {}
+_FOOTERS_LOCK = threading.Lock()
+
+
+def footer(fs: Any, path: str, stats: OpStats | None = None) -> tuple[pq.FileMetaData, int]:
+    """The metadata and size of a Parquet file, read once per process and filesystem."""
+    key = (id(fs), path)
+    with _FOOTERS_LOCK:
+        hit = _FOOTERS.get(key)
+    if hit is not None:
+        return hit
+    with _storage.open_input(fs, path) as fh:
+        size = fh.size()
+        md = pq.read_metadata(fh)
+    if stats is not None:
+        stats.requests += 1
+        stats.bytes_fetched += md.serialized_size + 8
+    with _FOOTERS_LOCK:
+        _FOOTERS[key] = (md, size)
+    return md, size
+
+
+def chunk_range(md: pq.FileMetaData, group: int, column: str) -> tuple[int, int]:
+    """(offset, length) of ``column``'s chunk in row group ``group``."""
+    rg = md.row_group(group)
+    for i in range(rg.num_columns):
+        c = rg.column(i)
+        if c.path_in_schema == column:
+            start = (c.dictionary_page_offset if c.has_dictionary_page
+                     and c.dictionary_page_offset is not None else c.data_page_offset)
+            return int(start), int(c.total_compressed_size)
+    msg = f"Parquet column {column!r} not found (columns: {md.schema.names})"
+    raise DataError(msg)
+
+
+def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: IOConfig,
+                scores: Sequence[float] | None = None, namespace: str = "",
+                stats: OpStats | None = None, cache_stats: CacheStats | None = None
+                ) -> list[pa.Array]:
+    """The values of ``column`` in each (path, row group), fetched as a planned window.
+
+    Args:
+        fs: the filesystem.
+        items: (file path, row-group index) pairs; repeats are fetched once.
+        column: the column to read (e.g. ``"image"``).
+        io: read settings (concurrency, gap, cache).
+        scores: expected reads of each item (e.g. the probability mass of its rows drawn),
+            the cache's priority.
+        namespace: keeps this dataset's cache keys apart.
+        stats, cache_stats: counters to add requests, bytes and cache outcomes to.
+
+    Returns:
+        One Arrow array per item, in order.
+    """
+    stats = stats if stats is not None else OpStats()
+    distinct = list(dict.fromkeys(items))
+    best: dict[tuple[str, int], float] = {}
+    if scores is not None:
+        for it, s in zip(items, scores, strict=True):
+            best[it] = max(best.get(it, float(s)), float(s))
+    metas = {p: footer(fs, p, stats) for p in dict.fromkeys(p for p, _ in distinct)}
+    ranges = [chunk_range(metas[p][0], g, column) for p, g in distinct]
+    keys = [f"{p}#rg{g}/{column}" for p, g in distinct]
+    item_scores = [best.get(it, 0.0) for it in distinct] if scores is not None else None
+    raw: list[Any] = [None] * len(distinct)
+    cache = None
+    if io.cache is not None and io.cache.enabled:
+        cache = open_cache(io.cache, namespace=namespace)
+        raw = list(cache.get_many(keys, item_scores, stats=cache_stats))
+    miss = [i for i, r in enumerate(raw) if r is None]
+    if miss:
+        profile = profile_for(fs)
+        gap = profile.gap_bytes if io.gap_bytes is None else io.gap_bytes
+        ops = coalesce_ranges([(distinct[i][0], *ranges[i]) for i in miss], gap_bytes=gap,
+                              max_request_bytes=io.max_request_bytes)
+        got = run_ops(fs, ops, len(miss), concurrency=io.concurrency or profile.concurrency,
+                      stats=stats)
+        for j, i in enumerate(miss):
+            if isinstance(got[j], BaseException):
+                p, g = distinct[i]
+                msg = f"{p}: cannot read row group {g} ({got[j]})"
+                raise DataError(msg) from got[j]
+            raw[i] = got[j]
+        if cache is not None:
+            cache.put_many([keys[i] for i in miss], [raw[i] for i in miss],
+                           [item_scores[i] for i in miss] if item_scores is not None else None,
+                           stats=cache_stats)
+    arrays: dict[tuple[str, int], pa.Array] = {}
+    for path in metas:
+        mine = [i for i, (p, _) in enumerate(distinct) if p == path]
+        md, size = metas[path]
+        source = _RangeFile(size, [(ranges[i][0], raw[i]) for i in mine], fs, path, stats)
+        pf = pq.ParquetFile(pa.PythonFile(source, mode="r"), metadata=md)
+        for i in mine:
+            col = pf.read_row_group(distinct[i][1], columns=[column]).column(0)
+            arrays[distinct[i]] = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    return [arrays[it] for it in items]
+
+
+class _RangeFile:
+    """A read-only file of ``size`` bytes that serves the fetched ranges from memory.
+
+    A read outside them (a layout pyarrow reads differently) goes to storage and is counted,
+    so it costs a request but never returns wrong bytes.
+    """
+
+    def __init__(self, size: int, segments: list[tuple[int, Any]], fs: Any, path: str,
+                 stats: OpStats) -> None:
+        segs = sorted(((int(o), memoryview(d)) for o, d in segments), key=lambda s: s[0])
+        self._starts = [o for o, _ in segs]
+        self._segs = segs
+        self._size = size
+        self._pos = 0
+        self._fs, self._path, self._stats = fs, path, stats
+        self.closed = False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return self._size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, nbytes: int | None = None) -> bytes:
+        n = self._size - self._pos if nbytes is None or nbytes < 0 else nbytes
+        n = max(0, min(n, self._size - self._pos))
+        k = bisect.bisect_right(self._starts, self._pos) - 1
+        if k >= 0:
+            start, view = self._segs[k]
+            lo = self._pos - start
+            if lo + n <= len(view):
+                self._pos += n
+                return bytes(view[lo:lo + n])
+        with self._fs.open_input_file(self._path) as f:
+            data = f.read_at(n, self._pos)
+        self._stats.requests += 1
+        self._stats.bytes_fetched += len(data)
+        self._pos += len(data)
+        return data
+
+    def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,129 @@
+"""Ray Jobs on a real local head with token auth: the smoke job, refusals, and secret hygiene.
+
+The head is started by this module (``raying.cluster.start``: ``ray start --head`` in its own
+session, own temp dir, free ports) and stopped at the end; nothing attaches to another cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from raying import cluster as rc
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "jobs"))
+import _common  # noqa: E402
+
+JOB_TIMEOUT_S = 300
+SMOKE_ENTRYPOINT = "python jobs/train_torch.py --smoke-test"
+# A secret the cluster holds (as the AWS credentials variables); it must never surface.
+CANARY = "canary-" + secrets.token_hex(12)
+
+
+def _clean_env(home: Path) -> dict[str, str]:
+    """A client environment with no token anywhere: no RAY_AUTH_*, an empty HOME."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    env["HOME"] = str(home)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    state = tmp_path_factory.mktemp("head")
+    cluster = rc.start(port=0, dashboard_port=0, num_cpus=4, state_dir=state,
+                       env={"AWS_ACCESS_KEY_ID": "AKIA" + CANARY,
+                            "AWS_SECRET_ACCESS_KEY": CANARY})
+    try:
+        yield cluster
+    finally:
+        rc.stop(cluster)
+        assert rc.marked_pids(cluster.cluster_id) == [], "processes of the head were left"
+
+
+def _wait(client, job_id: str, timeout_s: float = JOB_TIMEOUT_S):
+    from ray.job_submission import JobStatus
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = client.get_job_status(job_id)
+        if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            return status
+        time.sleep(1.0)
+    pytest.fail(f"job {job_id} still {status} after {timeout_s} s:\n"
+                f"{client.get_job_logs(job_id)[-3000:]}")
+
+
+def _session_logs(cluster: rc.LocalCluster) -> str:
+    parts = []
+    for path in Path(cluster.temp_dir).glob("session_*/logs/**/*"):
+        if path.is_file():
+            parts.append(path.read_bytes().decode("utf-8", errors="replace"))
+    return "\n".join(parts)
+
+
+def test_token_job_runs_the_smoke_job_and_keeps_the_secret(head, tmp_path):
+    # The exact command `raying cluster start` prints, with its environment, from a shell
+    # whose HOME holds no token: the token travels only through RAY_AUTH_TOKEN_PATH.
+    before = {j.submission_id for j in head.job_client().list_jobs()}
+    proc = subprocess.run(head.submit_command(SMOKE_ENTRYPOINT), shell=True, cwd=REPO,
+                          env=_clean_env(tmp_path), capture_output=True, text=True,
+                          timeout=JOB_TIMEOUT_S)
+    client = head.job_client()
+    (job,) = [j for j in client.list_jobs() if j.submission_id not in before]
+    logs = client.get_job_logs(job.submission_id)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert str(client.get_job_status(job.submission_id)) == "SUCCEEDED", logs[-4000:]
+    assert _common.find_summary(proc.stdout) is not None, "the CLI tailed no summary"
+    summary = _common.find_summary(logs)
+    assert summary is not None, "the job's logs hold no run summary"
+    assert summary["job"] == "train_torch" and summary["workers"] == 2
+    for epoch in ("0", "1"):
+        assert summary["epochs"][epoch]["rows"] == summary["samples"]
+        assert summary["epochs"][epoch]["exactly_once"] is True
+    assert summary["store"]["updates_received"] == 2 * summary["samples"]
+    assert summary["store"]["never_updated_share"] == 0.0
+    # The job saw the cluster's credentials (by name) ...
+    assert "AWS_SECRET_ACCESS_KEY" in summary["credentials"]
+    # ... and their values appear nowhere: job info, job logs, the head's session logs.
+    info = json.dumps(client.get_job_info(job.submission_id).dict(), default=str)
+    assert CANARY not in info
+    assert CANARY not in logs
+    assert CANARY not in _session_logs(head)
+
+
+def test_submission_without_token_is_refused(head, tmp_path):
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    before = len(head.job_client().list_jobs())
+    env = _clean_env(tmp_path)
+    proc = subprocess.run(["ray", "job", "submit", "--address", head.dashboard_url,
+                           "--no-wait", "--", "python", "-c", "print(1)"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "Unauthorized: Missing authentication token" in proc.stdout + proc.stderr
+    # A wrong token is refused too.
+    with pytest.raises(AuthenticationError, match="Forbidden"):
+        JobSubmissionClient(head.dashboard_url,
+                            headers={"Authorization": "Bearer " + "0" * 64}).list_jobs()
+    assert len(head.job_client().list_jobs()) == before, "a refused submission created a job"
+
+
+def test_secret_in_runtime_env_shows_in_job_info(head):
+    """Why docs/secrets.md forbids runtime_env env_vars: Ray stores and serves them."""
+    leak = "leak-" + secrets.token_hex(8)
+    client = head.job_client()
+    job_id = client.submit_job(entrypoint="python -c \"print('ok')\"",
+                               runtime_env={"env_vars": {"SOME_TOKEN": leak}})
+    assert str(_wait(client, job_id, 120)) == "SUCCEEDED"
+    assert leak in json.dumps(client.get_job_info(job_id).dict(), default=str)

@@ -171,8 +171,13 @@ def train_loop(config: dict[str, Any]) -> None:
     st.flush(st.get_store(store))
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Build the pipeline and the trainer, train, and return the run's summary."""
+def fit(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the pipeline and the trainer and train; returns the summary and the run's parts.
+
+    Returns:
+        ``summary`` (printed by the job), ``records`` (per worker and epoch: rank, node,
+        rows, loss sum, ids), ``store`` (the priority store's handle) and ``pipe``.
+    """
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -205,13 +210,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         resources[args.trainer_resource] = 1
     if args.use_gpu:
         resources["GPU"] = 1
-    keep_ids = len(m) <= _common.MAX_LEDGER_IDS
     storage_path = args.storage_path or tempfile.mkdtemp(prefix="raying-train-")
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"epochs": args.epochs, "batch_size": args.batch_size,
-                           "lr": args.lr, "seed": args.seed, "classes": max(len(m.classes or []), 2),
-                           "store": handle.name, "ledger": ledger, "keep_ids": keep_ids},
+                           "lr": args.lr, "seed": args.seed,
+                           "classes": max(len(m.classes or []), 2), "store": handle.name,
+                           "ledger": ledger, "keep_ids": len(m) <= _common.MAX_LEDGER_IDS},
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(name=f"{pipe.name}-torch", storage_path=storage_path),
@@ -223,20 +228,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fit_s = time.perf_counter() - t_fit
     records = ray.get(ledger.all.remote())
     coverage = _common.epoch_coverage(records, len(m))
-    nodes = {}
-    for r in records:
-        nodes.setdefault(int(r["rank"]), r["node"])
     summary = {
         "job": "train_torch", "samples": len(m), "sampler": args.sampler,
-        "workers": args.num_workers, "worker_nodes": nodes,
+        "workers": args.num_workers,
+        "worker_nodes": {int(r["rank"]): r["node"] for r in records},
         "epochs": coverage,
         "final_loss": coverage[max(coverage)]["loss"] if coverage else None,
         "store": _common.store_summary(handle),
         "credentials": _common.credentials_source(),
         "fit_s": round(fit_s, 2), "wall_s": round(time.perf_counter() - t0, 2),
     }
-    pipe.close()
-    return summary
+    return {"summary": summary, "records": records, "store": handle, "pipe": pipe}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train and return the run's summary."""
+    out = fit(args)
+    out["pipe"].close()
+    return out["summary"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -87,7 +87,8 @@ class DirTier:
         self.decay = float(decay_reads)
         self.name = name or self.root
         self._data = os.path.join(self.root, "data")
-        os.makedirs(self._data, exist_ok=True)
+        for k in range(256):  # the fan-out folders, made once rather than at every write
+            os.makedirs(os.path.join(self._data, f"{k:02x}"), exist_ok=True)
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._pid = -1
@@ -169,10 +170,15 @@ class DirTier:
 
     def _read(self, digest: str, nbytes: int, crc: int) -> memoryview | None:
         try:
-            with open(self._path(digest), "rb") as f:
-                data = f.read()
+            fd = os.open(self._path(digest), os.O_RDONLY)
         except OSError:
             return None
+        try:  # one read of the size the index expects, plus one to see nothing follows
+            data = os.read(fd, nbytes + 1)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
         if len(data) != nbytes or len(data) < HEADER.size:
             return None
         magic, h_crc, length = HEADER.unpack_from(data)
@@ -266,12 +272,18 @@ class DirTier:
     def _write_file(self, digest: str, payload: bytes | memoryview) -> int:
         crc = zlib.crc32(payload)
         path = self._path(digest)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         try:
-            with open(tmp, "wb") as f:
-                f.write(HEADER.pack(MAGIC, crc, len(payload)))
-                f.write(payload)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                head = HEADER.pack(MAGIC, crc, len(payload))
+                done = os.writev(fd, [head, payload])
+                rest = memoryview(head + bytes(payload))[done:] if done < len(head) + len(
+                    payload) else b""
+                while rest:  # a short write (rare): finish it
+                    rest = rest[os.write(fd, rest):]
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             _unlink(tmp)

@@ -48,3 +48,36 @@ def test_raise_names_the_file(corpus, ray_local):
     assert not corpus.case(err.path).good
     assert err.reason == corpus.case(err.path).reason
     pipe.close()
+
+
+def test_parquet_null_and_corrupt_image_bytes(tmp_path, ray_local):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raying.datagen import encode, synth_image
+
+    rng = np.random.default_rng(0)
+    good = [encode(synth_image(rng, i % 2, 2, 24, 24), "jpg") for i in range(20)]
+    images = list(good)
+    images[3] = None                      # a null cell
+    images[7] = good[7][: len(good[7]) // 3]  # truncated bytes
+    images[11] = b"not an image at all"
+    labels = [i % 2 for i in range(20)]
+    pq.write_table(pa.table({"image": pa.array(images, pa.binary()),
+                             "label": pa.array(labels, pa.int64())}),
+                   tmp_path / "part-0.parquet", row_group_size=6)
+    m = raying.Manifest.scan(str(tmp_path), label="label")
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=8))
+    ids = sorted(i for b in pipe.iter_batches(batch_size=8, epoch=0) for i in b["id"].tolist())
+    assert ids == [i for i in range(20) if i not in (3, 7, 11)]
+    skipped = {s["id"]: s for s in pipe.stats()["skipped"]}
+    assert {k: v["reason"] for k, v in skipped.items()} == {
+        3: "missing", 7: "truncated", 11: "not_an_image"}
+    assert skipped[7]["path"] == "part-0.parquet#rg1/row1"
+    pipe.close()
+    strict = raying.Pipeline(m, transform=raying.ImageTransform(size=16), on_error="raise",
+                             config=raying.PipelineConfig(block_rows=8))
+    with pytest.raises(raying.DecodeError, match=r"part-0.parquet#rg\d/row\d"):
+        list(strict.iter_batches(batch_size=8, epoch=0))
+    strict.close()

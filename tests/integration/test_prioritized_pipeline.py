@@ -113,3 +113,24 @@ def test_train_workers_report_by_store_name(manifest, ray_local):
     st = pipe.stats()["sampling"]
     assert st["updates_received"] >= 60
     pipe.close()
+
+
+def test_bad_feedback_is_rejected_counted_and_changes_nothing(manifest, ray_local):
+    s = raying.PrioritizedSampler(seed=5)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s)
+    pipe.report(np.arange(60), np.full(60, 2.0))
+    s.flush()
+    raying.sampling.store.flush(s.handle)
+    before = raying.sampling.store.priorities(s.handle)
+    pipe.report([1, 2, 3], [float("nan"), float("inf"), -1.0])
+    pipe.report([4, 5], [1.0, 2.0, 3.0])           # mismatched lengths
+    pipe.report([60, -1], [1.0, 1.0])              # out of range
+    s.flush()
+    raying.sampling.store.flush(s.handle)
+    after = raying.sampling.store.priorities(s.handle)
+    assert np.array_equal(before, after), "the table is unchanged"
+    rejected = pipe.stats()["sampling"]["rejected"]
+    assert rejected["nan"] == 1 and rejected["inf"] == 1 and rejected["negative"] == 1
+    assert rejected["out_of_range"] == 2
+    assert rejected["length_mismatch"] >= 2
+    pipe.close()

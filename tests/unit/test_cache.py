@@ -1,0 +1,274 @@
+"""Unit tests of the tiered cache (raying.io.cache): bounds, policies, corruption, processes."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import random
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pyarrow.fs as pafs
+import pytest
+
+from raying.errors import ConfigError
+from raying.io import fetch, slow
+from raying.io.cache import CacheStats, DirTier, TieredCache, decode_array, encode_array
+from raying.io.cache import entry_bytes as eb
+from raying.io.options import CacheConfig, IOConfig
+
+
+def _dir_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(root / "data"):
+        for n in names:
+            try:
+                total += os.stat(os.path.join(dirpath, n)).st_size
+            except FileNotFoundError:  # deleted while we walked
+                pass
+    return total
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in (root / "data").rglob("*") if p.is_file()]
+
+
+def payload_of(key: str, size: int | None = None) -> bytes:
+    """The bytes every process expects under ``key`` (sizes 300..2,300)."""
+    h = hashlib.sha256(key.encode()).digest()
+    n = size if size is not None else 300 + h[0] * 8
+    return (h * (n // 32 + 1))[:n]
+
+
+# --- bounds and policies ------------------------------------------------------------------------
+
+
+def test_cache_never_exceeds_its_size(tmp_path):
+    cap = 20_000
+    tier = DirTier(str(tmp_path / "t"), cap, policy="priority")
+    rng = random.Random(0)
+    for step in range(60):
+        keys = [f"k{rng.randrange(200)}" for _ in range(8)]
+        tier.get_many(keys, [rng.random() for _ in keys])
+        tier.put_many(keys, [payload_of(k) for k in keys], [rng.random() for _ in keys])
+        assert tier.used_bytes() <= cap, step
+        assert _dir_bytes(tmp_path / "t") <= cap, step
+    assert tier.used_bytes() > cap // 2
+    # An entry larger than the whole tier is never admitted.
+    assert tier.put_many(["huge"], [b"x" * cap], [1.0]) == (0, 0)
+    lru = DirTier(str(tmp_path / "l"), cap, policy="lru")
+    for step in range(60):
+        keys = [f"k{rng.randrange(200)}" for _ in range(8)]
+        lru.put_many(keys, [payload_of(k) for k in keys])
+        assert _dir_bytes(tmp_path / "l") <= cap and lru.used_bytes() <= cap
+
+
+def test_lru_evicts_the_least_recently_drawn(tmp_path):
+    tier = DirTier(str(tmp_path), 3 * eb(100), policy="lru")
+    for k in "abc":
+        assert tier.put_many([k], [payload_of(k, 100)]) == (1, 0)
+    found, _ = tier.get_many(["a"])  # a is drawn again: b is now the oldest
+    assert list(found) == [0]
+    assert tier.put_many(["d"], [payload_of("d", 100)]) == (1, 1)
+    found, _ = tier.get_many(["a", "b", "c", "d"])
+    assert sorted(found) == [0, 2, 3]
+
+
+def test_priority_evicts_the_lowest_and_admits_only_what_beats_it(tmp_path):
+    tier = DirTier(str(tmp_path), 3 * eb(100), policy="priority", decay_reads=1e9)
+    tier.put_many(list("abc"), [payload_of(k, 100) for k in "abc"], [0.5, 0.1, 0.3])
+    assert tier.put_many(["d"], [payload_of("d", 100)], [0.2]) == (1, 1)  # b (0.1) goes
+    assert tier.put_many(["e"], [payload_of("e", 100)], [0.05]) == (0, 0)  # below all
+    found, _ = tier.get_many(list("abcde"), draws=0)
+    assert sorted(found) == [0, 2, 3]
+    # Candidates are offered from the highest: y (0.9) takes d's (0.2) room; x (0.25) would
+    # have to evict c (0.3) and is refused.
+    assert tier.put_many(["x", "y"], [payload_of("x", 100), payload_of("y", 100)],
+                         [0.25, 0.9]) == (1, 1)
+    found, _ = tier.get_many(list("acdxy"), draws=0)
+    assert sorted(found) == [0, 1, 4]
+
+
+def test_priority_forgets_entries_that_stop_being_drawn(tmp_path):
+    tier = DirTier(str(tmp_path), 2 * eb(100), policy="priority", decay_reads=2.0)
+    tier.put_many(["hot", "was-hot"], [payload_of("hot", 100), payload_of("was-hot", 100)],
+                  [0.5, 0.6])
+    for _ in range(10):  # 1,000 draws in which "hot" is drawn and "was-hot" never
+        tier.get_many(["hot"], [0.5], draws=100)
+    # "was-hot" may expect at most 2 reads per 1,000 draws now: a 0.01 newcomer beats it.
+    assert tier.put_many(["new"], [payload_of("new", 100)], [0.01]) == (1, 1)
+    found, _ = tier.get_many(["hot", "was-hot", "new"])
+    assert sorted(found) == [0, 2]
+
+
+def test_tiers_serve_in_order_and_promote(tmp_path):
+    cfg = CacheConfig(memory_bytes=2 * eb(1000), memory_dir=str(tmp_path / "m"),
+                      disk_bytes=10 * eb(1000), disk_dir=str(tmp_path / "d"), policy="lru")
+    cache = TieredCache(cfg, namespace="ds")
+    keys = [f"f{i}" for i in range(4)]
+    cache.put_many(keys, [payload_of(k, 1000) for k in keys])
+    stats = CacheStats()
+    got = cache.get_many(keys, stats=stats)
+    assert [bytes(g) for g in got] == [payload_of(k, 1000) for k in keys]
+    assert stats.hits == {"memory": 2, "disk": 2}
+    assert stats.admitted["memory"] == 2  # the disk hits were promoted (LRU admits)
+    again = CacheStats()
+    cache.get_many(keys[2:], stats=again)
+    assert again.hits == {"memory": 2}
+    assert again.account()["cache_hits_memory"] == 2 and again.hit_ratio("memory") == 1.0
+    assert cache.used_bytes() == {"memory": 2 * eb(1000), "disk": 4 * eb(1000)}
+
+
+def test_namespaces_keep_datasets_apart(tmp_path):
+    cfg = CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path))
+    a, b = TieredCache(cfg, namespace="a"), TieredCache(cfg, namespace="b")
+    a.put_many(["k"], [b"from a"])
+    assert b.get_many(["k"]) == [None]
+    assert bytes(a.get_many(["k"])[0]) == b"from a"
+
+
+def test_decoded_arrays_round_trip(tmp_path):
+    cache = TieredCache(CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path)))
+    arr = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    cache.put_arrays(["img"], [arr])
+    out = cache.get_arrays(["img", "other"])
+    assert np.array_equal(out[0], arr) and out[0].dtype == np.uint8 and out[1] is None
+    assert np.array_equal(decode_array(encode_array(arr.astype(np.float32))), arr)
+
+
+def test_cache_config_validation_names_the_argument(tmp_path):
+    with pytest.raises(ConfigError, match=r"CacheConfig\(policy=...\) must be one of"):
+        CacheConfig(policy="fifo")
+    with pytest.raises(ConfigError, match=r"CacheConfig\(disk_bytes=10\) needs disk_dir"):
+        CacheConfig(disk_bytes=10)
+    with pytest.raises(ConfigError, match=r"CacheConfig\(memory_bytes=...\) must be an integer"):
+        CacheConfig(memory_bytes=-1)
+
+
+# --- corruption ---------------------------------------------------------------------------------
+
+
+def _entry_file(root: Path) -> Path:
+    (path,) = [p for p in _files(root) if not p.name.endswith(".tmp")]
+    return path
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "header", "empty"])
+def test_a_corrupt_entry_is_detected_and_dropped(tmp_path, damage):
+    tier = DirTier(str(tmp_path), 10_000)
+    tier.put_many(["k"], [payload_of("k", 1000)], [1.0])
+    path = _entry_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[500] ^= 0xFF
+    elif damage == "truncate":
+        data = data[:700]
+    elif damage == "header":
+        data[4:8] = (zlib.crc32(b"other")).to_bytes(4, "little")
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    found, corrupt = tier.get_many(["k"])
+    assert found == {} and corrupt == 1
+    assert len(tier) == 0 and not path.exists()
+
+
+def test_a_corrupt_cache_file_is_refetched_and_nothing_wrong_is_served(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    paths = []
+    for i in range(3):
+        (src / f"{i}.jpg").write_bytes(payload_of(f"img{i}", 5000))
+        paths.append(str(src / f"{i}.jpg"))
+    fs = slow.slow_filesystem(pafs.LocalFileSystem(), (0.0, None))
+    io = IOConfig(cache=CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path / "mem")))
+    first, acc1 = fetch.fetch_files(fs, paths, io=io, scores=[0.1, 0.2, 0.3], namespace="n")
+    assert acc1["io_requests"] == 3 and acc1["cache_admitted_memory"] == 3
+    for f in _files(tmp_path / "mem"):  # damage every cached entry in a different way
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        f.write_bytes(bytes(data))
+    second, acc2 = fetch.fetch_files(fs, paths, io=io, scores=[0.1, 0.2, 0.3], namespace="n")
+    assert [bytes(d) for d in second] == [Path(p).read_bytes() for p in paths]
+    assert acc2["cache_corrupt"] == 3 and acc2["cache_hits_memory"] == 0
+    assert acc2["io_requests"] == 3 and acc2["cache_admitted_memory"] == 3
+    third, acc3 = fetch.fetch_files(fs, paths, io=io, scores=[0.1, 0.2, 0.3], namespace="n")
+    assert acc3["cache_hits_memory"] == 3 and acc3["io_requests"] == 0
+    assert [bytes(d) for d in third] == [Path(p).read_bytes() for p in paths]
+
+
+def test_orphans_of_a_crashed_writer_are_swept(tmp_path):
+    tier = DirTier(str(tmp_path), 10_000)
+    tier.put_many(["k"], [payload_of("k", 100)])
+    stray = tmp_path / "data" / "ab" / ("ab" + "0" * 38)
+    stray.write_bytes(b"left by a writer that died")
+    temp = tmp_path / "data" / "cd" / "cdx.1234.tmp"
+    temp.write_bytes(b"partial")
+    assert tier.sweep_orphans(max_age_s=0.0) == 2
+    assert not stray.exists() and not temp.exists()
+    assert sorted(tier.get_many(["k"])[0]) == [0]
+
+
+# --- processes sharing one directory ------------------------------------------------------------
+
+_CAP = 40_000
+
+
+def _hammer(root: str, seed: int, rounds: int, policy: str) -> tuple[int, int, int]:
+    """A worker process: random gets (verified byte for byte) and puts on a shared tier."""
+    tier = DirTier(root, _CAP, policy=policy)
+    rng = random.Random(seed)
+    hits = wrong = puts = 0
+    for _ in range(rounds):
+        keys = list({f"k{rng.randrange(120)}" for _ in range(10)})
+        scores = [rng.random() for _ in keys]
+        found, _ = tier.get_many(keys, scores)
+        for j, payload in found.items():
+            hits += 1
+            wrong += bytes(payload) != payload_of(keys[j])
+        miss = [j for j in range(len(keys)) if j not in found]
+        admitted, _ = tier.put_many([keys[j] for j in miss],
+                                    [payload_of(keys[j]) for j in miss],
+                                    [scores[j] for j in miss])
+        puts += admitted
+    return hits, wrong, puts
+
+
+@pytest.mark.parametrize("policy", ["priority", "lru"])
+def test_processes_sharing_a_directory_corrupt_nothing(tmp_path, policy):
+    root = tmp_path / "shared"
+    DirTier(str(root), _CAP, policy=policy)  # create it once, as a node's first worker does
+    seen_max = [0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen_max[0] = max(seen_max[0], _dir_bytes(root))
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with ctx.Pool(4) as pool:
+            results = pool.starmap(_hammer, [(str(root), s, 150, policy) for s in range(4)])
+    finally:
+        stop.set()
+        watcher.join()
+    hits = sum(r[0] for r in results)
+    assert sum(r[1] for r in results) == 0  # every hit byte-identical to what was put
+    assert hits > 100 and sum(r[2] for r in results) > 50
+    assert seen_max[0] <= _CAP
+    # The index and the files agree: every row has its intact file, no file lacks a row.
+    tier = DirTier(str(root), _CAP, policy=policy)
+    assert tier.used_bytes() <= _CAP
+    keys = [f"k{i}" for i in range(120)]
+    found, corrupt = tier.get_many(keys)
+    assert corrupt == 0 and len(found) == len(tier)
+    assert all(bytes(found[j]) == payload_of(keys[j]) for j in found)
+    assert len([p for p in _files(root) if not p.name.endswith(".tmp")]) == len(tier)
+    assert not [p for p in _files(root) if p.name.endswith(".tmp")]

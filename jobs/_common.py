@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -160,6 +161,38 @@ def train_dataset(pipe: Any, epoch: int):
     pipe._accounts_actor = view._accounts_actor  # dataset_account(pipe) keeps working
     view.__dict__ = {"manifest": types.SimpleNamespace(format=pipe.manifest.format)}
     return ds
+
+
+@contextlib.contextmanager
+def store_near_driver():
+    """Priority stores created inside this block start on the driver's node (soft affinity).
+
+    The store is owned by the driver and dies with it anyway, so its node adds no failure
+    domain; left to Ray, a 0-CPU actor may land on a (preemptible) trainer node.
+    TEMPORARY: until ``create_store`` takes actor options, this wraps its actor class.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from raying.sampling import store as st
+
+    original = st._actor_class
+    strategy = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                              soft=True)
+
+    class _Placed:
+        def __init__(self) -> None:
+            self._cls = original()
+
+        def options(self, **kwargs: Any) -> Any:
+            kwargs.setdefault("scheduling_strategy", strategy)
+            return self._cls.options(**kwargs)
+
+    st._actor_class = _Placed
+    try:
+        yield
+    finally:
+        st._actor_class = original
 
 
 def ledger_actor():

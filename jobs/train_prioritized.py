@@ -23,9 +23,9 @@ from typing import Any
 
 # Defaults of a full run; --config file.json and the flags override them.
 DEFAULTS: dict[str, Any] = {
-    "seeds": 3, "first_seed": 0, "max_steps": 2000, "target": 0.9, "eval_every": 25,
+    "seeds": 3, "first_seed": 0, "max_steps": 1200, "target": 0.9, "eval_every": 25,
     "batch_size": 64, "lr": 2e-3, "alpha": 1.0, "beta": 0.0, "uniform_mix": 0.1,
-    "stop_at_target": 100, "arms": ["uniform", "prioritized"], "data": None, "out": None,
+    "stop_at_target": None, "arms": ["uniform", "prioritized"], "data": None, "out": None,
     "spec": {},
 }
 SMOKE: dict[str, Any] = {

@@ -199,10 +199,11 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=args.size), sampler=sampler,
                            config=raying.PipelineConfig(block_rows=args.block_rows,
                                                         spread=args.spread, name=args.name))
-    if pipe.store_name is not None:
-        handle = st.get_store(pipe.store_name)
-    else:  # uniform reads, but the losses are kept: a later prioritized run starts from them
-        handle = st.create_store(f"{pipe.name}-priorities", len(m), config=store_cfg)
+    with _common.store_near_driver():
+        if pipe.store_name is not None:
+            handle = st.get_store(pipe.store_name)
+        else:  # uniform reads, but the losses are kept: a later prioritized run uses them
+            handle = st.create_store(f"{pipe.name}-priorities", len(m), config=store_cfg)
     datasets = {f"epoch_{e}": _common.train_dataset(pipe, e) for e in range(args.epochs)}
     ledger = _common.ledger_actor()
     resources: dict[str, float] = {"CPU": args.cpus_per_worker}

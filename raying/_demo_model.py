@@ -57,7 +57,7 @@ class ArmConfig:
     size: int = 32
     crop_scale: tuple[float, float] = (0.6, 1.0)
     torch_threads: int = 1
-    ema: float | None = 0.98
+    ema: float | None = 0.95
 
     def __post_init__(self) -> None:
         if self.arm not in _ARMS:

@@ -123,16 +123,16 @@ def chart_accuracy(results: dict[str, list[dict[str, Any]]], target: float, path
 def chart_throughput(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
     """Images per second the trainer consumed, per evaluation interval."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(11, 3.6))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     for arm in ARMS:
         for k, run in enumerate(results[arm]):
             pts = run["curve"][1:]
             ax.plot([r["time_s"] for r in pts], [r["img_per_s"] for r in pts],
                     color=COLOURS[arm], alpha=0.9 if k == 0 else 0.5,
-                    label=f"{arm} (median {run['img_per_s']:,.0f} img/s)" if k == 0 else None)
+                    label=f"{arm} (mean {run['img_per_s']:,.0f} img/s)" if k == 0 else None)
     ax.set_xlabel("training time (s, evaluation excluded)")
     ax.set_ylabel("images / s")
-    ax.set_title("throughput: images the trainer consumed per second")
+    ax.set_title("throughput: images trained on per second")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
@@ -144,7 +144,7 @@ def chart_throughput(results: dict[str, list[dict[str, Any]]], path: Path) -> No
 def chart_stall(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
     """Share of the run the trainer spent waiting for data, as it evolved."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(11, 3.6))
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     for arm in ARMS:
         for k, run in enumerate(results[arm]):
             pts = run["curve"][1:]
@@ -153,7 +153,7 @@ def chart_stall(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
                     label=f"{arm} (final {run['stall_share']:.1%})" if k == 0 else None)
     ax.set_xlabel("training step")
     ax.set_ylabel("% of wall time waiting for data")
-    ax.set_title("data stall: time the trainer waited for the next batch (cumulative)")
+    ax.set_title("data stall: time spent waiting for a batch")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
@@ -183,7 +183,7 @@ def chart_priorities(results: dict[str, list[dict[str, Any]]], rare_share: float
     ax.set_ylabel("%")
     ax.set_title("sampling probability on the rare classes")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left")
     ax = axes[1]
     picks = sorted({0, len(curve) // 4, len(curve) // 2, len(curve) - 1})
     centres = (HIST_EDGES[:-1] + HIST_EDGES[1:]) / 2
@@ -229,6 +229,9 @@ CHARTS = {
 }
 
 
+HALF_WIDTH = ("throughput.png", "stall.png")
+
+
 def write_charts(out: Path, results: dict[str, list[dict[str, Any]]], *, target: float,
                  rare_share: float) -> list[str]:
     """Draw every chart into ``out``; returns their file names."""
@@ -244,7 +247,8 @@ def write_html(out: Path, summary: dict[str, Any], table: str) -> Path:
     e = html.escape
     sections = []
     for name, (title, text) in CHARTS.items():
-        sections.append(f'<section><h2>{e(title)}</h2><p>{e(text)}</p>'
+        cls = ' class="half"' if name in HALF_WIDTH else ""
+        sections.append(f'<section{cls}><h2>{e(title)}</h2><p>{e(text)}</p>'
                         f'<img src="{e(name)}" alt="{e(title)}"></section>')
     skipped = summary.get("skipped_files", [])
     bad = "".join(f"<li><code>{e(s['path'])}</code>: {e(s['reason'])}</li>" for s in skipped)
@@ -258,6 +262,7 @@ body {{ font-family: system-ui, sans-serif; max-width: 1150px; margin: 24px auto
 pre {{ background: #f4f4f4; padding: 12px; font-size: 14px; }}
 img {{ width: 100%; border: 1px solid #ddd; }}
 section {{ margin-bottom: 28px; }}
+section.half {{ display: inline-block; width: 49%; vertical-align: top; }}
 h2 {{ margin-bottom: 4px; }}
 </style></head><body>
 <h1>raying demo: uniform vs loss-driven prioritized sampling</h1>

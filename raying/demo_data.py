@@ -45,7 +45,7 @@ class DemoDataSpec:
     """
 
     common_per_class: int = 600
-    rare_per_class: int = 30
+    rare_per_class: int = 20
     val_per_class: int = 60
     size: int = 32
     noise: float = 10.0

@@ -35,12 +35,17 @@ DEFAULT_TASK_MAX_RETRIES = 8
 _remote_fn = None
 
 
+def read_task(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None):
+    """The read task: a unit's block and account (its return is copied to the object store)."""
+    return run_unit(spec, unit, paths, reuse_output=True)
+
+
 def _remote():
     global _remote_fn
     if _remote_fn is None:
         import ray
 
-        _remote_fn = ray.remote(run_unit)
+        _remote_fn = ray.remote(read_task)
     return _remote_fn
 
 

@@ -8,6 +8,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 logger = logging.getLogger("raying")
 
 # Skipped samples kept with their details; beyond this only counts by reason are kept.
@@ -34,6 +36,41 @@ class RunAccount:
         self._t_first: float | None = None
         self._t_last: float | None = None
         self._t_start = time.perf_counter()
+        n = len(manifest) if manifest is not None else 0
+        self._seen_ever = np.zeros(n, dtype=bool)
+        self._seen_epoch = np.zeros(n, dtype=bool)
+        self._epoch: int | None = None
+        self._w = [0, 0.0, 0.0, np.inf, 0.0]  # count, sum, sum of squares, min, max
+
+    def observe_block(self, epoch: int, block: dict[str, Any]) -> None:
+        """Sampling health: which ids were drawn (this epoch, ever) and the weights' spread."""
+        if not len(self._seen_ever):
+            return
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._seen_epoch[:] = False
+        ids = block["id"]
+        self._seen_epoch[ids] = True
+        self._seen_ever[ids] = True
+        w = np.asarray(block["weight"], dtype=np.float64)
+        if w.size:
+            c = self._w
+            c[0] += w.size
+            c[1] += float(w.sum())
+            c[2] += float((w * w).sum())
+            c[3] = min(c[3], float(w.min()))
+            c[4] = max(c[4], float(w.max()))
+
+    def health(self) -> dict[str, Any]:
+        """Coverage of this epoch, share never drawn, importance-weight spread."""
+        n = len(self._seen_ever)
+        count, total, squares, low, high = self._w
+        mean = total / count if count else None
+        std = float(np.sqrt(max(squares / count - mean * mean, 0.0))) if count else None
+        return {"coverage_epoch": float(self._seen_epoch.mean()) if n else None,
+                "never_drawn_share": float(1.0 - self._seen_ever.mean()) if n else None,
+                "weight_mean": mean, "weight_std": std,
+                "weight_min": low if count else None, "weight_max": high if count else None}
 
     def add(self, account: dict[str, Any]) -> None:
         """One read task's account (called in plan order by the executor)."""

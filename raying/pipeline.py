@@ -180,6 +180,7 @@ class Pipeline:
             begin = skip if first else 0
             first = False
             units.append((index, begin, begin + len(block["id"])))
+            self.account.observe_block(int(epoch), block)
             yield block
         self.account.end_epoch(int(epoch))
 
@@ -270,7 +271,7 @@ class Pipeline:
     def stats(self) -> dict[str, Any]:
         """Throughput, stall share, skipped samples and sampling health."""
         out = self.account.summary()
-        out["sampling"] = self.sampler.stats()
+        out["sampling"] = {**self.sampler.stats(), **self.account.health()}
         return out
 
     def state_dict(self) -> dict[str, Any]:

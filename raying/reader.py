@@ -53,14 +53,30 @@ def empty_block(size: int) -> dict[str, np.ndarray]:
             "weight": np.zeros(0, np.float32), "prob": np.zeros(0, np.float64)}
 
 
-def run_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None
-             ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+_out_buffer: np.ndarray | None = None
+
+
+def _output(n: int, size: int) -> np.ndarray:
+    """This process's reusable output array: written in place, no fresh pages per unit."""
+    global _out_buffer
+    if _out_buffer is None or _out_buffer.shape[0] < n or _out_buffer.shape[1] != size:
+        _out_buffer = np.empty((max(n, 1), size, size, 3), dtype=np.uint8)
+    return _out_buffer[:n]
+
+
+def run_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
+             reuse_output: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read, decode and augment one unit.
 
     Returns the block (only the rows that decoded, in the unit's order) and the account of
     the unit: rows in and out, every skipped sample with its reason, bytes read, seconds.
     Under ``on_error="raise"`` the first bad sample raises an error naming its file.
+
+    ``reuse_output=True`` writes the images into a buffer this process keeps between units;
+    only for callers that copy the block out before the next unit runs (a Ray task's return
+    value is copied into the object store when the task ends).
     """
+    out = _output(len(unit.ids), spec.transform.size) if reuse_output else None
     t0 = time.perf_counter()
     ids = np.asarray(unit.ids, dtype=np.int64)
     fs, root = _storage.resolve(spec.root, spec.storage)
@@ -74,14 +90,14 @@ def run_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None
         where = list(paths)
         t1 = time.perf_counter()
         nbytes = sum(len(d) for d in datas if isinstance(d, (bytes, bytearray, memoryview)))
-        result = _transform_encoded(spec, unit, ids, datas, where)
+        result = _transform_encoded(spec, unit, ids, datas, where, out)
     else:
         datas, where, nbytes = _read_parquet_rows(spec, fs, root, unit, ids)
         t1 = time.perf_counter()
         if spec.decoded is not None and not isinstance(datas, list):
-            result = _transform_decoded(spec, unit, ids, datas)
+            result = _transform_decoded(spec, unit, ids, datas, out)
         else:
-            result = _transform_encoded(spec, unit, ids, datas, where)
+            result = _transform_encoded(spec, unit, ids, datas, where, out)
     images, ok, errors = result
     skipped = [(int(e.sample_id), e.path or "", e.reason, e.detail) for e in errors]
     if errors and spec.on_error == "raise":
@@ -109,7 +125,7 @@ def _or_default(values: np.ndarray | None, n: int, fill: float, dtype) -> np.nda
 
 
 def _transform_encoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: list[Any],
-                       where: list[str]):
+                       where: list[str], out: np.ndarray | None = None):
     clean: list[Any] = []
     pre_errors: dict[int, DecodeError] = {}
     for k, d in enumerate(datas):
@@ -120,7 +136,7 @@ def _transform_encoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: l
         else:
             clean.append(d)
     res = spec.transform.apply_encoded(clean, ids, seed=spec.seed, epoch=unit.epoch,
-                                       max_pixels=spec.max_pixels)
+                                       max_pixels=spec.max_pixels, out=out)
     ok = np.asarray(res.ok, dtype=bool)
     # The transform lists its errors in input order, one for each row that is not ok.
     errors = []
@@ -130,8 +146,10 @@ def _transform_encoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: l
     return res.images, ok, errors
 
 
-def _transform_decoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, pixels: np.ndarray):
-    images = spec.transform.apply_decoded(pixels, ids, seed=spec.seed, epoch=unit.epoch)
+def _transform_decoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, pixels: np.ndarray,
+                       out: np.ndarray | None = None):
+    images = spec.transform.apply_decoded(pixels, ids, seed=spec.seed, epoch=unit.epoch,
+                                          out=out)
     return images, np.ones(len(ids), dtype=bool), []
 
 

@@ -12,7 +12,9 @@ Definitions (the JSON's ``definitions`` repeats them):
 - CPU-s per 1k images: CPU seconds of the whole process tree (measuring process, its threads,
   workers, Ray's raylet/GCS/agents) over the steady window / steady rows x 1000. In the
   ``compute`` mode it includes the consumer's own work.
-- peak memory: the tree's PSS sampled during the cell (see ``raying.bench.measure``).
+- peak memory: the tree's PSS sampled during the cell (see ``raying.bench.measure``);
+  ``startup_pss_mb`` is the tree's PSS once the framework has started (Ray's own processes),
+  before any loader exists.
 - ratio to L: to the limit of the same workload and batch size (W4: the plain pyarrow read;
   W5: W1's limit). Ratio to the best peer: to the best other loader (not a reference) in the
   same workload, batch size and consumer mode.
@@ -67,7 +69,7 @@ def cell_metrics(cell: dict[str, Any], wl: dict[str, Any], epochs: int) -> dict[
 
 
 _MEDIAN_KEYS = ("steady_img_s", "gb_s", "setup_s", "ttfb_cold_s", "ttfb_cold_iter_s",
-                "ttfb_warm_s", "cpu_s_per_1k", "peak_pss_mb", "ray_start_s")
+                "ttfb_warm_s", "cpu_s_per_1k", "peak_pss_mb", "ray_start_s", "startup_pss_mb")
 
 
 def combine(runs: list[dict[str, Any]], workloads: dict[str, dict[str, Any]],
@@ -79,6 +81,7 @@ def combine(runs: list[dict[str, Any]], workloads: dict[str, dict[str, Any]],
             key = (cell["workload"], run["peer"], int(cell["batch_size"]), cell["mode"])
             m = cell_metrics(cell, workloads[cell["workload"]], epochs)
             m["ray_start_s"] = run.get("start", {}).get("ray_start_s")
+            m["startup_pss_mb"] = run.get("startup_pss_mb")
             m["round"] = run["round"]
             groups.setdefault(key, []).append(m)
     rows = []

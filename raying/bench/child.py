@@ -40,7 +40,6 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -194,8 +193,9 @@ def _summary_line(res: dict[str, Any]) -> str:
     ep = res["epochs"]
     rate = steady(ep)
     warm = [e["ttfb_s"] for e in ep[1:]]
+    rate_txt = f"{rate:.0f} img/s" if rate else "n/a"
     return (f"  {res['workload']} b{res['batch_size']} {res['mode']}: "
-            f"{'%.0f img/s' % rate if rate else 'n/a'} steady, first batch "
+            f"{rate_txt} steady, first batch "
             f"{ep[0]['first_s']:.2f} s cold"
             + (f" / {statistics.median(warm):.3f} s warm" if warm else ""))
 
@@ -215,9 +215,11 @@ def main(spec_path: str, result_path: str, events_fd: int | None) -> int:
     t0 = time.perf_counter()
     peer = peer_class(spec["peer"])()
     result["import_s"] = time.perf_counter() - t0
+    events.send(phase="start")
     events.send(mark="start.begin")
     result["start"] = peer.start(spec["cores"]) or {}
     events.send(mark="start.end")
+    events.send(phase=None)
     save()
     try:
         for k, cell in enumerate(spec["cells"]):
@@ -244,10 +246,6 @@ def _json_default(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         return x.tolist()
     return str(x)
-
-
-def iter_rows(it: Iterator[Any]) -> int:  # pragma: no cover - a helper for hand runs
-    return sum(len(b[1]) for b in it)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ Ray Data (Ray 2.60 APIs):
   compute=TaskPoolStrategy(size=cores))`` (simplejpeg + cv2, the same kernel as torch and L;
   the label from the class folder in the path) -> ``iter_batches(batch_size=B,
   batch_format="numpy")`` with its default prefetch.
-- Parquet (W3, W4): ``read_parquet(root, columns=["image", "label"],
-  shuffle=FileShuffleConfig(seed), override_num_blocks=ceil(N / 256))`` -> ``map_batches``
+- Parquet (W3, W4): ``read_parquet(root, shuffle=FileShuffleConfig(seed),
+  override_num_blocks=ceil(N / 256)).select_columns(["image", "label"])`` -> ``map_batches``
   (decode + augment, or crop + flip of the stored pixels) -> ``iter_batches(...,
   local_shuffle_buffer_size=256)`` (Ray Data's documented row shuffle; the file shuffle alone
   would only permute a few shards).
@@ -33,6 +33,7 @@ after every batch through ``pipe.report`` (non-blocking).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -56,7 +57,7 @@ def _start_ray(cores: int) -> dict[str, Any]:
 
 
 # -- Ray Data ------------------------------------------------------------------------------------
-def _decode_augment(batch: dict[str, np.ndarray], classes: list[str]) -> dict[str, np.ndarray]:
+def _decode_augment(batch: dict[str, Any], classes: list[str]) -> dict[str, Any]:
     import cv2
 
     from raying.bench import kernels
@@ -76,7 +77,7 @@ def _decode_augment(batch: dict[str, np.ndarray], classes: list[str]) -> dict[st
     return {"image": out, "label": labels}
 
 
-def _crop_flip_pixels(batch: dict[str, np.ndarray], side: int) -> dict[str, np.ndarray]:
+def _crop_flip_pixels(batch: dict[str, Any], side: int) -> dict[str, Any]:
     from raying.bench import kernels
 
     rng = np.random.default_rng()
@@ -128,17 +129,17 @@ class RayDataPeer:
             classes = sorted(e.name for e in os.scandir(wl.root) if e.is_dir())
             ds = ray.data.read_binary_files(wl.root, include_paths=True, shuffle=shuffle,
                                             override_num_blocks=blocks)
-            ds = ds.map_batches(_decode_augment, batch_format="numpy", compute=compute,
-                                fn_kwargs={"classes": classes})
+            ds = ds.map_batches(functools.partial(_decode_augment, classes=classes),
+                                batch_format="numpy", compute=compute)
             return _RayDataLoader(ds, batch_size, None)
-        ds = ray.data.read_parquet(wl.root, columns=["image", "label"], shuffle=shuffle,
-                                   override_num_blocks=blocks)
+        ds = ray.data.read_parquet(wl.root, shuffle=shuffle, override_num_blocks=blocks)
+        ds = ds.select_columns(["image", "label"])
         if wl.decoded:
-            ds = ds.map_batches(_crop_flip_pixels, batch_format="numpy", compute=compute,
-                                fn_kwargs={"side": int(wl.decoded)})
+            ds = ds.map_batches(functools.partial(_crop_flip_pixels, side=int(wl.decoded)),
+                                batch_format="numpy", compute=compute)
         else:
-            ds = ds.map_batches(_decode_augment, batch_format="numpy", compute=compute,
-                                fn_kwargs={"classes": []})
+            ds = ds.map_batches(functools.partial(_decode_augment, classes=[]),
+                                batch_format="numpy", compute=compute)
         return _RayDataLoader(ds, batch_size, DEFAULT_RAYDATA_SHUFFLE_BUFFER_ROWS)
 
     def stop(self) -> None:

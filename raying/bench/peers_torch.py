@@ -46,7 +46,7 @@ class FileDataset(Dataset):
         return len(self.paths)
 
     def _generator(self) -> np.random.Generator:
-        if self._pid != os.getpid():  # one generator per worker, seeded by torch
+        if self._rng is None or self._pid != os.getpid():  # one per worker, seeded by torch
             self._rng = np.random.default_rng(torch.initial_seed() % (1 << 63))
             self._pid = os.getpid()
         return self._rng
@@ -124,7 +124,7 @@ class TorchPeer:
         return {"torch_version": torch.__version__}
 
     def open(self, wl: Workload, *, batch_size: int, cores: int, seed: int) -> _TorchLoader:
-        common = {"batch_size": batch_size, "num_workers": cores, "persistent_workers": True,
+        common: dict[str, Any] = {"batch_size": batch_size, "num_workers": cores, "persistent_workers": True,
                   "worker_init_fn": _worker_init}
         if wl.kind == "images":
             paths, labels, _ = list_images(wl.root)

@@ -16,7 +16,7 @@ _WORKLOAD_TITLES = {"W1": "W1 JPEG folder", "W2": "W2 JPEG 500x375", "W3": "W3 P
                     "W4": "W4 pre-decoded Parquet", "W5": "W5 W1 prioritized + live updates"}
 
 
-def _json_default(x: Any) -> Any:
+def json_default(x: Any) -> Any:
     if isinstance(x, np.generic):
         return x.item()
     if isinstance(x, np.ndarray):
@@ -27,7 +27,7 @@ def _json_default(x: Any) -> Any:
 def write_json(doc: dict[str, Any], path: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
-        json.dump(doc, fh, indent=1, default=_json_default)
+        json.dump(doc, fh, indent=1, default=json_default)
     os.replace(tmp, path)
 
 
@@ -40,7 +40,7 @@ def table(rows: list[dict[str, Any]], workloads: dict[str, dict[str, Any]]) -> s
     lines = []
     head = (f"{'batch':>5} {'mode':<8} {'peer':<8} {'img/s':>7} {'GB/s':>6} {'xL':>5} "
             f"{'xbest':>5} {'best':<7} {'ttfb cold':>9} {'warm':>6} {'cpu-s/1k':>8} "
-            f"{'peakMB':>7} {'ray up':>6} rows")
+            f"{'peakMB':>7} {'baseMB':>6} {'ray up':>6} rows")
     for wl in sorted({r["workload"] for r in rows}):
         w = workloads[wl]
         h, wd = w["shape"]
@@ -62,7 +62,8 @@ def table(rows: list[dict[str, Any]], workloads: dict[str, dict[str, Any]]) -> s
                 f"{_f(r['ratio_to_L'], '.2f', 5)} {_f(r['ratio_to_best_peer'], '.2f', 5)} "
                 f"{(r['best_peer'] or '-'):<7} {_f(r['ttfb_cold_s'], '.2f', 9)} "
                 f"{_f(r['ttfb_warm_s'], '.3f', 6)} {_f(r['cpu_s_per_1k'], '.2f', 8)} "
-                f"{_f(r['peak_pss_mb'], ',.0f', 7)} {_f(r['ray_start_s'], '.1f', 6)} "
+                f"{_f(r['peak_pss_mb'], ',.0f', 7)} {_f(r['startup_pss_mb'], ',.0f', 6)} "
+                f"{_f(r['ray_start_s'], '.1f', 6)} "
                 f"{rows_txt}{extra}")
     return "\n".join(lines)
 

@@ -109,8 +109,9 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     if epochs < 2:
         msg = f"--epochs must be >= 2 (one cold epoch, then steady ones), got {epochs}"
         raise ConfigError(msg)
+    raw_batches = g("batch_sizes")
     try:
-        batches = tuple(int(b) for b in g("batch_sizes").split(",")) if g("batch_sizes") else (
+        batches = tuple(int(b) for b in str(raw_batches).split(",")) if raw_batches else (
             QUICK_BATCH_SIZES if quick else DEFAULT_BATCH_SIZES)
     except ValueError:
         msg = f"--batch-sizes takes a comma list of integers, got {g('batch_sizes')!r}"
@@ -162,10 +163,16 @@ class Job:
 def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
     """Rounds of jobs: workloads in order, peers rotated by one place every round."""
 
+    def modes(peer: str, wl: str) -> tuple[str, ...]:
+        if peer in REFERENCE_PEERS:
+            return ("iterate",)
+        if cfg.quick and wl != cfg.workloads[0]:  # quick: other modes on one workload only
+            return cfg.modes[:1]
+        return cfg.modes
+
     def cells(peer: str, wls: tuple[str, ...]) -> list[dict[str, Any]]:
-        modes = ("iterate",) if peer in REFERENCE_PEERS else cfg.modes
         return [{"workload": w, "batch_size": b, "mode": m}
-                for w in wls for b in cfg.batch_sizes for m in modes]
+                for w in wls for b in cfg.batch_sizes for m in modes(peer, w)]
 
     rounds = []
     for r in range(cfg.rounds):
@@ -294,6 +301,7 @@ def run_job(job: Job, cfg: BenchConfig, spec_extra: dict[str, Any], logs: str,
                    "tag": job.tag, "returncode": rc, "timed_out": timed_out,
                    "seconds": round(seconds, 2), "log": base + ".log",
                    "tree": measure.summary(watch), "leftover_pids": leftovers,
+                   "startup_pss_mb": watch.phase_peaks.get("start"),
                    "cpu_start_s": watch.cpu_between("start.begin", "start.end"),
                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()})
     return result
@@ -340,7 +348,7 @@ def _host(cores: int) -> dict[str, Any]:
                           if ln.startswith("model name")), "")
     except OSError:
         pass
-    versions = {}
+    versions: dict[str, str | None] = {}
     for mod in ("ray", "torch", "tensorflow", "numpy", "pyarrow", "simplejpeg", "cv2", "raying"):
         try:
             from importlib.metadata import version
@@ -404,15 +412,16 @@ def main(ns: argparse.Namespace) -> int:
     wl_dicts = {k: v.to_dict() for k, v in wls.items()}
     rows = aggregate.combine(runs, wl_dicts, cfg.epochs)
     checks = aggregate.targets(rows)
-    doc = {
+    host = _host(cfg.cores)
+    doc: dict[str, Any] = {
         "version": 1, "started": started, "seconds": round(time.monotonic() - t_run, 1),
-        "command": " ".join(sys.argv), "host": _host(cfg.cores),
+        "command": " ".join(sys.argv), "host": host,
         "config": {**dataclasses.asdict(cfg), "work_bytes_per_image": work_bytes,
                    "sha256_bytes_per_s": sha_rate},
         "definitions": aggregate.__doc__, "peers": {p: PEERS[p] for p in cfg.peers},
         "workloads": wl_dicts, "results": rows, "targets": checks, "runs": runs,
     }
-    doc["host"]["loadavg_end"] = os.getloadavg()
+    host["loadavg_end"] = os.getloadavg()
     json_path = os.path.join(cfg.out, "bench.json")
     png_path = os.path.join(cfg.out, "bench.png")
     report.write_json(doc, json_path)
@@ -420,7 +429,7 @@ def main(ns: argparse.Namespace) -> int:
                                  f"{cfg.rounds} round(s)")
     if quiet:
         print(json.dumps({"results": rows, "targets": checks}, indent=1,
-                         default=report._json_default))
+                         default=report.json_default))
     else:
         say(report.table(rows, wl_dicts))
         say(report.targets_table(checks))

@@ -107,7 +107,7 @@ def row_groups(files: list[str]) -> list[tuple[int, int, int]]:
     """(file index, row-group index, rows) of every row group of ``files``."""
     import pyarrow.parquet as pq
 
-    out = []
+    out: list[tuple[int, int, int]] = []
     for f, path in enumerate(files):
         md = pq.ParquetFile(path).metadata
         out.extend((f, g, md.row_group(g).num_rows) for g in range(md.num_row_groups))
@@ -174,7 +174,8 @@ def _pack_all(todo: list[tuple[Path, Path, int | None]], say: Callable[[str], No
     """Pack with ``raying.pack`` in a child process (it starts a local Ray for its tasks)."""
     if not todo:
         return
-    jobs = [{"src": str(s), "dst": str(d) + ".tmp", "decode_size": k} for s, d, k in todo]
+    jobs: list[dict[str, Any]] = [{"src": str(s), "dst": str(d) + ".tmp", "decode_size": k}
+                                  for s, d, k in todo]
     for _, d, _ in todo:
         shutil.rmtree(str(d) + ".tmp", ignore_errors=True)
         shutil.rmtree(d, ignore_errors=True)
@@ -211,16 +212,14 @@ def prepare(names: list[str], sizes: Sizes, data: str | os.PathLike,
             todo.append((src4, dst, sizes.decode_size))
     _pack_all(todo, say)
     for name in names:
-        if name in ("W1", "W5"):
-            assert w1 is not None
+        if name in ("W1", "W5") and w1 is not None:
             out[name] = Workload(name, "images", str(w1), sizes.w1, W1_SHAPE,
                                  prioritized=name == "W5", bytes=_folder_bytes(w1))
         elif name == "W2":
             w2 = _image_folder(data, sizes.w2, W2_SHAPE, say)
             out[name] = Workload(name, "images", str(w2), sizes.w2, W2_SHAPE,
                                  bytes=_folder_bytes(w2))
-        elif name == "W3":
-            assert w1 is not None
+        elif name == "W3" and w1 is not None:
             dst = _packed(data, w1, None)[0]
             out[name] = Workload(name, "parquet", str(dst), sizes.w1, W1_SHAPE,
                                  bytes=_folder_bytes(dst))

@@ -41,6 +41,11 @@ from raying.io.options import (
 
 logger = logging.getLogger(__name__)
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: SQLite's own locking alone
+    fcntl = None  # type: ignore[assignment]
+
 MAGIC = b"RYC1"
 HEADER = struct.Struct("<4sIQ")
 # SQLite's default limit on host parameters per statement is 999 (older builds).
@@ -92,6 +97,8 @@ class DirTier:
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._pid = -1
+        self._fd: int | None = None
+        self._fd_pid = -1
         with self._lock:
             self._db()
         self.sweep_orphans()
@@ -104,12 +111,21 @@ class DirTier:
                                    check_same_thread=False)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
-            with _write(conn):
+            with _write(conn, self._lock_fd()):
                 for stmt in _SCHEMA.strip().split(";"):
                     if stmt.strip():
                         conn.execute(stmt)
             self._conn, self._pid = conn, os.getpid()
         return self._conn
+
+    def _lock_fd(self) -> int | None:
+        """A descriptor of the tier's lock file (this process's), or None without fcntl."""
+        if fcntl is None:
+            return None
+        if self._fd is None or self._fd_pid != os.getpid():
+            self._fd = os.open(os.path.join(self.root, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd_pid = os.getpid()
+        return self._fd
 
     def _path(self, digest: str) -> str:
         return os.path.join(self._data, digest[:2], digest)
@@ -152,7 +168,7 @@ class DirTier:
                                        else None)
         with self._lock:
             conn = self._db()
-            with _write(conn):
+            with _write(conn, self._lock_fd()):
                 clock = self._clock(conn) + (len(keys) if draws is None else int(draws))
                 conn.execute("UPDATE meta SET v = ? WHERE k = 'clock'", (clock,))
                 conn.executemany(
@@ -212,7 +228,7 @@ class DirTier:
             return 0, 0
         with self._lock:
             conn = self._db()
-            with _write(conn):
+            with _write(conn, self._lock_fd()):
                 present = set()
                 for part in _chunks(sorted(cands)):
                     q = f"SELECT digest FROM entries WHERE digest IN ({_marks(part)})"
@@ -259,7 +275,8 @@ class DirTier:
                  "ORDER BY eff ASC")
             cur = conn.execute(q, (self.decay, clock))
         else:
-            cur = conn.execute("SELECT digest, nbytes, seen FROM entries ORDER BY seen ASC")
+            cur = conn.execute("SELECT digest, nbytes, seen FROM entries "
+                               "ORDER BY seen ASC, born ASC")
         out, freed = [], 0
         for row in cur:
             out.append(row)
@@ -324,22 +341,36 @@ class DirTier:
         return removed
 
     def close(self) -> None:
+        """Close this process's index connection and lock file."""
         with self._lock:
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
-            self._conn = None
+            if self._fd is not None and self._fd_pid == os.getpid():
+                os.close(self._fd)
+            self._conn, self._fd = None, None
 
 
 @contextlib.contextmanager
-def _write(conn: sqlite3.Connection) -> Iterator[None]:
-    """One write transaction; the lock is taken at BEGIN so the decisions inside hold."""
-    conn.execute("BEGIN IMMEDIATE")
+def _write(conn: sqlite3.Connection, lock_fd: int | None) -> Iterator[None]:
+    """One write transaction; the lock is taken at BEGIN so the decisions inside hold.
+
+    Writers first queue on an flock of the tier's lock file: the kernel wakes the next one
+    the moment the lock frees, where SQLite's own busy handler polls with sleeps of up to
+    100 ms once several processes contend.
+    """
+    if lock_fd is not None:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
     try:
-        yield
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+    finally:
+        if lock_fd is not None:
+            fcntl.flock(lock_fd, fcntl.LOCK_UN)
 
 
 def _chunks(items: list[str]) -> Iterator[list[str]]:

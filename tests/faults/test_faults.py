@@ -37,7 +37,7 @@ def _read_task_pids() -> list[int]:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if cmd.startswith(b"ray::run_unit"):
+        if cmd.startswith(b"ray::read_task"):
             pids.append(int(entry))
     return pids
 

@@ -66,6 +66,14 @@ def test_reported_losses_reshape_later_reads(manifest, ray_local):
         assert weights[easy] == pytest.approx(1.0)
     assert weights[int(hard[0])] == pytest.approx((60 * p_hard) ** -1 / (60 * p_easy) ** -1,
                                                   rel=1e-6)
+    health = pipe.stats()["sampling"]
+    distinct = len(np.unique(ids))
+    assert health["coverage_epoch"] == pytest.approx(distinct / 60)
+    assert health["never_drawn_share"] == pytest.approx(1 - distinct / 60)
+    assert health["weight_min"] == pytest.approx((60 * p_hard) ** -1 / (60 * p_easy) ** -1,
+                                                 rel=1e-6)
+    assert health["weight_max"] == pytest.approx(1.0)
+    assert 0 < health["ess_fraction"] < 1
     pipe.close()
 
 

@@ -6,6 +6,7 @@ import hashlib
 import multiprocessing
 import os
 import random
+import sqlite3
 import threading
 import time
 import zlib
@@ -61,7 +62,7 @@ def test_cache_never_exceeds_its_size(tmp_path):
     # An entry larger than the whole tier is never admitted.
     assert tier.put_many(["huge"], [b"x" * cap], [1.0]) == (0, 0)
     lru = DirTier(str(tmp_path / "l"), cap, policy="lru")
-    for step in range(60):
+    for _ in range(60):
         keys = [f"k{rng.randrange(200)}" for _ in range(8)]
         lru.put_many(keys, [payload_of(k) for k in keys])
         assert _dir_bytes(tmp_path / "l") <= cap and lru.used_bytes() <= cap
@@ -246,22 +247,28 @@ def test_processes_sharing_a_directory_corrupt_nothing(tmp_path, policy):
     stop = threading.Event()
 
     def watch():
+        # Files change only inside a writer's index transaction (victims deleted before new
+        # files are written); holding the write lock while walking gives a true snapshot.
+        conn = sqlite3.connect(root / "index.sqlite", timeout=60, isolation_level=None)
         while not stop.is_set():
+            conn.execute("BEGIN IMMEDIATE")
             seen_max[0] = max(seen_max[0], _dir_bytes(root))
-            time.sleep(0.002)
+            conn.execute("ROLLBACK")
+            time.sleep(0.01)
+        conn.close()
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     ctx = multiprocessing.get_context("spawn")
     try:
         with ctx.Pool(4) as pool:
-            results = pool.starmap(_hammer, [(str(root), s, 150, policy) for s in range(4)])
+            results = pool.starmap(_hammer, [(str(root), s, 80, policy) for s in range(4)])
     finally:
         stop.set()
         watcher.join()
     hits = sum(r[0] for r in results)
     assert sum(r[1] for r in results) == 0  # every hit byte-identical to what was put
-    assert hits > 100 and sum(r[2] for r in results) > 50
+    assert hits > 50 and sum(r[2] for r in results) > 30
     assert seen_max[0] <= _CAP
     # The index and the files agree: every row has its intact file, no file lacks a row.
     tier = DirTier(str(root), _CAP, policy=policy)

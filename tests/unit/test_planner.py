@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from raying.errors import ConfigError
-from raying.storage import NotFoundError
 from raying.io import fetch, parquet, planner, slow, tiers
 from raying.io.options import CacheConfig, IOConfig
 from raying.io.planner import Piece, ReadOp
+from raying.storage import NotFoundError
 
 
 def _slots(ops):

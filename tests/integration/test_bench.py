@@ -1,0 +1,142 @@
+"""`raying bench`: every peer runs and delivers exactly the expected rows; the watcher counts.
+
+Speed is never asserted here: the quick bench's figures are noise on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from raying.bench import aggregate, measure, run
+from raying.bench.child import PEER_WORKLOADS, check_batch, steady
+from raying.errors import ConfigError
+
+
+# -- pieces, no Ray --------------------------------------------------------------------------------
+def test_tree_watch_counts_cpu_of_children_and_the_dead():
+    """CPU of a forked child that exits is kept at its last reading."""
+    code = ("import os, time\n"
+            "def burn(s):\n"
+            "    t = time.process_time()\n"
+            "    while time.process_time() - t < s: pass\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    burn(0.6); os._exit(0)\n"
+            "burn(0.3); os.waitpid(pid, 0); time.sleep(0.5)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    watch = measure.TreeWatch(proc.pid, cpu_interval_s=0.05, discover_interval_s=0.05,
+                              pss_interval_s=0.1).start()
+    watch.mark("begin")
+    proc.wait()
+    watch.mark("end")
+    watch.stop()
+    assert len(watch.known_pids()) >= 2
+    # 0.9 s burnt in two processes; startup is outside the window only partly.
+    assert watch.cpu_between("begin", "end") >= 0.7
+    assert watch.peak_pss_mb > 0
+
+
+def test_check_batch_names_the_problem():
+    img = np.zeros((4, 224, 224, 3), np.uint8)
+    assert check_batch(img, np.zeros(4), (224, 224, 3)) == (4, None)
+    assert check_batch(img, np.zeros(3), (224, 224, 3))[1] == "3 labels for 4 images"
+    assert "dtype float32" in check_batch(img.astype(np.float32), np.zeros(4), (224, 224, 3))[1]
+    assert "expected (n, 256, 256, 3)" in check_batch(img, np.zeros(4), (256, 256, 3))[1]
+
+
+def test_steady_excludes_the_cold_epoch():
+    ep = [{"rows": 100, "end_s": 5.0}, {"rows": 100, "end_s": 6.0}, {"rows": 100, "end_s": 7.0}]
+    assert steady(ep) == pytest.approx(100.0)
+    assert steady(ep[:1]) is None
+
+
+def test_config_rejects_bad_arguments():
+    with pytest.raises(ConfigError, match=r"--peers takes a comma list of L, pyarrow"):
+        run.config_from_args(argparse.Namespace(peers="torch,keras"))
+    with pytest.raises(ConfigError, match=r"--epochs must be >= 2 \(one cold epoch"):
+        run.config_from_args(argparse.Namespace(epochs=1))
+    cfg = run.config_from_args(argparse.Namespace(quick=True))
+    assert cfg.rounds == 1 and cfg.epochs == 2 and cfg.isolate == "peer"
+
+
+def test_plan_interleaves_and_rotates_peers():
+    cfg = run.config_from_args(argparse.Namespace(rounds=2, workloads="W1",
+                                                  peers="L,torch,raying", modes="iterate"))
+    rounds = run.plan_jobs(cfg)
+    assert [j.peer for j in rounds[0]] == ["L", "torch", "raying"]
+    assert [j.peer for j in rounds[1]] == ["torch", "raying", "L"]
+    assert all(c["mode"] == "iterate" for j in rounds[0] for c in j.cells)
+
+
+def test_combine_medians_and_ratios():
+    wl = {"W1": {"rows": 10, "decoded": None}}
+
+    def cell(rate_s: float) -> dict:
+        return {"workload": "W1", "batch_size": 64, "mode": "iterate", "setup_s": 0.1,
+                "cpu_steady_s": 1.0, "peak_pss_mb": 100.0, "errors": [],
+                "epochs": [{"rows": 10, "problems": [], "request_s": 0.0, "first_s": 0.5,
+                            "end_s": 1.0, "ttfb_s": 0.5},
+                           {"rows": 10, "problems": [], "request_s": 1.0, "first_s": 1.1,
+                            "end_s": 1.0 + rate_s, "ttfb_s": 0.1}]}
+
+    runs = [{"peer": "L", "round": 0, "cells": [cell(0.5)]},
+            {"peer": "torch", "round": 0, "cells": [cell(1.0)]},
+            {"peer": "torch", "round": 1, "cells": [cell(2.0)]},
+            {"peer": "torch", "round": 2, "cells": [cell(0.25)]}]
+    rows = aggregate.combine(runs, wl, epochs=2)
+    torch = next(r for r in rows if r["peer"] == "torch")
+    assert torch["rows_ok"] and torch["rounds"] == 3
+    assert torch["steady_img_s"] == pytest.approx(10.0)  # median of 5, 10, 40
+    assert torch["ratio_to_L"] == pytest.approx(0.5)
+    assert torch["cpu_s_per_1k"] == pytest.approx(100.0)
+
+
+# -- the quick bench, end to end ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quick_bench(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    out, data = root / "out", root / "data"
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "raying.cli", "bench", "--quick", "--out",
+                          str(out), "--data", str(data)], capture_output=True, text=True,
+                         timeout=1500)
+    print(f"quick bench: {time.monotonic() - t0:.0f} s\n{res.stdout[-6000:]}\n{res.stderr[-3000:]}")
+    with open(out / "bench.json") as fh:
+        doc = json.load(fh)
+    return res, doc, out
+
+
+@pytest.mark.timeout(1800)
+def test_quick_bench_every_peer_runs_and_counts_rows(quick_bench):
+    res, doc, out = quick_bench
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = doc["results"]
+    expected_epochs = doc["config"]["epochs"]
+    seen = {(r["workload"], r["peer"]) for r in rows}
+    for peer, wls in PEER_WORKLOADS.items():
+        for wl in wls:
+            assert (wl, peer) in seen, f"{peer} did not run {wl}"
+    for r in rows:
+        where = f"{r['workload']} {r['peer']} b{r['batch_size']} {r['mode']}"
+        assert r["rows_ok"], (where, r["rows_per_epoch"], r["problems"])
+        for per_round in r["rows_per_epoch"]:
+            assert per_round == [doc["workloads"][r["workload"]]["rows"]] * expected_epochs, where
+        assert r["steady_img_s"] is not None and r["steady_img_s"] > 0, where
+        assert r["cpu_s_per_1k"] is not None and r["peak_pss_mb"] is not None, where
+        if r["peer"] in ("raydata", "raying"):
+            assert r["ray_start_s"] is not None, where
+    # A non-iterate consumer mode ran for the loaders on the first workload.
+    assert {r["mode"] for r in rows if r["workload"] == "W1"} == {"iterate", "compute"}
+    assert any(r["workload"] == "W4" and r["gb_s"] for r in rows)
+    assert doc["targets"] and doc["definitions"]
+    assert all(not run_["leftover_pids"] for run_ in doc["runs"])
+    assert os.path.getsize(out / "bench.png") > 10_000
+    assert "issue 4 targets" in res.stdout

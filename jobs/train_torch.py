@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import tempfile
 import time
@@ -211,7 +212,8 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
         resources[args.trainer_resource] = 1
     if args.use_gpu:
         resources["GPU"] = 1
-    storage_path = args.storage_path or tempfile.mkdtemp(prefix="raying-train-")
+    # Ray Train keeps run state there (no checkpoints here); shared storage on multi-node.
+    storage_path = args.storage_path or os.path.join(tempfile.gettempdir(), "raying-train")
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"epochs": args.epochs, "batch_size": args.batch_size,

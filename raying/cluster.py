@@ -48,6 +48,10 @@ DEFAULT_STOP_GRACE_S = 10.0
 MARKER_ENV = "RAYING_CLUSTER_ID"
 STATE_FILE = "cluster.json"
 _HEALTH_PATH = "/api/gcs_healthz"  # public: answers without a token
+_HEALTH_PATH_AGENT = "/api/healthz"  # the head's dashboard agent, which runs submitted jobs
+_START_DONE = "will now block forever"  # what `ray start --block` prints once the node is up
+# `ray start` attempts before `start` gives up.
+DEFAULT_START_ATTEMPTS = 2
 _VERSION_PATH = "/api/version"  # needs the token when auth is on
 
 
@@ -171,15 +175,43 @@ def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DAS
     state.mkdir(parents=True, exist_ok=True)
     token = Path(token_file).expanduser().resolve() if token_file else state / "auth_token"
     _ensure_token(token)
-    port = port or free_port()
-    dashboard_port = dashboard_port or free_port()
-    # Short: Ray's unix socket paths under the session dir must stay below 108 characters.
-    temp_dir = tempfile.mkdtemp(prefix="rc-", dir="/tmp" if os.path.isdir("/tmp") else None)
-    cluster_id = uuid.uuid4().hex
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
     if ray_bin is None:
         msg = "the `ray` command is not on PATH; install it with pip install 'ray[default]'"
         raise ClusterError(msg)
+    child_env = {k: v for k, v in os.environ.items()
+                 if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")}
+    # Entrypoints' `python` is the interpreter (and venv) this head runs on.
+    child_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
+                                         child_env.get("PATH", os.defpath)])
+    child_env.update(env or {})
+    child_env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
+    extra = []
+    if num_cpus is not None:
+        extra.append(f"--num-cpus={int(num_cpus)}")
+    if resources:
+        extra.append(f"--resources={json.dumps(dict(resources))}")
+    if labels:
+        extra.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+    # `ray start` gives its raylet a fixed 30 s to register; a loaded machine can miss that.
+    for attempt in range(1, DEFAULT_START_ATTEMPTS + 1):
+        try:
+            return _start_once(ray_bin, state, token, port, dashboard_port, extra, child_env,
+                               timeout_s)
+        except ClusterError:
+            if attempt == DEFAULT_START_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _start_once(ray_bin: str, state: Path, token: Path, port: int, dashboard_port: int,
+                extra: list[str], env: dict[str, str], timeout_s: float) -> LocalCluster:
+    port = port or free_port()
+    dashboard_port = dashboard_port or free_port()
+    agent_port = free_port()
+    # Short: Ray's unix socket paths under the session dir must stay below 108 characters.
+    temp_dir = tempfile.mkdtemp(prefix="rc-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    cluster_id = uuid.uuid4().hex
     cmd = [ray_bin, "start", "--head", "--block", f"--port={port}",
            "--node-ip-address=127.0.0.1", "--include-dashboard=true",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
@@ -187,50 +219,43 @@ def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DAS
            # Every port of its own, so this head coexists with other local clusters.
            f"--ray-client-server-port={free_port()}", f"--node-manager-port={free_port()}",
            f"--object-manager-port={free_port()}", f"--metrics-export-port={free_port()}",
-           f"--dashboard-agent-listen-port={free_port()}",
+           f"--dashboard-agent-listen-port={agent_port}",
            f"--dashboard-agent-grpc-port={free_port()}",
-           f"--runtime-env-agent-port={free_port()}"]
-    if num_cpus is not None:
-        cmd.append(f"--num-cpus={int(num_cpus)}")
-    if resources:
-        cmd.append(f"--resources={json.dumps(dict(resources))}")
-    if labels:
-        cmd.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
-    child_env = {k: v for k, v in os.environ.items()
-                 if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN") and not k.startswith("RAY_AUTH")}
-    # Entrypoints' `python` is the interpreter (and venv) this head runs on.
-    child_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
-                                         child_env.get("PATH", os.defpath)])
-    child_env.update(env or {})
-    child_env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-                      MARKER_ENV: cluster_id})
-    log = open(state / "head.log", "ab")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(cmd, env=child_env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-    log.close()
+           f"--runtime-env-agent-port={free_port()}", *extra]
+    with open(state / "head.log", "wb") as log:
+        # RAY_ADDRESS: Ray's own helpers in this head's actors (Ray Train's placement-group
+        # cleaner, the state API) find this cluster, not another one on the machine.
+        proc = subprocess.Popen(cmd, env={**env, MARKER_ENV: cluster_id,
+                                          "RAY_ADDRESS": f"127.0.0.1:{port}"}, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
     cluster = LocalCluster(address=f"127.0.0.1:{port}",
                            dashboard_url=f"http://127.0.0.1:{dashboard_port}",
                            token_file=str(token), state_dir=str(state), temp_dir=temp_dir,
                            pid=proc.pid, cluster_id=cluster_id)
     _state_path(state).write_text(json.dumps(dataclasses.asdict(cluster), indent=2))
     try:
-        _wait_ready(cluster, proc, timeout_s)
+        _wait_ready(cluster, proc, f"http://127.0.0.1:{agent_port}", timeout_s)
     except BaseException:
         stop(cluster)
         raise
     return cluster
 
 
-def _wait_ready(cluster: LocalCluster, proc: subprocess.Popen, timeout_s: float) -> None:
+def _wait_ready(cluster: LocalCluster, proc: subprocess.Popen, agent_url: str,
+                timeout_s: float) -> None:
+    """Until `ray start` finished, the job API takes the token and the job agent is up."""
     deadline = time.monotonic() + timeout_s
     headers = cluster.auth_headers()
+    log = Path(cluster.state_dir) / "head.log"
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            tail = (Path(cluster.state_dir) / "head.log").read_text(errors="replace")[-2000:]
+            tail = log.read_text(errors="replace")[-2000:]
             msg = f"`ray start --head` exited with code {proc.returncode}:\n{tail}"
             raise ClusterError(msg)
-        if (_http_status(cluster.dashboard_url + _HEALTH_PATH) == 200
-                and _http_status(cluster.dashboard_url + _VERSION_PATH, headers) == 200):
+        if (_START_DONE in log.read_text(errors="replace")
+                and _http_status(cluster.dashboard_url + _VERSION_PATH, headers) == 200
+                and _http_status(agent_url + _HEALTH_PATH_AGENT) == 200):
             return
         time.sleep(0.5)
     msg = (f"the head's job API ({cluster.dashboard_url}) did not answer within {timeout_s:g} "

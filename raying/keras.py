@@ -34,7 +34,8 @@ from raying.errors import ConfigError, require
 # Keys of the pipeline's batch dicts (DESIGN.md, batch contract).
 DEFAULT_KEYS = {"x": "image", "y": "label", "weight": "weight", "id": "id"}
 
-__all__ = ["FeedbackModel", "LossReporter"]
+# Both are built on first access (module __getattr__), so importing this module loads no Keras.
+__all__ = ["FeedbackModel", "LossReporter"]  # noqa: F822
 
 
 def _report_fn(target: Any):
@@ -72,7 +73,7 @@ def _classes() -> tuple[type, type]:
                f"{keras.backend.backend()!r}; set KERAS_BACKEND=tensorflow")
         raise ConfigError(msg)
 
-    class LossReporter(keras.callbacks.Callback):
+    class LossReporter(keras.callbacks.Callback):  # type: ignore[name-defined,misc]
         """Sends the per-sample losses a ``FeedbackModel`` hands it; never waits.
 
         ``put`` is called from inside the training step (a queue append); every
@@ -119,7 +120,7 @@ def _classes() -> tuple[type, type]:
             self.drain()
             self._flush()
 
-    class FeedbackModel(keras.Model):
+    class FeedbackModel(keras.Model):  # type: ignore[name-defined,misc]
         """A Keras model that reports each training sample's loss to the priority store.
 
         It trains ``model`` exactly as ``model.fit`` would (Keras' ``train_step``, with the

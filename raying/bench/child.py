@@ -57,6 +57,13 @@ PEERS = {
     "raydata": "raying.bench.peers_ray:RayDataPeer",
     "raying": "raying.bench.peers_ray:RayingPeer",
 }
+# The package each peer needs, and how to get it.
+PEER_NEEDS = {
+    "torch": ("torch", "pip install torch"),
+    "tf": ("tensorflow", "pip install 'raying[tf]'"),
+    "raydata": ("ray", "pip install 'ray[data]'"),
+    "raying": ("ray", "pip install 'ray[data]'"),
+}
 # Which workloads each peer runs (W4's reference is the plain pyarrow read; W5 needs a sampler
 # whose weights live updates reshape, which only raying has).
 PEER_WORKLOADS = {

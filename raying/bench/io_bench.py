@@ -47,17 +47,20 @@ import pyarrow.parquet as pq
 from raying import storage as _storage
 from raying.config import DEFAULT_PLAN_CHUNK_IDS
 from raying.io import slow
+from raying.io.cache import open_cache
 from raying.io.fetch import fetch_files, summarize
 from raying.io.options import CacheConfig, IOConfig
 from raying.io.planner import OpStats, Prefetcher, read_amplification
 
-DEFAULT_IMAGES = 3000
-DEFAULT_SIDE = 256
+# ImageNet-like files (~85 KB at 512 px): the slow tier, not this process's CPU, is the limit.
+DEFAULT_IMAGES = 2000
+DEFAULT_SIDE = 512
 DEFAULT_EPOCHS = 3
 DEFAULT_LATENCY_MS = 5.0
 DEFAULT_BANDWIDTH_MB_S = 50.0
 DEFAULT_CAPACITY = 0.15
-DEFAULT_DISK_CAPACITY = 0.5
+DEFAULT_DISK_CAPACITY = (0.5, 1.0)
+DEFAULT_ROUNDS = 3
 DEFAULT_SIGMA = 1.0
 DEFAULT_SEEDS = 5
 BLOCK_ROWS = 256
@@ -106,7 +109,7 @@ def make_trace(n: int, *, epochs: int, sigma: float, seed: int, block_rows: int 
     return units
 
 
-def _drive(trace: list[TraceUnit], fetch: Callable[[TraceUnit], Any]) -> dict[str, Any]:
+def _drive(trace: list[Any], fetch: Callable[[Any], Any]) -> dict[str, Any]:
     """Replay ``trace`` with ``INFLIGHT_UNITS`` units in flight; samples/s overall and per epoch."""
     t0 = time.perf_counter()
     ends: dict[int, float] = {}
@@ -142,7 +145,7 @@ def _image_run(name: str, paths: np.ndarray, sizes: np.ndarray, trace: list[Trac
             raise bad[0]
 
     row = {"config": name, **_drive(trace, fetch)}
-    counters = slow.io_counters(fs).snapshot()
+    counters = _counters(fs)
     delivered = int(sum(int(sizes[u.ids].sum()) for u in trace))
     row.update(requests=counters["requests"], bytes_read=counters["bytes_read"],
                read_amplification=round(read_amplification(counters["bytes_read"], delivered), 3))
@@ -154,7 +157,7 @@ def _image_run(name: str, paths: np.ndarray, sizes: np.ndarray, trace: list[Trac
 
 
 def _cache(kind: str, total_bytes: int, capacity: float, disk: float, where: Path,
-           tag: str) -> CacheConfig:
+           tag: str, *, background: bool = True) -> CacheConfig:
     mem_dir = os.path.join(tempfile.gettempdir() if not os.path.isdir("/dev/shm")
                            else "/dev/shm", f"raying-io-bench-{os.getpid()}-{tag}")
     shutil.rmtree(mem_dir, ignore_errors=True)
@@ -163,37 +166,61 @@ def _cache(kind: str, total_bytes: int, capacity: float, disk: float, where: Pat
         shutil.rmtree(where / f"disk-{tag}", ignore_errors=True)
         return CacheConfig(memory_bytes=int(capacity * total_bytes), memory_dir=mem_dir,
                            disk_bytes=int(disk * total_bytes),
-                           disk_dir=str(where / f"disk-{tag}"), policy=policy)
+                           disk_dir=str(where / f"disk-{tag}"), policy=policy,
+                           background_writes=background)
     return CacheConfig(memory_bytes=int(capacity * total_bytes), memory_dir=mem_dir,
-                       policy=policy)
+                       policy=policy, background_writes=background)
 
 
 def images_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespace,
                  work: Path) -> list[dict[str, Any]]:
-    """Part 1: every configuration on the same prioritized 3-epoch trace."""
+    """Part 1: every configuration on the same prioritized trace, rounds interleaved."""
     trace = make_trace(len(paths), epochs=args.epochs, sigma=args.sigma, seed=args.seed)
     tier = (args.latency_ms / 1000, args.bandwidth_mb_s * 1e6)
     total = int(sizes.sum())
-    configs: list[tuple[str, IOConfig | None]] = [
-        ("direct (no io)", None),
-        ("planner, no cache", IOConfig()),
-        (f"planner + LRU {args.capacity:.0%}",
-         IOConfig(cache=_cache("lru", total, args.capacity, 0, work, "lru"))),
-        (f"planner + priority {args.capacity:.0%}",
-         IOConfig(cache=_cache("priority", total, args.capacity, 0, work, "prio"))),
-        (f"planner + priority {args.capacity:.0%} mem + {args.disk:.0%} disk",
-         IOConfig(cache=_cache("tiered", total, args.capacity, args.disk, work, "tier"))),
+    cap = f"{args.capacity:.0%}"
+    configs: list[tuple[str, Callable[[str], IOConfig | None]]] = [
+        ("direct (no io)", lambda tag: None),
+        ("planner, no cache", lambda tag: IOConfig()),
+        (f"planner + LRU {cap} mem",
+         lambda tag: IOConfig(cache=_cache("lru", total, args.capacity, 0, work, tag))),
+        (f"planner + priority {cap} mem",
+         lambda tag: IOConfig(cache=_cache("priority", total, args.capacity, 0, work, tag))),
     ]
-    rows = []
-    for name, io in configs:
-        rows.append(_image_run(name, paths, sizes, trace, tier, io))
-        _print_row(rows[-1])
-        if io is not None and io.cache is not None:
-            shutil.rmtree(io.cache.memory_dir, ignore_errors=True)
+    def tiered(disk: float) -> Callable[[str], IOConfig | None]:
+        return lambda tag: IOConfig(cache=_cache("tiered", total, args.capacity, disk, work, tag))
+
+    for disk in args.disk:
+        configs.append((f"planner + priority {cap} mem + {disk:.0%} disk", tiered(disk)))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
+    for r in range(args.rounds):
+        print(f"  round {r + 1}/{args.rounds}")
+        for k, (name, make) in enumerate(configs):
+            io = make(f"r{r}c{k}")
+            runs[name].append(_image_run(name, paths, sizes, trace, tier, io))
+            _print_row(runs[name][-1])
+            if io is not None and io.cache is not None:
+                open_cache(io.cache, namespace=name).flush()
+                shutil.rmtree(io.cache.memory_dir, ignore_errors=True)
+                if io.cache.disk_dir:
+                    shutil.rmtree(io.cache.disk_dir, ignore_errors=True)
+    rows = [_median_row(runs[name]) for name, _ in configs]
     base = rows[0]["samples_per_s"]
-    for r in rows:
-        r["speedup_vs_direct"] = round(r["samples_per_s"] / base, 2)
+    for row in rows:
+        row["speedup_vs_direct"] = round(row["samples_per_s"] / base, 2)
     return rows
+
+
+def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median of the timed figures over rounds; counts and ratios of the median round."""
+    runs = sorted(runs, key=lambda r: r["samples_per_s"])
+    row = dict(runs[len(runs) // 2])
+    row["rounds_samples_per_s"] = [r["samples_per_s"] for r in runs]
+    epochs = len(row["samples_per_s_by_epoch"])
+    row["samples_per_s_by_epoch"] = [
+        round(statistics.median(r["samples_per_s_by_epoch"][e] for r in runs), 1)
+        for e in range(epochs)]
+    return row
 
 
 def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespace,
@@ -207,7 +234,8 @@ def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespa
         for seed in range(args.seeds):
             trace = make_trace(len(paths), epochs=args.epochs, sigma=args.sigma, seed=seed)
             for policy in ("lru", "priority"):
-                io = IOConfig(cache=_cache(policy, total, capacity, 0, work, f"hr-{policy}"))
+                io = IOConfig(cache=_cache(policy, total, capacity, 0, work,
+                                           f"hr-{policy}-{capacity}-{seed}", background=False))
                 totals: dict[str, int] = {}
                 for unit in trace:
                     _, account = fetch_files(fs, [str(p) for p in paths[unit.ids]], io=io,
@@ -215,7 +243,7 @@ def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespa
                     for k, v in account.items():
                         totals[k] = totals.get(k, 0) + v
                 ratios[policy].append(summarize(totals)["cache_hit_ratio"])
-                shutil.rmtree(io.cache.memory_dir, ignore_errors=True)
+                shutil.rmtree(_mem_dir(io), ignore_errors=True)
         row = {"capacity": capacity, "seeds": args.seeds,
                "lru_mean": round(statistics.mean(ratios["lru"]), 4),
                "priority_mean": round(statistics.mean(ratios["priority"]), 4),
@@ -291,7 +319,7 @@ def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict
                             scores=list(mass.values()), namespace="pq", stats=OpStats())
 
             res = _drive(units, fetch)
-            c = slow.io_counters(fs).snapshot()
+            c = _counters(fs)
             delivered = int(sum(int(sizes[np.asarray(u.ids)].sum()) for u in units))
             row = {"mode": mode, "path": path_name, **res, "requests": c["requests"],
                    "bytes_read": c["bytes_read"], "bytes_delivered": delivered,
@@ -302,6 +330,15 @@ def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict
                   f"{row['requests']:>6} requests  amplification {row['read_amplification']}")
     shutil.rmtree(cache.memory_dir, ignore_errors=True)
     return rows
+
+
+def _mem_dir(io: IOConfig) -> str:
+    return io.cache.memory_dir if io.cache is not None else ""
+
+
+def _counters(fs: pafs.FileSystem) -> dict[str, int]:
+    counters = slow.io_counters(fs)
+    return counters.snapshot() if counters is not None else {"requests": 0, "bytes_read": 0}
 
 
 def _print_row(r: dict[str, Any]) -> None:
@@ -341,8 +378,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--bandwidth-mb-s", type=float, default=DEFAULT_BANDWIDTH_MB_S)
     p.add_argument("--capacity", type=float, default=DEFAULT_CAPACITY,
                    help="memory tier as a share of the dataset")
-    p.add_argument("--disk", type=float, default=DEFAULT_DISK_CAPACITY,
-                   help="disk tier as a share of the dataset (tiered configuration)")
+    p.add_argument("--disk", type=float, nargs="+", default=list(DEFAULT_DISK_CAPACITY),
+                   help="disk tier sizes as shares of the dataset (tiered configurations)")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                   help="interleaved rounds of part 1 (median)")
     p.add_argument("--sigma", type=float, default=DEFAULT_SIGMA,
                    help="spread (lognormal sigma) of per-sample difficulty")
     p.add_argument("--seed", type=int, default=0)
@@ -353,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--json", default=None, help="also write the figures to this file")
     args = p.parse_args(argv)
     if args.quick:
-        args.images, args.side, args.seeds = 400, 64, 2
+        args.images, args.side, args.seeds, args.rounds = 400, 64, 2, 1
     parts = set(args.parts.split(","))
     paths, sizes, labels = dataset(args)
     work = Path(tempfile.mkdtemp(prefix="raying-io-bench-"))

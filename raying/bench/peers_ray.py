@@ -9,9 +9,9 @@ Ray Data (Ray 2.60 APIs):
 - Image folders: ``read_binary_files(root, include_paths=True,
   shuffle=FileShuffleConfig(seed), override_num_blocks=ceil(N / 256))`` (a new file order
   every execution, i.e. every epoch; blocks of ~256 images, ~100 ms of work) ->
-  ``map_batches(decode_augment, batch_format="numpy",
-  compute=TaskPoolStrategy(size=cores))`` (simplejpeg + cv2, the same kernel as torch and L;
-  the label from the class folder in the path) -> ``iter_batches(batch_size=B,
+  ``map_batches(decode_augment, batch_format="numpy", compute=TaskPoolStrategy())``
+  (simplejpeg + cv2, the same kernel as torch and L; the label from the class folder in the
+  path; fused with the read into one task per block, at most one task per CPU) -> ``iter_batches(batch_size=B,
   batch_format="numpy")`` with its default prefetch.
 - Parquet (W3, W4): ``read_parquet(root, shuffle=FileShuffleConfig(seed),
   override_num_blocks=ceil(N / 256)).select_columns(["image", "label"])`` -> ``map_batches``
@@ -124,7 +124,9 @@ class RayDataPeer:
 
         blocks = max(cores, math.ceil(wl.rows / DEFAULT_RAYDATA_BLOCK_ROWS))
         shuffle = ray.data.FileShuffleConfig(seed=seed)
-        compute = ray.data.TaskPoolStrategy(size=cores)
+        # No size: Ray's default, which lets the read fuse with map_batches into one task per
+        # block (a size would differ from the read's and split them into two operators).
+        compute = ray.data.TaskPoolStrategy()
         if wl.kind == "images":
             classes = sorted(e.name for e in os.scandir(wl.root) if e.is_dir())
             ds = ray.data.read_binary_files(wl.root, include_paths=True, shuffle=shuffle,

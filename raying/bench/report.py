@@ -119,6 +119,8 @@ def chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
                            color=PEER_COLOURS.get(peer, "#999999"),
                            hatch="//" if peer in REFERENCE_PEERS else None,
                            edgecolor="white" if peer in REFERENCE_PEERS else None)
+            if key == "ttfb_warm_s":  # from milliseconds to seconds across peers
+                ax.set_yscale("log")
             ax.set_xticks(range(len(configs)))
             ax.set_xticklabels([f"b{b}\n{m}" for b, m in configs], fontsize=8)
             ax.set_title(f"{_WORKLOAD_TITLES.get(wl, wl)}: {label}", fontsize=9)

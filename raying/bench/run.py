@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from raying.bench import aggregate, measure, report
-from raying.bench.child import PEER_WORKLOADS, PEERS, REFERENCE_PEERS
+from raying.bench.child import PEER_NEEDS, PEER_WORKLOADS, PEERS, REFERENCE_PEERS
 from raying.bench.workloads import ALL_WORKLOADS, QUICK_W1_IMAGES, QUICK_W2_IMAGES, Sizes
 from raying.errors import ConfigError
 
@@ -243,9 +243,9 @@ def run_job(job: Job, cfg: BenchConfig, spec_extra: dict[str, Any], logs: str,
     watch = measure.TreeWatch(proc.pid).start()
     timed_out = False
     sel = selectors.DefaultSelector()
-    reader = os.fdopen(read_fd, "r")
-    sel.register(reader, selectors.EVENT_READ)
+    sel.register(read_fd, selectors.EVENT_READ)
     deadline = t0 + cfg.timeout_s
+    pending = b""
     try:
         while True:
             if time.monotonic() > deadline:
@@ -255,19 +255,24 @@ def run_job(job: Job, cfg: BenchConfig, spec_extra: dict[str, Any], logs: str,
                 if proc.poll() is not None:
                     break
                 continue
-            line = reader.readline()
-            if not line:
+            # Unbuffered: every complete line is handled as soon as it arrives, so a mark's
+            # CPU reading is taken when the child sent it, not when the next line comes.
+            chunk = os.read(read_fd, 1 << 16)
+            if not chunk:
                 break
-            msg = json.loads(line)
-            if "mark" in msg:
-                watch.mark(msg["mark"])
-            if "phase" in msg:
-                watch.phase(msg["phase"])
-            if "say" in msg:
-                say(msg["say"])
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                msg = json.loads(line)
+                if "mark" in msg:
+                    watch.mark(msg["mark"])
+                if "phase" in msg:
+                    watch.phase(msg["phase"])
+                if "say" in msg:
+                    say(msg["say"])
     finally:
         sel.close()
-        reader.close()
+        os.close(read_fd)
     if timed_out:
         pids = measure.alive(watch.known_pids())
         dump = _py_spy_dump(pids[:6])
@@ -324,6 +329,19 @@ def _tail(path: str, lines: int = 25) -> str:
             return "".join(fh.readlines()[-lines:])
     except OSError:
         return ""
+
+
+def missing_peers(peers: tuple[str, ...]) -> dict[str, str]:
+    """Peers whose framework is not installed here, with the command that installs it."""
+    import importlib.util
+
+    out = {}
+    for p in peers:
+        if p in PEER_NEEDS:
+            module, fix = PEER_NEEDS[p]
+            if importlib.util.find_spec(module) is None:
+                out[p] = f"{module} is not installed; {fix}"
+    return out
 
 
 # -- host and calibration ------------------------------------------------------------------------
@@ -395,6 +413,11 @@ def main(ns: argparse.Namespace) -> int:
     spec_extra = {"workloads": {k: v.to_dict() for k, v in wls.items()},
                   "sleep_s_per_image": cfg.sleep_ms_per_image / 1000.0,
                   "work_bytes_per_image": work_bytes}
+    missing = missing_peers(cfg.peers)
+    for peer, why in missing.items():
+        say(f"skipping peer {peer}: {why}")
+    if missing:
+        cfg = dataclasses.replace(cfg, peers=tuple(p for p in cfg.peers if p not in missing))
     rounds = plan_jobs(cfg)
     total = sum(len(r) for r in rounds)
     runs: list[dict[str, Any]] = []
@@ -419,7 +442,8 @@ def main(ns: argparse.Namespace) -> int:
         "config": {**dataclasses.asdict(cfg), "work_bytes_per_image": work_bytes,
                    "sha256_bytes_per_s": sha_rate},
         "definitions": aggregate.__doc__, "peers": {p: PEERS[p] for p in cfg.peers},
-        "workloads": wl_dicts, "results": rows, "targets": checks, "runs": runs,
+        "workloads": wl_dicts, "results": rows, "targets": checks, "skipped_peers": missing,
+        "runs": runs,
     }
     host["loadavg_end"] = os.getloadavg()
     json_path = os.path.join(cfg.out, "bench.json")

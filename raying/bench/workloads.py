@@ -182,7 +182,7 @@ def _pack_all(todo: list[tuple[Path, Path, int | None]], say: Callable[[str], No
     say("packing " + ", ".join(f"{Path(j['dst']).name[:-4]}" for j in jobs) + " (raying.pack)")
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "raying.bench.workloads", "pack", json.dumps(jobs)],
-                   check=True)
+                   check=True, stdout=sys.stderr)
     for (src, dst, k), job in zip(todo, jobs, strict=True):
         params = _packed(dst.parent, src, k)[1]
         tmp = Path(job["dst"])

@@ -2,7 +2,9 @@
 
 Layout of a tier directory::
 
-    index.sqlite (+ -wal, -shm)   entries(digest, nbytes, crc, score, seen, born), meta(clock)
+    index.sqlite (+ -wal, -shm)   entries(digest, nbytes, crc, score, seen, born, ready),
+                                  meta(clock)
+    lock                          writers queue on its flock
     data/ab/abcdef...             one file per entry: 16-byte header (magic, crc32, length)
                                   then the payload
 
@@ -10,13 +12,13 @@ Safety between processes (every Ray worker of a node shares the tier):
 
 * Lookups read the index without locking (WAL readers never wait) and verify each file's
   header and checksum against the index; a bad or missing file is a miss, and its row goes.
-* Admission and eviction run in one ``BEGIN IMMEDIATE`` transaction (one writer at a time,
-  across processes): victims' files are deleted, then new files are written (temp file +
-  rename, so no reader ever sees a partial file), then rows change and the transaction
-  commits. The entries on disk therefore never exceed the capacity, even between steps.
-* A writer that dies mid-transaction leaves its rows rolled back: its new files become
-  orphans (swept on the next open) and its deleted victims become rows without files
-  (dropped at their next lookup).
+* Admission reserves room in one ``BEGIN IMMEDIATE`` transaction (one writer at a time,
+  across processes): it deletes the victims' files and rows and inserts the new rows as
+  pending. The files are then written without the lock (temp file + rename: no reader ever
+  sees a partial file) and marked ready. Every file on disk belongs to a row and the rows
+  never exceed the capacity, so neither does the directory, at any moment.
+* A writer that dies leaves pending rows (evicted first once stale) and perhaps a temp file
+  (swept on a later open); a row whose file vanished is dropped at its next lookup.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from raying.io.options import (
     DEFAULT_CACHE_DECAY_READS,
     DEFAULT_CACHE_LOCK_TIMEOUT_S,
     DEFAULT_CACHE_ORPHAN_AGE_S,
+    DEFAULT_CACHE_PENDING_S,
 )
 
 logger = logging.getLogger(__name__)
@@ -54,10 +57,12 @@ _SQL_CHUNK = 500
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     digest TEXT PRIMARY KEY, nbytes INTEGER NOT NULL, crc INTEGER NOT NULL,
-    score REAL NOT NULL, seen INTEGER NOT NULL, born REAL NOT NULL) WITHOUT ROWID;
+    score REAL NOT NULL, seen INTEGER NOT NULL, born REAL NOT NULL,
+    ready INTEGER NOT NULL) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS entries_seen ON entries(seen);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('clock', 0);
+INSERT OR IGNORE INTO meta VALUES ('version', 2);
 """
 
 
@@ -112,6 +117,9 @@ class DirTier:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             with _write(conn, self._lock_fd()):
+                cols = [r[1] for r in conn.execute("PRAGMA table_info(entries)")]
+                if cols and "ready" not in cols:  # an older layout: a cache may start empty
+                    conn.execute("DROP TABLE entries")
                 for stmt in _SCHEMA.strip().split(";"):
                     if stmt.strip():
                         conn.execute(stmt)
@@ -148,7 +156,8 @@ class DirTier:
             with self._lock:
                 conn = self._db()
                 for part in _chunks(sorted(set(digests))):
-                    q = f"SELECT digest, nbytes, crc FROM entries WHERE digest IN ({_marks(part)})"
+                    q = (f"SELECT digest, nbytes, crc FROM entries WHERE ready = 1 AND digest IN "
+                         f"({_marks(part)})")
                     rows.update({d: (n, c) for d, n, c in conn.execute(q, part)})
         good: dict[str, memoryview] = {}
         bad: set[str] = set()
@@ -176,7 +185,7 @@ class DirTier:
                     [(clock, s, d) for d, s in touched.items()])
                 for d in bad:  # only if the row still describes the file found bad
                     cur = conn.execute("DELETE FROM entries WHERE digest = ? AND nbytes = ? "
-                                       "AND crc = ?", (d, *rows[d]))
+                                       "AND crc = ? AND ready = 1", (d, *rows[d]))
                     if cur.rowcount:
                         _unlink(self._path(d))
         if corrupt:
@@ -207,12 +216,23 @@ class DirTier:
 
     # -- writes --------------------------------------------------------------------------------
     def put_many(self, keys: Sequence[str], payloads: Sequence[bytes | memoryview],
-                 scores: Sequence[float] | None = None) -> tuple[int, int]:
+                 scores: Sequence[float] | None = None, *,
+                 crcs: Sequence[int] | None = None) -> tuple[int, int]:
         """Offer entries; returns (admitted, evicted).
 
         LRU admits everything that fits the capacity, evicting the least recently drawn.
         Priority offers candidates from the highest score down and admits one only while the
         entries it would evict all have lower expected reads than its own score.
+
+        Three steps keep the index lock short: reserve (under the lock: choose victims,
+        delete their files and rows, insert the new rows as pending), write the new files
+        (no lock: their room is reserved), mark them ready (under the lock). Lookups skip
+        pending rows; a pending row older than ``DEFAULT_CACHE_PENDING_S`` (its writer died)
+        is the first to be evicted.
+
+        Args:
+            keys, payloads, scores: the entries and their expected reads (priority policy).
+            crcs: CRC-32 of each payload when the caller has it (tiers share it).
         """
         if self.capacity <= 0 or not keys:
             return 0, 0
@@ -226,10 +246,34 @@ class DirTier:
                     cands[d] = (k, score)
         if not cands:
             return 0, 0
+        admit, evicted = self._reserve(cands, payloads, crcs)
+        written = []
+        for d, crc in admit:
+            try:
+                self._write_file(d, payloads[cands[d][0]], crc)
+                written.append(d)
+            except OSError as exc:
+                logger.warning("raying cache %s: could not write an entry (%s)", self.name, exc)
         with self._lock:
             conn = self._db()
             with _write(conn, self._lock_fd()):
-                present = set()
+                failed = [(d,) for d, _ in admit if d not in written]
+                conn.executemany("DELETE FROM entries WHERE digest = ? AND ready = 0", failed)
+                for d in written:
+                    cur = conn.execute("UPDATE entries SET ready = 1 WHERE digest = ? AND "
+                                       "ready = 0", (d,))
+                    if not cur.rowcount:  # our stale reservation was taken back: not ours now
+                        _unlink(self._path(d))
+        return len(written), evicted
+
+    def _reserve(self, cands: dict[str, tuple[int, float]],
+                 payloads: Sequence[bytes | memoryview], crcs: Sequence[int] | None
+                 ) -> tuple[list[tuple[str, int]], int]:
+        """Choose admissions and victims, delete the victims, insert pending rows."""
+        with self._lock:
+            conn = self._db()
+            with _write(conn, self._lock_fd()):
+                present: set[str] = set()
                 for part in _chunks(sorted(cands)):
                     q = f"SELECT digest FROM entries WHERE digest IN ({_marks(part)})"
                     present.update(d for (d,) in conn.execute(q, part))
@@ -241,9 +285,10 @@ class DirTier:
                 used = conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
                 need = used + sum(sizes.values()) - self.capacity
                 victims = self._victims(conn, clock, need) if need > 0 else iter(())
-                admit, evict = [], []
+                admit: list[tuple[str, int]] = []
+                evict = []
                 for d in order:
-                    score = cands[d][1]
+                    k, score = cands[d]
                     while used + sizes[d] > self.capacity:
                         v = next(victims, None)
                         if v is None or (self.policy == "priority" and v[2] >= score):
@@ -252,31 +297,35 @@ class DirTier:
                         used -= v[1]
                     if used + sizes[d] > self.capacity:
                         break
-                    admit.append(d)
+                    admit.append((d, int(crcs[k]) if crcs is not None
+                                  else zlib.crc32(payloads[k])))
                     used += sizes[d]
-                for d, _, _ in evict:
+                for d, _, _ in evict:  # before commit: no one can use the room before it is free
                     _unlink(self._path(d))
                 conn.executemany("DELETE FROM entries WHERE digest = ?",
                                  [(d,) for d, _, _ in evict])
-                rows = []
                 now = time.time()
-                for d in admit:
-                    k, score = cands[d]
-                    crc = self._write_file(d, payloads[k])
-                    rows.append((d, sizes[d], crc, score, clock, now))
-                conn.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", rows)
-        return len(admit), len(evict)
+                conn.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, 0)",
+                                 [(d, sizes[d], crc, cands[d][1], clock, now)
+                                  for d, crc in admit])
+        return admit, len(evict)
 
     def _victims(self, conn: sqlite3.Connection, clock: int, need: int
                  ) -> Iterator[tuple[str, int, float]]:
-        """Entries in eviction order, enough to free ``need`` bytes (fetched before deletes)."""
+        """Entries in eviction order, enough to free ``need`` bytes (fetched before deletes).
+
+        Pending rows are never victims unless stale (their writer died): those go first.
+        """
+        stale = time.time() - DEFAULT_CACHE_PENDING_S
         if self.policy == "priority":
-            q = ("SELECT digest, nbytes, MIN(score, ? / (? - seen + 1.0)) AS eff FROM entries "
+            q = ("SELECT digest, nbytes, CASE WHEN ready THEN MIN(score, ? / (? - seen + 1.0)) "
+                 "ELSE -1.0 END AS eff FROM entries WHERE ready = 1 OR born < ? "
                  "ORDER BY eff ASC")
-            cur = conn.execute(q, (self.decay, clock))
+            cur = conn.execute(q, (self.decay, clock, stale))
         else:
-            cur = conn.execute("SELECT digest, nbytes, seen FROM entries "
-                               "ORDER BY seen ASC, born ASC")
+            cur = conn.execute("SELECT digest, nbytes, CASE WHEN ready THEN seen ELSE -1 END AS "
+                               "s FROM entries WHERE ready = 1 OR born < ? ORDER BY s ASC, "
+                               "born ASC", (stale,))
         out, freed = [], 0
         for row in cur:
             out.append(row)
@@ -286,12 +335,15 @@ class DirTier:
         cur.close()
         return iter(out)
 
-    def _write_file(self, digest: str, payload: bytes | memoryview) -> int:
-        crc = zlib.crc32(payload)
+    def _write_file(self, digest: str, payload: bytes | memoryview, crc: int) -> None:
         path = self._path(digest)
         tmp = f"{path}.{uuid.uuid4().hex}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # the fan-out folder was removed under us
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 head = HEADER.pack(MAGIC, crc, len(payload))
                 done = os.writev(fd, [head, payload])
@@ -305,7 +357,6 @@ class DirTier:
         except BaseException:
             _unlink(tmp)
             raise
-        return crc
 
     # -- upkeep --------------------------------------------------------------------------------
     def _clock(self, conn: sqlite3.Connection) -> int:

@@ -17,11 +17,14 @@ entry's latest draw, capped by ``decay_reads / draws since then``; see :class:`D
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import logging
 import os
 import struct
 import threading
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +32,9 @@ import numpy as np
 
 from raying.errors import DataError
 from raying.io._dirtier import DirTier, digest_of, entry_bytes
-from raying.io.options import CacheConfig
+from raying.io.options import DEFAULT_CACHE_QUEUE_BYTES, CacheConfig
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CacheStats", "DirTier", "TieredCache", "decode_array", "digest_of", "encode_array",
            "entry_bytes", "open_cache"]
@@ -50,6 +55,7 @@ class CacheStats:
         admitted: entries written, per tier name.
         evicted: entries evicted, per tier name.
         corrupt: entries found corrupt (dropped and refetched).
+        dropped: offers not admitted because the background writer's queue was full.
     """
 
     lookups: int = 0
@@ -58,11 +64,13 @@ class CacheStats:
     admitted: dict[str, int] = dataclasses.field(default_factory=dict)
     evicted: dict[str, int] = dataclasses.field(default_factory=dict)
     corrupt: int = 0
+    dropped: int = 0
 
     def add(self, other: CacheStats) -> None:
         """Add another's counts to these."""
         self.lookups += other.lookups
         self.corrupt += other.corrupt
+        self.dropped += other.dropped
         for name in ("hits", "hit_bytes", "admitted", "evicted"):
             mine, theirs = getattr(self, name), getattr(other, name)
             for tier, v in theirs.items():
@@ -77,7 +85,8 @@ class CacheStats:
 
     def account(self) -> dict[str, int]:
         """Flat integer counters, summable across units (``cache_*`` keys of run_unit)."""
-        out = {"cache_lookups": self.lookups, "cache_corrupt": self.corrupt}
+        out = {"cache_lookups": self.lookups, "cache_corrupt": self.corrupt,
+               "cache_dropped": self.dropped}
         for tier in TIER_NAMES:
             out[f"cache_hits_{tier}"] = self.hits.get(tier, 0)
             out[f"cache_hit_bytes_{tier}"] = self.hit_bytes.get(tier, 0)
@@ -116,6 +125,14 @@ class TieredCache:
             self.tiers.append(("disk", _tier(config.disk_dir, config.disk_bytes, config, "disk")))
         self.stats = CacheStats()
         self._lock = threading.Lock()
+        self._background = CacheStats()  # admissions done by the writer, not yet reported
+        self._queue: collections.deque[tuple[list[str], list[Any], list[float] | None, int]] = (
+            collections.deque())
+        self._queued_bytes = 0
+        self._pending: dict[str, Any] = {}  # key -> payload offered, not yet written
+        self._busy = False
+        self._wake = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         return [f"{self.namespace}\0{k}" for k in keys]
@@ -132,7 +149,16 @@ class TieredCache:
         local = CacheStats(lookups=len(keys))
         full = self._keys(keys)
         out: list[memoryview | None] = [None] * len(keys)
-        missing = list(range(len(keys)))
+        if self._pending:  # offered to the writer, not written yet: still in this memory
+            with self._wake:
+                for i, k in enumerate(full):
+                    p = self._pending.get(k)
+                    if p is not None:
+                        out[i] = memoryview(p)
+            queued = [i for i in range(len(keys)) if out[i] is not None]
+            _bump(local.hits, "memory", len(queued))
+            _bump(local.hit_bytes, "memory", sum(len(out[i]) for i in queued))  # type: ignore[arg-type]
+        missing = [i for i in range(len(keys)) if out[i] is None]
         for level, (name, tier) in enumerate(self.tiers):
             served = [i for i in range(len(keys)) if out[i] is not None]
             found, corrupt = tier.get_many(
@@ -147,26 +173,98 @@ class TieredCache:
             _bump(local.hits, name, len(found))
             _bump(local.hit_bytes, name, sum(len(p) for p in found.values()))
             if promote and level > 0:
-                self._offer(promote, full, out, scores, local, upto=level)
+                if self.config.background_writes:
+                    self._submit([full[i] for i in promote], [out[i] for i in promote],
+                                 [scores[i] for i in promote] if scores is not None else None,
+                                 upto=level)
+                else:
+                    self._offer(promote, full, out, scores, local, upto=level)
             missing = [i for i in missing if out[i] is None]
         self._record(local, stats)
         return out
 
     def put_many(self, keys: Sequence[str], payloads: Sequence[bytes | memoryview],
                  scores: Sequence[float] | None = None, *,
-                 stats: CacheStats | None = None) -> None:
-        """Offer fetched payloads to every tier (each admits by its policy and capacity)."""
+                 stats: CacheStats | None = None, background: bool | None = None) -> None:
+        """Offer fetched payloads to every tier (each admits by its policy and capacity).
+
+        Args:
+            keys, payloads, scores: the entries and the sampler's probabilities.
+            stats: counters to add this call's admissions to (synchronous writes).
+            background: hand the writes to this cache's writer thread and return at once
+                (default ``config.background_writes``), so that a read task never waits for
+                the cache to fill; their counts come from :meth:`take_background_stats`.
+                Offers beyond ``DEFAULT_CACHE_QUEUE_BYTES`` in the queue are dropped.
+        """
+        if background is None:
+            background = self.config.background_writes
+        if background:
+            self._submit(self._keys(keys), list(payloads),
+                         list(scores) if scores is not None else None, upto=len(self.tiers))
+            return
         local = CacheStats()
         idx = list(range(len(keys)))
         self._offer(idx, self._keys(keys), list(payloads), scores, local, upto=len(self.tiers))
         self._record(local, stats)
 
+    # -- the background writer ----------------------------------------------------------------
+    def _submit(self, full: list[str], payloads: list[Any], scores: list[float] | None, *,
+                upto: int) -> None:
+        size = sum(len(p) for p in payloads)
+        with self._wake:
+            if self._queued_bytes + size > DEFAULT_CACHE_QUEUE_BYTES:
+                self._background.dropped += len(full)
+                return
+            self._queue.append((full, payloads, scores, upto))
+            self._queued_bytes += size
+            for k, p in zip(full, payloads, strict=True):
+                self._pending[k] = p
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._write_loop, daemon=True,
+                                                name="raying-cache-writer")
+                self._thread.start()
+            self._wake.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue:
+                    self._wake.wait()
+                full, payloads, scores, upto = self._queue.popleft()
+                self._busy = True
+            local = CacheStats()
+            try:
+                self._offer(list(range(len(full))), full, payloads, scores, local, upto=upto)
+            except Exception as exc:  # noqa: BLE001 - a cache write must never stop reads
+                logger.warning("raying cache: background admission failed (%s)", exc)
+            with self._wake:
+                self._queued_bytes -= sum(len(p) for p in payloads)
+                for k, p in zip(full, payloads, strict=True):
+                    if self._pending.get(k) is p:
+                        del self._pending[k]
+                self._busy = False
+                self.stats.add(local)
+                self._background.add(local)
+                self._wake.notify_all()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until the background writer has admitted everything offered so far."""
+        with self._wake:
+            return self._wake.wait_for(lambda: not self._queue and not self._busy, timeout_s)
+
+    def take_background_stats(self) -> CacheStats:
+        """Admissions and evictions the writer made since the last call (then reset)."""
+        with self._wake:
+            out, self._background = self._background, CacheStats()
+        return out
+
     def _offer(self, idx: list[int], full: list[str], payloads: Sequence[Any],
                scores: Sequence[float] | None, local: CacheStats, *, upto: int) -> None:
+        crcs = [zlib.crc32(payloads[i]) for i in idx] if upto > 1 else None
         for name, tier in self.tiers[:upto]:
             admitted, evicted = tier.put_many(
                 [full[i] for i in idx], [payloads[i] for i in idx],
-                [scores[i] for i in idx] if scores is not None else None)
+                [scores[i] for i in idx] if scores is not None else None, crcs=crcs)
             _bump(local.admitted, name, admitted)
             _bump(local.evicted, name, evicted)
 

@@ -28,7 +28,7 @@ from raying.io.tiers import profile_for
 # Integer counters a unit's account carries when an IOConfig is set (RunAccount sums them).
 ACCOUNT_KEYS = (
     "io_requests", "io_bytes_fetched", "io_bytes_delivered", "io_reads_deduped",
-    "cache_lookups", "cache_corrupt",
+    "cache_lookups", "cache_corrupt", "cache_dropped",
     *(f"cache_{what}_{tier}" for tier in TIER_NAMES
       for what in ("hits", "hit_bytes", "admitted", "evicted")),
 )
@@ -104,6 +104,8 @@ def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,
             cache.put_many([files[i] for i in keep], [got[i] for i in keep],
                            [key_scores[i] for i in keep] if key_scores is not None else None,
                            stats=cstats)
+    if cache is not None:
+        cstats.add(cache.take_background_stats())
     slot = {p: got[i] for i, p in enumerate(files)} if io.dedupe else None
     datas = ([slot[p] for p in paths] if slot is not None else got)
     delivered = sum(len(d) for d in datas if not isinstance(d, BaseException))

@@ -25,6 +25,11 @@ DEFAULT_CACHE_DECAY_READS = 2.0
 DEFAULT_CACHE_LOCK_TIMEOUT_S = 60.0
 # Files with no index row (left by a crashed writer) older than this are deleted on open.
 DEFAULT_CACHE_ORPHAN_AGE_S = 300.0
+# Bytes of offers waiting for the background writer; offers beyond it are dropped.
+DEFAULT_CACHE_QUEUE_BYTES = 256 * 1024**2
+# A reserved entry whose file is still not written after this long (its writer died) may be
+# evicted.
+DEFAULT_CACHE_PENDING_S = 120.0
 
 # --- planning ---------------------------------------------------------------------------------
 # Ranges of one file closer than this are fetched as one request (None: the tier's profile).
@@ -53,6 +58,8 @@ class CacheConfig:
         decay_reads: see ``DEFAULT_CACHE_DECAY_READS``.
         namespace: separates datasets sharing a directory; default: derived from the dataset
             URI by the reader.
+        background_writes: admit in a background thread, so reads never wait for the cache
+            to fill (False: admit before returning, e.g. for tests).
     """
 
     memory_bytes: int = 0
@@ -62,6 +69,7 @@ class CacheConfig:
     policy: str = DEFAULT_CACHE_POLICY
     decay_reads: float = DEFAULT_CACHE_DECAY_READS
     namespace: str | None = None
+    background_writes: bool = True
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "disk_bytes"):

@@ -71,7 +71,7 @@ class ReadOp:
         """Bytes of the request that some piece wants (None for whole files)."""
         if self.offset is None:
             return None
-        spans = sorted((p.offset, p.offset + p.length) for p in self.pieces)
+        spans = sorted((p.offset or 0, (p.offset or 0) + (p.length or 0)) for p in self.pieces)
         total, end = 0, -1
         for lo, hi in spans:
             lo = max(lo, end)
@@ -128,26 +128,26 @@ def coalesce_ranges(ranges: Sequence[tuple[str, int, int]], *, gap_bytes: int,
         msg = (f"coalesce_ranges needs gap_bytes >= 0 and max_request_bytes >= 1, got "
                f"{gap_bytes!r} and {max_request_bytes!r}")
         raise ConfigError(msg)
-    by_file: dict[str, list[Piece]] = collections.defaultdict(list)
+    by_file: dict[str, list[tuple[int, int, int]]] = collections.defaultdict(list)
     for k, (path, offset, length) in enumerate(ranges):
         if offset < 0 or length < 0:
             msg = f"range {k} of {path!r} has offset {offset} and length {length}; both >= 0"
             raise ConfigError(msg)
-        by_file[path].append(Piece(k, int(offset), int(length)))
+        by_file[path].append((int(offset), int(length), k))
     ops: list[ReadOp] = []
     for path in sorted(by_file):
-        pieces = sorted(by_file[path], key=lambda p: (p.offset, p.length))
-        cur: list[Piece] = [pieces[0]]
-        start, end = pieces[0].offset, pieces[0].offset + pieces[0].length
-        for p in pieces[1:]:
-            p_end = p.offset + p.length
-            if p.offset - end <= gap_bytes and max(end, p_end) - start <= max_request_bytes:
-                cur.append(p)
+        spans = sorted(by_file[path])
+        start, end = spans[0][0], spans[0][0] + spans[0][1]
+        cur = [spans[0]]
+        for off, length, k in spans[1:]:
+            p_end = off + length
+            if off - end <= gap_bytes and max(end, p_end) - start <= max_request_bytes:
+                cur.append((off, length, k))
                 end = max(end, p_end)
                 continue
-            ops.append(ReadOp(path, start, end - start, tuple(cur)))
-            cur, start, end = [p], p.offset, p_end
-        ops.append(ReadOp(path, start, end - start, tuple(cur)))
+            ops.append(ReadOp(path, start, end - start, tuple(Piece(c, o, n) for o, n, c in cur)))
+            cur, start, end = [(off, length, k)], off, p_end
+        ops.append(ReadOp(path, start, end - start, tuple(Piece(c, o, n) for o, n, c in cur)))
     return ops
 
 
@@ -218,8 +218,8 @@ def run_ops(fs: pafs.FileSystem, ops: Sequence[ReadOp], n_slots: int, *, concurr
             return
         view = memoryview(data)
         for p in op.pieces:
-            lo = p.offset - op.offset
-            out[p.slot] = view[lo:lo + p.length]
+            lo = (p.offset or 0) - op.offset
+            out[p.slot] = view[lo:lo + (p.length or 0)]
 
     if concurrency <= 1 or len(ops) <= 1:
         for op in ops:

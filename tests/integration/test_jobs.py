@@ -127,3 +127,30 @@ def test_secret_in_runtime_env_shows_in_job_info(head):
                                runtime_env={"env_vars": {"SOME_TOKEN": leak}})
     assert str(_wait(client, job_id, 120)) == "SUCCEEDED"
     assert leak in json.dumps(client.get_job_info(job_id).dict(), default=str)
+
+
+def test_config_file_sets_defaults_the_command_line_overrides(tmp_path):
+    sys.path.insert(0, str(REPO / "jobs"))
+    import train_torch
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("epochs: 5\nbatch-size: 8\nsampler: prioritized\n")
+    args = _common.parse_args(train_torch.build_parser(),
+                              ["--config", str(cfg), "--epochs", "3"])
+    assert (args.epochs, args.batch_size, args.sampler) == (3, 8, "prioritized")
+    cfg.write_text('{"epoch": 5}')
+    with pytest.raises(SystemExit):
+        _common.parse_args(train_torch.build_parser(), ["--config", str(cfg)])
+
+
+def test_env_file_errors_never_echo_values(tmp_path):
+    from raying.errors import ConfigError
+
+    env = tmp_path / "secrets.env"
+    env.write_text("# cluster secrets\nexport AWS_ACCESS_KEY_ID=abc\nAWS_SECRET_ACCESS_KEY='s3cr3t'\n")
+    assert rc._read_env_file(str(env)) == {"AWS_ACCESS_KEY_ID": "abc",
+                                           "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
+    env.write_text("TOKEN s3cr3t-value\n")
+    with pytest.raises(ConfigError, match="expected KEY=VALUE") as err:
+        rc._read_env_file(str(env))
+    assert "s3cr3t" not in str(err.value)

@@ -108,7 +108,8 @@ def test_priority_forgets_entries_that_stop_being_drawn(tmp_path):
 
 def test_tiers_serve_in_order_and_promote(tmp_path):
     cfg = CacheConfig(memory_bytes=2 * eb(1000), memory_dir=str(tmp_path / "m"),
-                      disk_bytes=10 * eb(1000), disk_dir=str(tmp_path / "d"), policy="lru")
+                      disk_bytes=10 * eb(1000), disk_dir=str(tmp_path / "d"), policy="lru",
+                      background_writes=False)
     cache = TieredCache(cfg, namespace="ds")
     keys = [f"f{i}" for i in range(4)]
     cache.put_many(keys, [payload_of(k, 1000) for k in keys])
@@ -124,8 +125,24 @@ def test_tiers_serve_in_order_and_promote(tmp_path):
     assert cache.used_bytes() == {"memory": 2 * eb(1000), "disk": 4 * eb(1000)}
 
 
+def test_background_writes_fill_the_cache_without_blocking(tmp_path, monkeypatch):
+    cfg = CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path / "m"))
+    cache = TieredCache(cfg, namespace="bg")
+    keys = [f"f{i}" for i in range(5)]
+    cache.put_many(keys, [payload_of(k, 1000) for k in keys], [0.5] * 5)
+    assert cache.flush(timeout_s=30)
+    assert cache.take_background_stats().admitted == {"memory": 5}
+    assert cache.take_background_stats().admitted == {}  # reported once
+    assert [bytes(g) for g in cache.get_many(keys)] == [payload_of(k, 1000) for k in keys]
+    # A full queue drops offers (caching is best effort) and counts them.
+    monkeypatch.setattr("raying.io.cache.DEFAULT_CACHE_QUEUE_BYTES", 1500)
+    cache.put_many(["g0", "g1"], [payload_of("g0", 1000), payload_of("g1", 1000)])
+    assert cache.flush(timeout_s=30)
+    assert cache.take_background_stats().dropped == 2
+
+
 def test_namespaces_keep_datasets_apart(tmp_path):
-    cfg = CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path))
+    cfg = CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path), background_writes=False)
     a, b = TieredCache(cfg, namespace="a"), TieredCache(cfg, namespace="b")
     a.put_many(["k"], [b"from a"])
     assert b.get_many(["k"]) == [None]
@@ -133,7 +150,8 @@ def test_namespaces_keep_datasets_apart(tmp_path):
 
 
 def test_decoded_arrays_round_trip(tmp_path):
-    cache = TieredCache(CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path)))
+    cache = TieredCache(CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path),
+                                    background_writes=False))
     arr = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
     cache.put_arrays(["img"], [arr])
     out = cache.get_arrays(["img", "other"])
@@ -186,7 +204,8 @@ def test_a_corrupt_cache_file_is_refetched_and_nothing_wrong_is_served(tmp_path)
         (src / f"{i}.jpg").write_bytes(payload_of(f"img{i}", 5000))
         paths.append(str(src / f"{i}.jpg"))
     fs = slow.slow_filesystem(pafs.LocalFileSystem(), (0.0, None))
-    io = IOConfig(cache=CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path / "mem")))
+    io = IOConfig(cache=CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path / "mem"),
+                                    background_writes=False))
     first, acc1 = fetch.fetch_files(fs, paths, io=io, scores=[0.1, 0.2, 0.3], namespace="n")
     assert acc1["io_requests"] == 3 and acc1["cache_admitted_memory"] == 3
     for f in _files(tmp_path / "mem"):  # damage every cached entry in a different way

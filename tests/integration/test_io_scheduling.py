@@ -1,0 +1,104 @@
+"""The read path with an IOConfig: same samples as without, cache filled by the read tasks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import raying
+from raying.io import fetch
+from raying.io.options import CacheConfig, IOConfig
+from raying.plan import ManifestLookup, chunk_units
+from raying.reader import ReadSpec, run_unit
+
+
+@pytest.fixture(scope="module")
+def manifest(image_folder):
+    return raying.Manifest.scan(str(image_folder))
+
+
+def _io(tmp_path, policy="priority"):
+    return IOConfig(cache=CacheConfig(memory_bytes=10**7, memory_dir=str(tmp_path / "mem"),
+                                      disk_bytes=10**7, disk_dir=str(tmp_path / "disk"),
+                                      policy=policy, background_writes=False))
+
+
+def test_run_unit_with_io_gives_the_same_block_and_accounts_for_the_cache(manifest, tmp_path):
+    tf = raying.ImageTransform(size=32)
+    plain = ReadSpec.of(manifest, tf, 0, "skip")
+    cached = ReadSpec.of(manifest, tf, 0, "skip", io=_io(tmp_path))
+    ids = np.array([5, 3, 5, 40, 12, 3, 59], dtype=np.int64)
+    lookup = ManifestLookup(manifest)
+    results = []
+    for spec in (plain, cached, cached):
+        (unit,) = chunk_units(0, ids, 16)
+        unit.probs = np.full(len(ids), 1 / 60)
+        unit, paths = lookup.complete(unit)
+        results.append(run_unit(spec, unit, paths))
+    (b0, a0), (b1, a1), (b2, a2) = results
+    for k in b0:
+        assert np.array_equal(b0[k], b1[k]) and np.array_equal(b0[k], b2[k])
+    assert not any(k.startswith(("io_", "cache_")) for k in a0)
+    assert set(fetch.ACCOUNT_KEYS) <= set(a1)
+    assert a1["io_requests"] == 5 and a1["io_reads_deduped"] == 2
+    assert a1["cache_lookups"] == 5 and a1["cache_hits_memory"] == 0
+    assert a2["io_requests"] == 0 and a2["cache_hits_memory"] == 5
+    assert fetch.summarize(a2)["cache_hit_ratio"] == 1.0
+
+
+def _collect(pipe, epoch):
+    accounts = []
+    add = pipe.account.add
+
+    def record(account):
+        accounts.append(account)
+        add(account)
+
+    pipe.account.add = record
+    ids, images = [], []
+    for b in pipe.iter_batches(batch_size=16, epoch=epoch):
+        ids.append(b["id"])
+        images.append(b["image"])
+    pipe.account.add = add
+    totals = {k: sum(a.get(k, 0) for a in accounts) for k in fetch.ACCOUNT_KEYS}
+    return np.concatenate(ids), np.concatenate(images), totals
+
+
+def test_pipeline_with_a_cache_delivers_the_same_epochs_and_hits_later(manifest, tmp_path,
+                                                                       ray_local):
+    tf = raying.ImageTransform(size=32)
+    base = raying.Pipeline(manifest, transform=tf, config=raying.PipelineConfig(block_rows=16))
+    pipe = raying.Pipeline(manifest, transform=tf,
+                           config=raying.PipelineConfig(block_rows=16, io=_io(tmp_path, "lru")))
+    try:
+        for epoch in (0, 1):
+            ids0, img0, _ = _collect(base, epoch)
+            ids1, img1, totals = _collect(pipe, epoch)
+            assert np.array_equal(ids0, ids1) and np.array_equal(img0, img1)
+            assert totals["cache_lookups"] == 60
+            if epoch == 0:
+                assert totals["io_requests"] == 60
+            else:  # every file was admitted in epoch 0 by the read tasks' worker processes
+                assert totals["cache_hits_memory"] == 60 and totals["io_requests"] == 0
+    finally:
+        base.close()
+        pipe.close()
+
+
+def test_prioritized_pipeline_with_a_priority_cache(manifest, tmp_path, ray_local):
+    s = raying.PrioritizedSampler(alpha=1.0, uniform_mix=0.1, seed=2, samples_per_epoch=120)
+    io = IOConfig(cache=CacheConfig(memory_bytes=15 * int(manifest.sizes.mean()),
+                                    memory_dir=str(tmp_path / "mem")))
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
+                           config=raying.PipelineConfig(block_rows=40, io=io))
+    try:
+        pipe.report(np.arange(60), np.where(manifest.labels == 0, 20.0, 0.1))
+        hits = 0
+        for epoch in (0, 1):
+            ids, _, totals = _collect(pipe, epoch)
+            assert len(ids) == 120
+            hits += totals["cache_hits_memory"]
+        assert hits > 0
+        assert 0 < totals["io_bytes_fetched"] < totals["io_bytes_delivered"]
+    finally:
+        pipe.close()

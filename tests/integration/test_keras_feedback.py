@@ -1,0 +1,87 @@
+"""Keras model.fit on pipe.to_tf: per-sample losses reach the priority store."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import raying
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+keras = pytest.importorskip("keras")
+pytest.importorskip("tensorflow")
+
+
+def _model(classes: int, size: int):
+    return keras.Sequential([keras.Input((size, size, 3)),
+                             keras.layers.Conv2D(8, 3, strides=2, activation="relu"),
+                             keras.layers.GlobalAveragePooling2D(),
+                             keras.layers.Dense(classes)])
+
+
+def test_fit_reports_per_sample_losses_to_the_store(image_folder, ray_local):
+    import raying.keras as rk
+    from raying.sampling import store as st
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           sampler=raying.PrioritizedSampler(beta=0.5, seed=3,
+                                                             samples_per_epoch=64),
+                           config=raying.PipelineConfig(block_rows=32))
+    handle = pipe.sampler.handle if pipe.store_name else None
+    assert handle is not None
+    assert np.all(st.priorities(handle) == 1.0)
+
+    seen = []
+    model = rk.FeedbackModel(_model(len(m.classes), 16), pipe)
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    spy = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: seen.append(b))
+    history = model.fit(pipe.to_tf(batch_size=16, normalize=True), epochs=2, verbose=0,
+                        callbacks=[spy])
+
+    assert len(history.history["loss"]) == 2 and seen
+    assert model.reporter.reported == 2 * 64  # every training sample, every epoch
+    st.flush(handle)  # the reporter flushed at epoch end; wait until the store applied it
+    stats = st.stats(handle)
+    assert stats["updates_received"] == 2 * 64 and stats["rejected"]["nan"] == 0
+    after = st.priorities(handle)
+    assert np.count_nonzero(after != 1.0) >= 32, "reported ids must hold their losses"
+    assert np.all(np.isfinite(after)) and np.all(after >= 0)
+    pipe.close()
+
+
+def test_per_sample_losses_are_the_unreduced_compiled_loss():
+    import tensorflow as tf
+
+    import raying.keras as rk
+
+    got = []
+    n = 24
+    rng = np.random.default_rng(0)
+    data = {"image": rng.random((n, 8, 8, 3), dtype=np.float32),
+            "label": np.arange(n, dtype=np.int64) % 3,
+            "weight": np.ones(n, np.float32), "id": np.arange(n, dtype=np.int64) + 100}
+    inner = _model(3, 8)
+    model = rk.FeedbackModel(inner, lambda ids, losses: got.append((ids, losses)))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.0), loss=loss)
+    model.fit(tf.data.Dataset.from_tensor_slices(data).batch(8), epochs=1, verbose=0)
+    ids = np.concatenate([g[0] for g in got])
+    losses = np.concatenate([g[1] for g in got])
+    assert sorted(ids.tolist()) == list(range(100, 100 + n))
+    # learning rate 0: the weights did not move, so the losses can be recomputed exactly.
+    expect = keras.losses.sparse_categorical_crossentropy(
+        data["label"], inner(data["image"]), from_logits=True).numpy()
+    np.testing.assert_allclose(losses[np.argsort(ids)], expect, rtol=1e-5)
+
+
+def test_jit_compile_is_refused():
+    import raying.keras as rk
+
+    model = rk.FeedbackModel(_model(3, 8), lambda ids, losses: None)
+    with pytest.raises(raying.ConfigError, match="jit_compile=True"):
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                      jit_compile=True)

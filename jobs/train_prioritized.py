@@ -9,6 +9,7 @@ charts and summary.json, and prints the summary last (one ``RAYING_SUMMARY {json
     ray job submit --working-dir . -- python jobs/train_prioritized.py --seeds 3
     python jobs/train_prioritized.py --smoke-test          # seconds, on the CPU
     python jobs/train_prioritized.py --config sweep.json   # keys = the long options
+    python jobs/train_prioritized.py --arms prioritized --beta 1.0 --seeds 2
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+# Charts and summary.json of a full run (the demo's report folder, ignored by git).
+DEFAULT_OUT = "raying-report/train_prioritized"
 # A --smoke-test run: tiny data, a few steps, one seed (seconds on one CPU). Options given in
 # --config or on the command line still win.
 SMOKE = {"seeds": 1, "max_steps": 30, "eval_every": 10, "common_per_class": 24,
@@ -66,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", metavar="DIR",
                    help="cache folder of the generated data (default ~/.cache/raying/demo-data; "
                         "a temp folder with --smoke-test)")
-    p.add_argument("--out", metavar="DIR", help="folder for the charts and summary.json")
+    p.add_argument("--out", metavar="DIR",
+                   help=f"folder for the charts and summary.json (default {DEFAULT_OUT}; a "
+                        f"temp folder with --smoke-test)")
     p.add_argument("--json", action="store_true", help="print the summary as indented JSON")
     return p
 
@@ -127,14 +132,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = {k: getattr(args, k) for k in ("common_per_class", "rare_per_class",
                                             "val_per_class") if getattr(args, k) is not None}
     spec = DemoDataSpec(**sizes)
-    data_dir = args.data
-    if data_dir is None and args.smoke_test:
+    data_dir, out_dir = args.data, args.out
+    if args.smoke_test:  # nothing left behind in the working directory
+        import os
         import tempfile
 
-        data_dir = Path(tempfile.gettempdir()) / "raying-smoke-data"
+        scratch = Path(tempfile.gettempdir()) / f"raying-train-prioritized-smoke-{os.getuid()}"
+        data_dir = data_dir or scratch / "data"
+        out_dir = out_dir or scratch / "out"
     data = ensure_demo_data(data_dir, spec)
-    out = Path(args.out or ("train_prioritized-smoke" if args.smoke_test
-                            else "train_prioritized-results"))
+    out = Path(out_dir or DEFAULT_OUT)
     out.mkdir(parents=True, exist_ok=True)
     ensure_ray()
     train = raying.Manifest.scan(str(data.train))

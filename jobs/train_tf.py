@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=args.size), sampler=sampler,
                            config=raying.PipelineConfig(block_rows=args.block_rows,
                                                         spread=True, name=args.name))
-    with _common.store_near_driver():
+    with _common.store_on_head():
         if pipe.store_name is not None:
             handle, target = st.get_store(pipe.store_name), pipe
         else:  # uniform reads; the losses still go to a store, for a later prioritized run

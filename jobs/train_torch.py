@@ -200,7 +200,7 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=args.size), sampler=sampler,
                            config=raying.PipelineConfig(block_rows=args.block_rows,
                                                         spread=args.spread, name=args.name))
-    with _common.store_near_driver():
+    with _common.store_on_head():
         if pipe.store_name is not None:
             handle = st.get_store(pipe.store_name)
         else:  # uniform reads, but the losses are kept: a later prioritized run uses them

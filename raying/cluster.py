@@ -167,7 +167,7 @@ def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DAS
     state = Path(state_dir).expanduser().resolve()
     if _state_path(state).exists():
         old = load(state)
-        if _alive(old.pid):
+        if _head_alive(old):
             msg = (f"a head started from {state} is running ({old.dashboard_url}, pid "
                    f"{old.pid}); stop it with `raying cluster stop` or use another state dir")
             raise ClusterError(msg)
@@ -276,21 +276,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _has_marker(pid: int, needle: bytes) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return needle in environ.split(b"\0")
+
+
 def marked_pids(cluster_id: str) -> list[int]:
     """Processes whose environment carries this head's marker (Linux ``/proc``)."""
     needle = f"{MARKER_ENV}={cluster_id}".encode()
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        pid = int(entry.name)
-        if pid == os.getpid():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0") and _alive(pid):
-            pids.append(pid)
-    return pids
+    return [int(e.name) for e in Path("/proc").glob("[0-9]*")
+            if int(e.name) != os.getpid() and _has_marker(int(e.name), needle)
+            and _alive(int(e.name))]
+
+
+def _head_alive(cluster: LocalCluster) -> bool:
+    """The recorded `ray start` is alive and is ours (its pid may have been reused)."""
+    needle = f"{MARKER_ENV}={cluster.cluster_id}".encode()
+    return _alive(cluster.pid) and _has_marker(cluster.pid, needle)
 
 
 def _signal_all(pids: list[int], sig: int) -> None:
@@ -299,42 +304,45 @@ def _signal_all(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
+def _wait_gone(cluster_id: str, grace_s: float) -> list[int]:
+    deadline = time.monotonic() + grace_s
+    left = marked_pids(cluster_id)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = marked_pids(cluster_id)
+    return left
+
+
 def stop(cluster: LocalCluster | None = None, *,
          state_dir: str | os.PathLike = DEFAULT_STATE_DIR,
          grace_s: float = DEFAULT_STOP_GRACE_S) -> int:
-    """Stop the head and every process it started; returns how many processes were left.
+    """Stop the head and every process it started; returns how many outlived `ray start`.
 
     Only processes of this head are signalled (found by their marker); ``ray stop`` is never
     used, because it stops every Ray process of the machine.
     """
     cluster = cluster or load(state_dir)
-    if _alive(cluster.pid):  # `ray start --block` kills its children on SIGTERM
+    if _head_alive(cluster):  # `ray start --block` stops its node's processes on SIGTERM
         _signal_all([cluster.pid], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while _alive(cluster.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-    left = marked_pids(cluster.cluster_id)
-    _signal_all(left, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while left and time.monotonic() < deadline:
-        time.sleep(0.1)
-        left = marked_pids(cluster.cluster_id)
-    _signal_all(left + ([cluster.pid] if _alive(cluster.pid) else []), signal.SIGKILL)
+    stragglers = marked_pids(cluster.cluster_id)  # workers, job drivers (own sessions)
+    _signal_all(stragglers, signal.SIGTERM)
+    _signal_all(_wait_gone(cluster.cluster_id, grace_s), signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(cluster.pid, os.WNOHANG)  # reap it when this process started it
-    deadline = time.monotonic() + grace_s
-    while marked_pids(cluster.cluster_id) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_gone(cluster.cluster_id, grace_s)
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         _state_path(cluster.state_dir).unlink()
-    return len(left)
+    return len(stragglers)
 
 
 def status(state_dir: str | os.PathLike = DEFAULT_STATE_DIR) -> dict[str, Any]:
     """What the recorded head looks like now: alive, healthy, address, processes."""
     cluster = load(state_dir)
-    alive = _alive(cluster.pid)
+    alive = _head_alive(cluster)
     healthy = alive and _http_status(cluster.dashboard_url + _HEALTH_PATH) == 200
     return {"running": bool(alive), "healthy": bool(healthy), "address": cluster.address,
             "dashboard": cluster.dashboard_url, "token_file": cluster.token_file,
@@ -383,7 +391,8 @@ def main(ns: Any) -> int:
         cluster = load(state_dir)
         left = stop(cluster)
         print(f"stopped the head at {cluster.address}"
-              + (f" ({left} processes needed SIGTERM after it)" if left else ""))
+              + (f" ({left} of its processes outlived `ray start` and were stopped)"
+                 if left else ""))
         return 0
     info = status(state_dir)
     for k, v in info.items():

@@ -94,7 +94,7 @@ def _poly(cx: float, cy: float, r: float, angles: np.ndarray, rot: float) -> np.
 
 
 def _draw(img: np.ndarray, shape: str, cx: float, cy: float, r: float, rot: float,
-          fg: tuple[int, ...], bg: tuple[int, ...]) -> None:
+          fg: tuple[float, ...], bg: tuple[float, ...]) -> None:
     """Draw one shape, antialiased, with 4 bits of sub-pixel precision."""
     import cv2
 
@@ -243,7 +243,7 @@ def ensure_demo_data(cache_dir: str | os.PathLike | None = None,
         _write_split(train, counts, spec, rng, bar)
         _write_split(val, val_counts, spec, np.random.default_rng([spec.seed, 0x7A1]), bar)
     bad = _write_bad_files(train) if spec.bad_files else ()
-    meta: dict[str, Any] = {**dataclasses.asdict(spec), "bad_paths": list(bad),
+    info: dict[str, Any] = {**dataclasses.asdict(spec), "bad_paths": list(bad),
                             "classes": list(CLASS_SHAPES), "train_counts": counts}
-    done.write_text(json.dumps(meta, indent=2))
+    done.write_text(json.dumps(info, indent=2))
     return DemoData(root, train, val, spec, bad, True)

@@ -6,7 +6,10 @@ Definitions (the JSON's ``definitions`` repeats them):
   epoch is excluded, the gaps at later epoch boundaries are included.
 - GB/s (W4): steady img/s x S*S*3 stored bytes per row / 1e9.
 - ttfb cold: from the start of building the loader (dataset listing included) to the first
-  batch of epoch 0; ``ttfb_cold_iter_s`` is the part after the iterator was asked for.
+  batch of epoch 0; ``ttfb_cold_iter_s`` is the part after the iterator was asked for. Every
+  cell builds a fresh loader, but only a measurement's first cell (``cell_index`` 0 in
+  ``runs``) also starts processes the framework keeps (Ray's workers); Ray's own start-up is
+  ``ray_start_s``, outside every ttfb.
 - ttfb warm: from asking for epoch e's iterator (right after epoch e-1 ended) to its first
   batch, median over e >= 1.
 - CPU-s per 1k images: CPU seconds of the whole process tree (measuring process, its threads,

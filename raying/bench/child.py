@@ -144,7 +144,7 @@ def run_cell(peer: Any, k: int, cell: dict[str, Any], spec: dict[str, Any],
     batch, mode, epochs = int(cell["batch_size"]), cell["mode"], int(spec["epochs"])
     consumer = Consumer(mode, sleep_s_per_image=spec["sleep_s_per_image"],
                         work_bytes_per_image=spec["work_bytes_per_image"])
-    out: dict[str, Any] = {**cell, "epochs": [], "errors": []}
+    out: dict[str, Any] = {**cell, "cell_index": k, "epochs": [], "errors": []}
     events.send(phase=str(k))
     events.send(mark=f"{k}.open")
     t_open = time.perf_counter()

@@ -1,34 +1,31 @@
 """I/O scheduling benchmark (issue 5): read planner and tiered cache vs direct reads, slow tier.
 
-What it measures, all in this process on a simulated tier (``raying.io.slow``; default 5 ms
-per request, 50 MB/s, shared by every thread):
+All in this process, on a simulated tier (``raying.io.slow``; default 5 ms per request and
+50 MB/s, shared by every thread):
 
-1. **Images, prioritized, 3 epochs.** A trace of read units is drawn once from a
-   ``PriorityTable`` (alpha 1, uniform_mix 0.1, systematic plans of 4,096 as
-   ``PrioritizedSampler`` draws them) while a simulated trainer reports each drawn sample's
-   loss (a fixed per-sample difficulty, lognormal with ``--sigma``, times 20% noise), so the
-   first epoch starts uniform and later ones concentrate. Every configuration replays the same
-   trace with 2 units in flight (the read tasks this 2-CPU machine runs at once):
-   ``direct`` is raying's read path without ``io`` (``storage.read_many``, 16 threads per
-   unit); the others go through ``raying.io.fetch.fetch_files`` (dedupe, directory order,
-   per-tier concurrency) with no cache, an LRU or a priority memory tier of ``--capacity``
-   of the dataset, and memory + disk tiers. It reports the read stage's samples/s (decode is
-   not included: it is the same work for all, see docs/io.md), requests, bytes read, read
-   amplification and hit ratios per tier.
-2. **Hit ratio, priority vs LRU,** at 10/15/20% capacity over ``--seeds`` seeded traces,
-   replayed one unit at a time (deterministic).
-3. **Parquet read amplification,** bytes read / bytes delivered for a uniform epoch (the
-   reader's path and the planned path) and for prioritized two-stage plans.
+1. **Images, prioritized, 3 epochs.** One trace of read units drawn from a ``PriorityTable``
+   (alpha 1, uniform_mix 0.1, systematic plans of 4,096, as ``PrioritizedSampler``) while a
+   simulated trainer reports each drawn sample's loss (a fixed difficulty, lognormal with
+   ``--sigma``, times 20% noise): the first epoch starts uniform, later ones concentrate.
+   Every configuration replays it with 2 units in flight (the read tasks a 2-CPU machine
+   runs): ``direct`` is raying's read path without ``io`` (``storage.read_many``); the others
+   go through ``raying.io.fetch.fetch_files`` with no cache, LRU or priority memory tiers,
+   and memory + disk tiers (cold, then warm as a restarted job finds them). Figures: the
+   read stage's samples/s (decode is the same work for all), requests, read amplification,
+   hit ratios, and the floor a cold cache cannot beat (first touches / draws).
+2. **Hit ratio, priority vs LRU,** at 10/15/20% capacity, ``--seeds`` traces, one unit at a
+   time with synchronous admission (deterministic).
+3. **Parquet read amplification** (bytes read / bytes delivered) of a uniform epoch and of
+   prioritized two-stage plans, the reader's path against the planned one.
 
 Example:
-    python -m raying.bench.io_bench                 # about 2 minutes on 2 cores
+    python -m raying.bench.io_bench                 # ~10 minutes on 2 busy cores
     python -m raying.bench.io_bench --quick --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -40,12 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 
 from raying import storage as _storage
-from raying.config import DEFAULT_PLAN_CHUNK_IDS
+from raying.bench._io_data import BLOCK_ROWS, TraceUnit, dataset, make_trace, write_parquet
 from raying.io import slow
 from raying.io.cache import open_cache
 from raying.io.fetch import fetch_files, summarize
@@ -63,50 +58,7 @@ DEFAULT_DISK_CAPACITY = (0.5, 1.0)
 DEFAULT_ROUNDS = 3
 DEFAULT_SIGMA = 1.0
 DEFAULT_SEEDS = 5
-BLOCK_ROWS = 256
 INFLIGHT_UNITS = 2
-ROW_GROUP_ROWS = 256
-ROWS_PER_GROUP = 16
-
-
-@dataclasses.dataclass
-class TraceUnit:
-    """One read unit of the trace: its epoch, drawn ids and their probabilities at draw time."""
-
-    epoch: int
-    ids: np.ndarray
-    probs: np.ndarray
-
-
-def make_trace(n: int, *, epochs: int, sigma: float, seed: int, block_rows: int = BLOCK_ROWS,
-               starts: np.ndarray | None = None) -> list[TraceUnit]:
-    """Prioritized read units with simulated loss feedback (see the module docstring).
-
-    With ``starts`` (first id of each Parquet row group) units are two-stage plans:
-    ``ROWS_PER_GROUP`` rows from each row group drawn by its mass.
-    """
-    from raying.sampling.table import PriorityTable
-
-    rng = np.random.default_rng(seed)
-    difficulty = rng.lognormal(0.0, sigma, n)
-    table = PriorityTable(n, alpha=1.0, uniform_mix=0.1, seed=seed)
-    units = []
-    for epoch in range(epochs):
-        left = n
-        while left > 0:
-            k = min(block_rows, left)
-            left -= k
-            if starts is None:
-                ids, probs = table.sample(DEFAULT_PLAN_CHUNK_IDS, systematic=True)
-                pick = rng.permutation(len(ids))[:k]
-                ids, probs = ids[pick], probs[pick]
-            else:
-                ids, probs = table.sample_in_groups(k, starts, ROWS_PER_GROUP)
-                order = np.argsort(ids, kind="stable")
-                ids, probs = ids[order], probs[order]
-            units.append(TraceUnit(epoch, ids, probs))
-            table.update(ids, difficulty[ids] * rng.lognormal(0.0, 0.2, k))
-    return units
 
 
 def _drive(trace: list[Any], fetch: Callable[[Any], Any]) -> dict[str, Any]:
@@ -137,7 +89,8 @@ def _image_run(name: str, paths: np.ndarray, sizes: np.ndarray, trace: list[Trac
         if io is None:
             datas = _storage.read_many(fs, wanted)
         else:
-            datas, account = fetch_files(fs, wanted, io=io, scores=unit.probs, namespace=name)
+            datas, account = fetch_files(fs, wanted, io=io, scores=unit.probs,
+                                         namespace="bench")
             for k, v in account.items():
                 totals[k] = totals.get(k, 0) + v
         bad = [d for d in datas if isinstance(d, BaseException)]
@@ -156,20 +109,14 @@ def _image_run(name: str, paths: np.ndarray, sizes: np.ndarray, trace: list[Trac
     return row
 
 
-def _cache(kind: str, total_bytes: int, capacity: float, disk: float, where: Path,
-           tag: str, *, background: bool = True) -> CacheConfig:
-    mem_dir = os.path.join(tempfile.gettempdir() if not os.path.isdir("/dev/shm")
-                           else "/dev/shm", f"raying-io-bench-{os.getpid()}-{tag}")
-    shutil.rmtree(mem_dir, ignore_errors=True)
-    policy = "lru" if kind == "lru" else "priority"
-    if kind == "tiered":
-        shutil.rmtree(where / f"disk-{tag}", ignore_errors=True)
-        return CacheConfig(memory_bytes=int(capacity * total_bytes), memory_dir=mem_dir,
-                           disk_bytes=int(disk * total_bytes),
-                           disk_dir=str(where / f"disk-{tag}"), policy=policy,
-                           background_writes=background)
-    return CacheConfig(memory_bytes=int(capacity * total_bytes), memory_dir=mem_dir,
-                       policy=policy, background_writes=background)
+def _cache(policy: str, total: int, memory: float, disk: float, where: Path, tag: str, *,
+           background: bool = True) -> CacheConfig:
+    """Tiers of ``memory`` and ``disk`` shares of ``total`` bytes, in fresh folders."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return CacheConfig(memory_bytes=int(memory * total), disk_bytes=int(disk * total),
+                       memory_dir=f"{shm}/raying-io-bench-{os.getpid()}-{tag}",
+                       disk_dir=str(where / f"disk-{tag}") if disk else None, policy=policy,
+                       background_writes=background)
 
 
 def images_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespace,
@@ -188,26 +135,38 @@ def images_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespace,
          lambda tag: IOConfig(cache=_cache("priority", total, args.capacity, 0, work, tag))),
     ]
     def tiered(disk: float) -> Callable[[str], IOConfig | None]:
-        return lambda tag: IOConfig(cache=_cache("tiered", total, args.capacity, disk, work, tag))
+        return lambda tag: IOConfig(cache=_cache("priority", total, args.capacity, disk, work,
+                                                 tag))
 
     for disk in args.disk:
         configs.append((f"planner + priority {cap} mem + {disk:.0%} disk", tiered(disk)))
+    # A restarted job on the same node: the tiers of the run before are still there.
+    warm = f"{configs[-1][0]}, warm (tiers of the run before)"
+    configs.append((warm, tiered(args.disk[-1])))
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
     for r in range(args.rounds):
         print(f"  round {r + 1}/{args.rounds}")
         for k, (name, make) in enumerate(configs):
-            io = make(f"r{r}c{k}")
+            warm_next = k + 1 < len(configs) and configs[k + 1][0] == warm
+            io = make(f"r{r}c{k - 1}" if name == warm else f"r{r}c{k}")
             runs[name].append(_image_run(name, paths, sizes, trace, tier, io))
             _print_row(runs[name][-1])
             if io is not None and io.cache is not None:
-                open_cache(io.cache, namespace=name).flush()
-                shutil.rmtree(io.cache.memory_dir, ignore_errors=True)
-                if io.cache.disk_dir:
-                    shutil.rmtree(io.cache.disk_dir, ignore_errors=True)
+                open_cache(io.cache, namespace="bench").flush()
+                if not warm_next:
+                    shutil.rmtree(io.cache.memory_dir, ignore_errors=True)
+                    if io.cache.disk_dir:
+                        shutil.rmtree(io.cache.disk_dir, ignore_errors=True)
     rows = [_median_row(runs[name]) for name, _ in configs]
     base = rows[0]["samples_per_s"]
     for row in rows:
         row["speedup_vs_direct"] = round(row["samples_per_s"] / base, 2)
+    first = np.unique(np.concatenate([u.ids for u in trace]), return_index=False)
+    floor = float(sizes[first].sum()) / float(sum(int(sizes[u.ids].sum()) for u in trace))
+    rows.append({"config": "floor of a cold cache (first touches / draws, in bytes)",
+                 "read_amplification": round(floor, 3)})
+    print(f"  a cold cache cannot read less than the first touches: amplification >= "
+          f"{floor:.2f}, speedup <= {1 / floor:.2f}x when bandwidth-bound")
     return rows
 
 
@@ -243,12 +202,11 @@ def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespa
                     for k, v in account.items():
                         totals[k] = totals.get(k, 0) + v
                 ratios[policy].append(summarize(totals)["cache_hit_ratio"])
-                shutil.rmtree(_mem_dir(io), ignore_errors=True)
-        row = {"capacity": capacity, "seeds": args.seeds,
-               "lru_mean": round(statistics.mean(ratios["lru"]), 4),
-               "priority_mean": round(statistics.mean(ratios["priority"]), 4),
-               "lru": [round(x, 4) for x in ratios["lru"]],
-               "priority": [round(x, 4) for x in ratios["priority"]]}
+                shutil.rmtree(io.cache.memory_dir if io.cache else "", ignore_errors=True)
+        row: dict[str, Any] = {"capacity": capacity, "seeds": args.seeds, "sigma": args.sigma}
+        for policy, values in ratios.items():
+            row[f"{policy}_mean"] = round(statistics.mean(values), 4)
+            row[policy] = [round(x, 4) for x in values]
         row["ratio"] = round(row["priority_mean"] / row["lru_mean"], 2)
         row["ratio_min_over_seeds"] = round(min(
             p / max(q, 1e-9) for p, q in zip(ratios["priority"], ratios["lru"], strict=True)), 2)
@@ -257,25 +215,6 @@ def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespa
               f"{row['priority_mean']:.3f} -> x{row['ratio']} (worst seed x"
               f"{row['ratio_min_over_seeds']})")
     return out
-
-
-def write_parquet(paths: np.ndarray, labels: np.ndarray, dst: Path) -> Path:
-    """The images as Parquet (raying pack's layout: id, label, image, path; 256-row groups)."""
-    if (dst / ".complete").exists():
-        return dst
-    dst.mkdir(parents=True, exist_ok=True)
-    shard = 1024
-    for k, start in enumerate(range(0, len(paths), shard)):
-        ids = np.arange(start, min(start + shard, len(paths)))
-        table = pa.table({"id": pa.array(ids, pa.int64()),
-                          "label": pa.array(labels[ids], pa.int64()),
-                          "image": pa.array([Path(p).read_bytes() for p in paths[ids]],
-                                            pa.binary()),
-                          "path": pa.array([str(p) for p in paths[ids]])})
-        pq.write_table(table, dst / f"part-{k:05d}.parquet", row_group_size=ROW_GROUP_ROWS,
-                       compression="none", use_dictionary=["label"])
-    (dst / ".complete").write_text("ok")
-    return dst
 
 
 def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
@@ -294,7 +233,8 @@ def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict
     uniform = UniformSampler(seed=args.seed).plan(m, 0, block_rows=BLOCK_ROWS).units
     prio = make_trace(len(m), epochs=1, sigma=args.sigma, seed=args.seed, starts=starts)
     rows = []
-    cache = _cache("priority", int(sizes.sum()), args.capacity, 0, work, "pq")
+    cache = _cache("priority", int(sizes.sum()), args.capacity, 0, work, "pq",
+                   background=False)
     for mode, units in (("uniform", uniform), ("prioritized", prio)):
         for path_name in ("reader (direct)", "planned") + (
                 (f"planned + priority {args.capacity:.0%}",) if mode == "prioritized" else ()):
@@ -332,9 +272,6 @@ def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict
     return rows
 
 
-def _mem_dir(io: IOConfig) -> str:
-    return io.cache.memory_dir if io.cache is not None else ""
-
 
 def _counters(fs: pafs.FileSystem) -> dict[str, int]:
     counters = slow.io_counters(fs)
@@ -351,41 +288,24 @@ def _print_row(r: dict[str, Any]) -> None:
           f"amplification {r['read_amplification']:.2f}{hits}")
 
 
-def dataset(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The generated image folder (cached): paths, sizes, labels in id order."""
-    from raying.datagen import make_image_folder
-
-    root = Path(args.data) / f"images-{args.images}-{args.side}"
-    if not (root / ".complete").exists():
-        print(f"generating {args.images} images of {args.side}px in {root} ...")
-        make_image_folder(root, n=args.images, classes=10, size=(args.side, args.side), seed=0)
-        (root / ".complete").write_text("ok")
-    files = sorted(p for p in root.rglob("*.jpg"))
-    paths = np.array([str(p) for p in files], dtype=object)
-    sizes = np.array([p.stat().st_size for p in files], dtype=np.int64)
-    labels = np.array([int(p.parent.name.split("_")[1]) for p in files], dtype=np.int64)
-    return paths, sizes, labels
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the three parts and print (and optionally save) the figures."""
     p = argparse.ArgumentParser(prog="python -m raying.bench.io_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--images", type=int, default=DEFAULT_IMAGES)
-    p.add_argument("--side", type=int, default=DEFAULT_SIDE, help="image side in pixels")
-    p.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
-    p.add_argument("--latency-ms", type=float, default=DEFAULT_LATENCY_MS)
-    p.add_argument("--bandwidth-mb-s", type=float, default=DEFAULT_BANDWIDTH_MB_S)
-    p.add_argument("--capacity", type=float, default=DEFAULT_CAPACITY,
-                   help="memory tier as a share of the dataset")
+    for flag, typ, default, help_ in (
+            ("--images", int, DEFAULT_IMAGES, "images generated"),
+            ("--side", int, DEFAULT_SIDE, "image side in pixels"),
+            ("--epochs", int, DEFAULT_EPOCHS, "epochs of the trace"),
+            ("--latency-ms", float, DEFAULT_LATENCY_MS, "slow tier: wait per request"),
+            ("--bandwidth-mb-s", float, DEFAULT_BANDWIDTH_MB_S, "slow tier: bandwidth"),
+            ("--capacity", float, DEFAULT_CAPACITY, "memory tier, share of the dataset"),
+            ("--rounds", int, DEFAULT_ROUNDS, "interleaved rounds of part 1 (median)"),
+            ("--sigma", float, DEFAULT_SIGMA, "spread (lognormal sigma) of difficulty"),
+            ("--seed", int, 0, "seed of the part 1 and 3 traces"),
+            ("--seeds", int, DEFAULT_SEEDS, "traces for the hit ratio (part 2)")):
+        p.add_argument(flag, type=typ, default=default, help=help_)
     p.add_argument("--disk", type=float, nargs="+", default=list(DEFAULT_DISK_CAPACITY),
                    help="disk tier sizes as shares of the dataset (tiered configurations)")
-    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
-                   help="interleaved rounds of part 1 (median)")
-    p.add_argument("--sigma", type=float, default=DEFAULT_SIGMA,
-                   help="spread (lognormal sigma) of per-sample difficulty")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seeds", type=int, default=DEFAULT_SEEDS, help="traces for the hit ratio")
     p.add_argument("--parts", default="images,hits,parquet")
     p.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "raying-io-bench"))
     p.add_argument("--quick", action="store_true", help="small sizes, checks that it runs")

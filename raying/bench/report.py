@@ -11,7 +11,7 @@ import numpy as np
 from raying.bench.child import REFERENCE_PEERS
 
 PEER_COLOURS = {"L": "#444444", "pyarrow": "#444444", "torch": "#ee4c2c", "tf": "#ff9f00",
-                "raydata": "#028cf0", "raying": "#2ca02c"}
+                "raydata": "#028cf0", "raying": "#2ca02c", "W1 uniform": "#98df8a"}
 _WORKLOAD_TITLES = {"W1": "W1 JPEG folder", "W2": "W2 JPEG 500x375", "W3": "W3 Parquet of JPEG",
                     "W4": "W4 pre-decoded Parquet", "W5": "W5 W1 prioritized + live updates"}
 
@@ -94,6 +94,9 @@ def chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
                                                                  2.9 * len(wls)), squeeze=False)
     for i, wl in enumerate(wls):
         mine = [r for r in rows if r["workload"] == wl]
+        if wl == "W5":  # its reference: the same reads, uniform (W1)
+            mine += [dict(r, peer="W1 uniform") for r in rows
+                     if r["workload"] == "W1" and r["peer"] == "raying"]
         configs = sorted({(r["batch_size"], r["mode"]) for r in mine},
                          key=lambda c: (c[0], ("iterate", "sleep", "compute").index(c[1])
                                         if c[1] in ("iterate", "sleep", "compute") else 9))

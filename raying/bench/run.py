@@ -161,18 +161,32 @@ class Job:
 
 
 def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
-    """Rounds of jobs: workloads in order, peers rotated by one place every round."""
+    """Rounds of jobs: workloads in order, peers rotated by one place every round.
+
+    W5 (raying prioritized) shares raying's W1 process and its cells alternate with W1's
+    (same batch size and mode back to back), so the prioritized / uniform ratio compares
+    neighbours in time rather than the two ends of a round.
+    """
 
     def modes(peer: str, wl: str) -> tuple[str, ...]:
         if peer in REFERENCE_PEERS:
             return ("iterate",)
-        if cfg.quick and wl != cfg.workloads[0]:  # quick: other modes on one workload only
-            return cfg.modes[:1]
+        if cfg.quick and wl not in (cfg.workloads[0], "W5"):  # quick: other modes on one
+            return cfg.modes[:1]                               # workload only
         return cfg.modes
 
     def cells(peer: str, wls: tuple[str, ...]) -> list[dict[str, Any]]:
-        return [{"workload": w, "batch_size": b, "mode": m}
-                for w in wls for b in cfg.batch_sizes for m in modes(peer, w)]
+        paired = "W1" in wls and "W5" in wls
+        out = []
+        for w in wls:
+            if w == "W5" and paired:
+                continue
+            for b in cfg.batch_sizes:
+                for m in modes(peer, w):
+                    out.append({"workload": w, "batch_size": b, "mode": m})
+                    if w == "W1" and paired and m in modes(peer, "W5"):
+                        out.append({"workload": "W5", "batch_size": b, "mode": m})
+        return out
 
     rounds = []
     for r in range(cfg.rounds):
@@ -187,8 +201,12 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
         else:
             for w in cfg.workloads:
                 for p in peers:
-                    if w in PEER_WORKLOADS[p]:
-                        jobs.append(Job(r, p, (w,), cells(p, (w,))))
+                    if w not in PEER_WORKLOADS[p] or (w == "W5" and "W1" in cfg.workloads
+                                                      and "W1" in PEER_WORKLOADS[p]):
+                        continue
+                    wls = (w, "W5") if (w == "W1" and "W5" in cfg.workloads
+                                        and "W5" in PEER_WORKLOADS[p]) else (w,)
+                    jobs.append(Job(r, p, wls, cells(p, wls)))
         rounds.append(jobs)
     return rounds
 
@@ -446,6 +464,8 @@ def main(ns: argparse.Namespace) -> int:
         "runs": runs,
     }
     host["loadavg_end"] = os.getloadavg()
+    host["loadavg_1min_max"] = max([r["loadavg_before"][0] for r in runs]
+                                   + [r["loadavg_after"][0] for r in runs], default=0.0)
     json_path = os.path.join(cfg.out, "bench.json")
     png_path = os.path.join(cfg.out, "bench.png")
     report.write_json(doc, json_path)
@@ -458,6 +478,10 @@ def main(ns: argparse.Namespace) -> int:
         say(report.table(rows, wl_dicts))
         say(report.targets_table(checks))
         say(f"\n{json_path}\n{png_path}\nlogs: {logs}  ({doc['seconds']:.0f} s)")
+    if host["loadavg_1min_max"] > cfg.cores:
+        say(f"warning: the 1-minute load average reached {host['loadavg_1min_max']:.1f} on "
+            f"{cfg.cores} cores during the run: other processes competed with the peers, and "
+            f"the figures measure that too; rerun on a quiet machine")
     ok = all(r["rows_ok"] for r in rows)
     if not ok:
         say("some peers failed or miscounted rows: see 'rows' above and the logs")

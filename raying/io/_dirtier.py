@@ -28,13 +28,12 @@ import hashlib
 import logging
 import os
 import sqlite3
-import struct
 import threading
 import time
-import uuid
 import zlib
 from collections.abc import Iterator, Sequence
 
+from raying.io._entry import entry_bytes, read_entry, unlink, write_entry
 from raying.io.options import (
     DEFAULT_CACHE_DECAY_READS,
     DEFAULT_CACHE_LOCK_TIMEOUT_S,
@@ -49,8 +48,6 @@ try:
 except ImportError:  # pragma: no cover - Windows: SQLite's own locking alone
     fcntl = None  # type: ignore[assignment]
 
-MAGIC = b"RYC1"
-HEADER = struct.Struct("<4sIQ")
 # SQLite's default limit on host parameters per statement is 999 (older builds).
 _SQL_CHUNK = 500
 
@@ -69,11 +66,6 @@ INSERT OR IGNORE INTO meta VALUES ('version', 2);
 def digest_of(key: str) -> str:
     """The file name of a key (40 hex characters of its SHA-256)."""
     return hashlib.sha256(key.encode()).hexdigest()[:40]
-
-
-def entry_bytes(payload_len: int) -> int:
-    """Bytes an entry of ``payload_len`` takes on disk (what capacities count)."""
-    return HEADER.size + payload_len
 
 
 class DirTier:
@@ -114,7 +106,7 @@ class DirTier:
             conn = sqlite3.connect(os.path.join(self.root, "index.sqlite"),
                                    timeout=DEFAULT_CACHE_LOCK_TIMEOUT_S, isolation_level=None,
                                    check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
+            _retry_locked(lambda: conn.execute("PRAGMA journal_mode=WAL"), self._lock_fd())
             conn.execute("PRAGMA synchronous=NORMAL")
             with _write(conn, self._lock_fd()):
                 cols = [r[1] for r in conn.execute("PRAGMA table_info(entries)")]
@@ -162,7 +154,7 @@ class DirTier:
         good: dict[str, memoryview] = {}
         bad: set[str] = set()
         for d, (nbytes, crc) in rows.items():
-            payload = self._read(d, nbytes, crc)
+            payload = read_entry(self._path(d), nbytes, crc)
             if payload is None:
                 bad.add(d)
             else:
@@ -187,32 +179,11 @@ class DirTier:
                     cur = conn.execute("DELETE FROM entries WHERE digest = ? AND nbytes = ? "
                                        "AND crc = ? AND ready = 1", (d, *rows[d]))
                     if cur.rowcount:
-                        _unlink(self._path(d))
+                        unlink(self._path(d))
         if corrupt:
             logger.warning("raying cache %s: %d corrupt entries dropped (they are refetched)",
                            self.name, corrupt)
         return found, corrupt
-
-    def _read(self, digest: str, nbytes: int, crc: int) -> memoryview | None:
-        try:
-            fd = os.open(self._path(digest), os.O_RDONLY)
-        except OSError:
-            return None
-        try:  # one read of the size the index expects, plus one to see nothing follows
-            data = os.read(fd, nbytes + 1)
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        if len(data) != nbytes or len(data) < HEADER.size:
-            return None
-        magic, h_crc, length = HEADER.unpack_from(data)
-        if magic != MAGIC or length != len(data) - HEADER.size or h_crc != crc:
-            return None
-        view = memoryview(data)[HEADER.size:]
-        if zlib.crc32(view) != crc:
-            return None
-        return view
 
     # -- writes --------------------------------------------------------------------------------
     def put_many(self, keys: Sequence[str], payloads: Sequence[bytes | memoryview],
@@ -250,7 +221,7 @@ class DirTier:
         written = []
         for d, crc in admit:
             try:
-                self._write_file(d, payloads[cands[d][0]], crc)
+                write_entry(self._path(d), payloads[cands[d][0]], crc)
                 written.append(d)
             except OSError as exc:
                 logger.warning("raying cache %s: could not write an entry (%s)", self.name, exc)
@@ -263,7 +234,7 @@ class DirTier:
                     cur = conn.execute("UPDATE entries SET ready = 1 WHERE digest = ? AND "
                                        "ready = 0", (d,))
                     if not cur.rowcount:  # our stale reservation was taken back: not ours now
-                        _unlink(self._path(d))
+                        unlink(self._path(d))
         return len(written), evicted
 
     def _reserve(self, cands: dict[str, tuple[int, float]],
@@ -301,7 +272,7 @@ class DirTier:
                                   else zlib.crc32(payloads[k])))
                     used += sizes[d]
                 for d, _, _ in evict:  # before commit: no one can use the room before it is free
-                    _unlink(self._path(d))
+                    unlink(self._path(d))
                 conn.executemany("DELETE FROM entries WHERE digest = ?",
                                  [(d,) for d, _, _ in evict])
                 now = time.time()
@@ -334,29 +305,6 @@ class DirTier:
                 break
         cur.close()
         return iter(out)
-
-    def _write_file(self, digest: str, payload: bytes | memoryview, crc: int) -> None:
-        path = self._path(digest)
-        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
-        try:
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileNotFoundError:  # the fan-out folder was removed under us
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                head = HEADER.pack(MAGIC, crc, len(payload))
-                done = os.writev(fd, [head, payload])
-                rest = memoryview(head + bytes(payload))[done:] if done < len(head) + len(
-                    payload) else b""
-                while rest:  # a short write (rare): finish it
-                    rest = rest[os.write(fd, rest):]
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink(tmp)
-            raise
 
     # -- upkeep --------------------------------------------------------------------------------
     def _clock(self, conn: sqlite3.Connection) -> int:
@@ -424,6 +372,30 @@ def _write(conn: sqlite3.Connection, lock_fd: int | None) -> Iterator[None]:
             fcntl.flock(lock_fd, fcntl.LOCK_UN)
 
 
+def _retry_locked(call, lock_fd: int | None) -> None:
+    """Run ``call`` under the writers' flock, retrying while SQLite reports a lock.
+
+    Switching a new index to WAL needs the database to itself; processes opening the tier at
+    the same moment (Ray workers starting together) take turns instead of failing.
+    """
+    deadline = time.monotonic() + DEFAULT_CACHE_LOCK_TIMEOUT_S
+    delay = 0.001
+    while True:
+        if lock_fd is not None:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        try:
+            call()
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+        finally:
+            if lock_fd is not None:
+                fcntl.flock(lock_fd, fcntl.LOCK_UN)
+        time.sleep(delay)
+        delay = min(0.05, delay * 2)
+
+
 def _chunks(items: list[str]) -> Iterator[list[str]]:
     for i in range(0, len(items), _SQL_CHUNK):
         yield items[i:i + _SQL_CHUNK]
@@ -431,8 +403,3 @@ def _chunks(items: list[str]) -> Iterator[list[str]]:
 
 def _marks(part: list[str]) -> str:
     return ",".join("?" * len(part))
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)

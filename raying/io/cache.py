@@ -133,6 +133,10 @@ class TieredCache:
         self._busy = False
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
+        # Entries waiting to be written serve hits (they are in memory), so the queue must
+        # stay small next to the tiers or it would act as an unbounded extra tier.
+        self._queue_limit = min(DEFAULT_CACHE_QUEUE_BYTES,
+                                (config.memory_bytes + config.disk_bytes) // 16)
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         return [f"{self.namespace}\0{k}" for k in keys]
@@ -151,13 +155,12 @@ class TieredCache:
         out: list[memoryview | None] = [None] * len(keys)
         if self._pending:  # offered to the writer, not written yet: still in this memory
             with self._wake:
-                for i, k in enumerate(full):
-                    p = self._pending.get(k)
-                    if p is not None:
-                        out[i] = memoryview(p)
-            queued = [i for i in range(len(keys)) if out[i] is not None]
+                queued = {i: memoryview(self._pending[k]) for i, k in enumerate(full)
+                          if k in self._pending}
+            for i, view in queued.items():
+                out[i] = view
             _bump(local.hits, "memory", len(queued))
-            _bump(local.hit_bytes, "memory", sum(len(out[i]) for i in queued))  # type: ignore[arg-type]
+            _bump(local.hit_bytes, "memory", sum(len(v) for v in queued.values()))
         missing = [i for i in range(len(keys)) if out[i] is None]
         for level, (name, tier) in enumerate(self.tiers):
             served = [i for i in range(len(keys)) if out[i] is not None]
@@ -194,7 +197,9 @@ class TieredCache:
             background: hand the writes to this cache's writer thread and return at once
                 (default ``config.background_writes``), so that a read task never waits for
                 the cache to fill; their counts come from :meth:`take_background_stats`.
-                Offers beyond ``DEFAULT_CACHE_QUEUE_BYTES`` in the queue are dropped.
+                An offer that finds the queue non-empty and would take it past its bound
+                (``DEFAULT_CACHE_QUEUE_BYTES``, at most 1/16 of the tiers' capacity) is
+                dropped and counted: the writer is behind, and caching is best effort.
         """
         if background is None:
             background = self.config.background_writes
@@ -212,7 +217,7 @@ class TieredCache:
                 upto: int) -> None:
         size = sum(len(p) for p in payloads)
         with self._wake:
-            if self._queued_bytes + size > DEFAULT_CACHE_QUEUE_BYTES:
+            if self._queue and self._queued_bytes + size > self._queue_limit:
                 self._background.dropped += len(full)
                 return
             self._queue.append((full, payloads, scores, upto))
@@ -314,18 +319,16 @@ def decode_array(data: bytes | memoryview) -> np.ndarray:
 
 _TIERS: dict[tuple, DirTier] = {}
 _CACHES: dict[tuple, TieredCache] = {}
-_REG_LOCK = threading.Lock()
+_REG_LOCK = threading.RLock()
 
 
 def _tier(root: str, capacity: int, config: CacheConfig, name: str) -> DirTier:
     key = (os.getpid(), os.path.abspath(root), capacity, config.policy, config.decay_reads)
-    with _REG_LOCK:
+    with _REG_LOCK:  # opened once per process, even by threads that arrive together
         tier = _TIERS.get(key)
-    if tier is None:
-        tier = DirTier(root, capacity, policy=config.policy, decay_reads=config.decay_reads,
-                       name=name)
-        with _REG_LOCK:
-            tier = _TIERS.setdefault(key, tier)
+        if tier is None:
+            tier = _TIERS[key] = DirTier(root, capacity, policy=config.policy,
+                                         decay_reads=config.decay_reads, name=name)
     return tier
 
 
@@ -334,8 +337,6 @@ def open_cache(config: CacheConfig, *, namespace: str = "") -> TieredCache:
     key = (os.getpid(), config, namespace)
     with _REG_LOCK:
         cache = _CACHES.get(key)
-    if cache is None:
-        cache = TieredCache(config, namespace=namespace)
-        with _REG_LOCK:
-            cache = _CACHES.setdefault(key, cache)
+        if cache is None:
+            cache = _CACHES[key] = TieredCache(config, namespace=namespace)
     return cache

@@ -25,8 +25,9 @@ DEFAULT_CACHE_DECAY_READS = 2.0
 DEFAULT_CACHE_LOCK_TIMEOUT_S = 60.0
 # Files with no index row (left by a crashed writer) older than this are deleted on open.
 DEFAULT_CACHE_ORPHAN_AGE_S = 300.0
-# Bytes of offers waiting for the background writer; offers beyond it are dropped.
-DEFAULT_CACHE_QUEUE_BYTES = 256 * 1024**2
+# Bytes of offers waiting for the background writer (at most 1/16 of the tiers' capacity);
+# offers beyond it are dropped.
+DEFAULT_CACHE_QUEUE_BYTES = 64 * 1024**2
 # A reserved entry whose file is still not written after this long (its writer died) may be
 # evicted.
 DEFAULT_CACHE_PENDING_S = 120.0

@@ -76,6 +76,15 @@ def test_plan_interleaves_and_rotates_peers():
     assert all(c["mode"] == "iterate" for j in rounds[0] for c in j.cells)
 
 
+def test_plan_pairs_prioritized_with_uniform_cells():
+    cfg = run.config_from_args(argparse.Namespace(workloads="W1,W5", peers="torch,raying",
+                                                  modes="iterate,sleep", batch_sizes="64"))
+    jobs = run.plan_jobs(cfg)[0]
+    assert [j.tag for j in jobs] == ["r0-torch-W1", "r0-raying-W1+W5"]
+    assert [(c["workload"], c["mode"]) for c in jobs[1].cells] == [
+        ("W1", "iterate"), ("W5", "iterate"), ("W1", "sleep"), ("W5", "sleep")]
+
+
 def test_combine_medians_and_ratios():
     wl = {"W1": {"rows": 10, "decoded": None}}
 

@@ -106,10 +106,13 @@ def test_submission_without_token_is_refused(head, tmp_path):
     from ray.job_submission import JobSubmissionClient
 
     before = len(head.job_client().list_jobs())
-    env = _clean_env(tmp_path)
-    proc = subprocess.run(["ray", "job", "submit", "--address", head.dashboard_url,
-                           "--no-wait", "--", "python", "-c", "print(1)"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
+    # The same command as above, less the two variables that point the client at the token.
+    command = head.submit_command(SMOKE_ENTRYPOINT)
+    for key, value in head.client_env().items():
+        command = command.replace(f"{key}={value} ", "")
+    assert command.startswith("ray job submit ")
+    proc = subprocess.run(command, shell=True, cwd=REPO, env=_clean_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "Unauthorized: Missing authentication token" in proc.stdout + proc.stderr
     # A wrong token is refused too.

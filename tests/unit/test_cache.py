@@ -10,6 +10,7 @@ import sqlite3
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,14 @@ import pytest
 
 from raying.errors import ConfigError
 from raying.io import fetch, slow
-from raying.io.cache import CacheStats, DirTier, TieredCache, decode_array, encode_array
+from raying.io.cache import (
+    CacheStats,
+    DirTier,
+    TieredCache,
+    decode_array,
+    encode_array,
+    open_cache,
+)
 from raying.io.cache import entry_bytes as eb
 from raying.io.options import CacheConfig, IOConfig
 
@@ -134,11 +142,18 @@ def test_background_writes_fill_the_cache_without_blocking(tmp_path, monkeypatch
     assert cache.take_background_stats().admitted == {"memory": 5}
     assert cache.take_background_stats().admitted == {}  # reported once
     assert [bytes(g) for g in cache.get_many(keys)] == [payload_of(k, 1000) for k in keys]
-    # A full queue drops offers (caching is best effort) and counts them.
-    monkeypatch.setattr("raying.io.cache.DEFAULT_CACHE_QUEUE_BYTES", 1500)
+    # While the writer is behind, offers past the queue's bound are dropped and counted
+    # (an offer to an empty queue is always taken).
+    monkeypatch.setattr(cache, "_queue_limit", 1500)
+    gate = threading.Event()
+    slow_offer = cache._offer
+    monkeypatch.setattr(cache, "_offer", lambda *a, **k: (gate.wait(10), slow_offer(*a, **k)))
     cache.put_many(["g0", "g1"], [payload_of("g0", 1000), payload_of("g1", 1000)])
+    cache.put_many(["g2"], [payload_of("g2", 1000)])
+    gate.set()
     assert cache.flush(timeout_s=30)
-    assert cache.take_background_stats().dropped == 2
+    stats = cache.take_background_stats()
+    assert stats.dropped == 1 and stats.admitted == {"memory": 2}
 
 
 def test_namespaces_keep_datasets_apart(tmp_path):
@@ -298,3 +313,22 @@ def test_processes_sharing_a_directory_corrupt_nothing(tmp_path, policy):
     assert all(bytes(found[j]) == payload_of(keys[j]) for j in found)
     assert len([p for p in _files(root) if not p.name.endswith(".tmp")]) == len(tier)
     assert not [p for p in _files(root) if p.name.endswith(".tmp")]
+
+
+def _open_and_use(root: str, seed: int) -> int:
+    tier = DirTier(root, _CAP)
+    key = f"opener-{seed}"
+    tier.put_many([key], [payload_of(key)], [1.0])
+    return len(tier.get_many([key])[0])
+
+
+def test_processes_and_threads_opening_a_new_tier_together(tmp_path):
+    root = str(tmp_path / "fresh")  # not created beforehand: all race to create the index
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        assert pool.starmap(_open_and_use, [(root, s) for s in range(8)]) == [1] * 8
+    cfg = CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path / "threads"))
+    with ThreadPoolExecutor(8) as ex:
+        caches = list(ex.map(lambda _: open_cache(cfg, namespace="t"), range(8)))
+    assert all(c is caches[0] for c in caches)
+

@@ -1,0 +1,72 @@
+"""The file format of one cache entry: a 16-byte header (magic, CRC-32, length), the payload."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import uuid
+import zlib
+
+MAGIC = b"RYC1"
+HEADER = struct.Struct("<4sIQ")
+
+
+def entry_bytes(payload_len: int) -> int:
+    """Bytes an entry of ``payload_len`` takes on disk (what capacities count)."""
+    return HEADER.size + payload_len
+
+
+def read_entry(path: str, nbytes: int, crc: int) -> memoryview | None:
+    """The payload at ``path`` if the file is exactly the entry the index describes, else None.
+
+    The size, the header's magic, length and CRC, and the payload's CRC must all agree with
+    ``nbytes`` and ``crc``: a truncated, overwritten or bit-flipped file is never served.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:  # one read of the size the index expects, plus one byte to see that nothing follows
+        data = os.read(fd, nbytes + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) != nbytes or len(data) < HEADER.size:
+        return None
+    magic, h_crc, length = HEADER.unpack_from(data)
+    if magic != MAGIC or length != len(data) - HEADER.size or h_crc != crc:
+        return None
+    view = memoryview(data)[HEADER.size:]
+    return view if zlib.crc32(view) == crc else None
+
+
+def write_entry(path: str, payload: bytes | memoryview, crc: int) -> None:
+    """Write an entry atomically: a temp file in the same folder, then a rename."""
+    tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+    try:
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:  # the fan-out folder was removed under us
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            head = HEADER.pack(MAGIC, crc, len(payload))
+            done = os.writev(fd, [head, payload])
+            if done < len(head) + len(payload):  # a short write (rare): finish it
+                rest = memoryview(head + bytes(payload))[done:]
+                while rest:
+                    rest = rest[os.write(fd, rest):]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        unlink(tmp)
+        raise
+
+
+def unlink(path: str) -> None:
+    """Delete ``path`` if it exists."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

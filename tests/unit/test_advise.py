@@ -1,0 +1,93 @@
+"""Unit tests of `raying advise`'s decision table on given measurements (no I/O, no Ray)."""
+
+from __future__ import annotations
+
+from raying.advise import format_report, recommend
+
+GIB = 1024**3
+
+
+def _data(**kw):
+    base = {"format": "images", "files": 100_000, "samples": 100_000, "bytes": 10 * GIB,
+            "file_bytes_p10": 60_000, "file_bytes_p50": 100_000, "file_bytes_p90": 160_000,
+            "sample_bytes": 100_000, "pre_decoded": False}
+    base.update(kw)
+    return base
+
+
+def _store(**kw):
+    base = {"kind": "s3", "simulated": False, "latency_s": 0.03, "whole_file_s": 0.032,
+            "latency_share": 0.94, "bandwidth_bytes_per_s": 1e6,
+            "bandwidth_from": "parallel small reads (a lower bound)",
+            "serial_files_per_s": 31.0, "parallel_files_per_s": 450.0,
+            "parallel_speedup": 14.5, "probe_reads": 49}
+    base.update(kw)
+    return base
+
+
+def _machine(**kw):
+    base = {"cores": 8, "memory_bytes": 64 * GIB, "memory_available_bytes": 48 * GIB,
+            "shm_free_bytes": 32 * GIB, "disk_free_bytes": 500 * GIB, "disk_dir": "/tmp",
+            "gpus": 0, "gpu_name": None, "decode_ms_per_image": 2.0}
+    base.update(kw)
+    return base
+
+
+def _advice(data, store, machine):
+    advice, config = recommend(data, store, machine)
+    return {a["setting"]: a for a in advice}, config
+
+
+def test_s3_small_files_pack_cache_and_many_reads_in_flight():
+    a, config = _advice(_data(), _store(), _machine())
+    assert a["pack"]["value"].startswith("yes")
+    assert "94% of reading it whole" in a["pack"]["reason"]
+    assert a["read_concurrency"]["value"] == 64
+    assert a["cache"]["value"].startswith("memory 10.0 GiB")  # the dataset fits in memory
+    assert config["io"]["cache"]["disk_bytes"] == 0
+
+
+def test_fast_local_storage_keeps_the_defaults():
+    store = _store(kind="local", latency_s=2e-5, whole_file_s=1e-4, latency_share=0.2,
+                   bandwidth_bytes_per_s=2e9, bandwidth_from="one 8.0 MiB read",
+                   parallel_speedup=1.1)
+    a, config = _advice(_data(files=500, samples=500, bytes=50 * 2**20), store, _machine())
+    assert a["pack"]["value"] == "no" and a["cache"]["value"] == "none"
+    assert a["read_concurrency"]["value"] == 1 and config["io"]["cache"] is None
+    assert a["window"]["value"] == 16
+
+
+def test_disk_head_parquet_large_dataset_gets_a_disk_tier_and_two_reads():
+    data = _data(format="parquet", files=40, samples=400_000, bytes=200 * GIB,
+                 rows_per_row_group=256, row_group_bytes=25 * 2**20, sample_bytes=100_000)
+    store = _store(kind="local (simulated slow tier)", simulated=True, latency_s=0.008,
+                   whole_file_s=0.2, latency_share=0.04, bandwidth_bytes_per_s=120e6,
+                   bandwidth_from="one 8.0 MiB read", parallel_speedup=0.95)
+    a, config = _advice(data, store, _machine())
+    assert a["pack"]["value"] == "already Parquet"
+    assert a["read_concurrency"]["value"] == 2
+    assert "one request at a time" in a["read_concurrency"]["reason"]
+    assert "+ disk" in a["cache"]["value"] and config["io"]["cache"]["disk_bytes"] > 0
+    assert a["block_rows"]["value"] == 256 and a["window"]["value"] == 8
+
+
+def test_gpus_that_outrun_the_cpus_get_pre_decoding_when_storage_carries_pixels():
+    store = _store(kind="local", latency_s=5e-5, whole_file_s=2e-4, latency_share=0.25,
+                   bandwidth_bytes_per_s=3e9, bandwidth_from="one 8.0 MiB read",
+                   parallel_speedup=3.0)
+    a, _ = _advice(_data(), store, _machine(gpus=4, gpu_name="H200", cores=8))
+    assert a["pre_decode"]["value"].startswith("yes: raying pack --decode-size 256")
+    a, _ = _advice(_data(), _store(bandwidth_bytes_per_s=100e6,
+                                   bandwidth_from="one 8.0 MiB read"),
+                   _machine(gpus=4, gpu_name="H200", cores=8))
+    assert a["pre_decode"]["value"] == "no" and "GPU" in a["pre_decode"]["reason"]
+
+
+def test_report_text_names_each_measurement():
+    data = dict(_data(), paths=[], sizes=[])
+    report = {"uri": "s3://b/p", "measured": {"dataset": data, "storage": _store(),
+                                              "machine": _machine()}}
+    report["advice"], report["config"] = recommend(data, report["measured"]["storage"],
+                                                   report["measured"]["machine"])
+    text = format_report(report)
+    assert "first byte 30.00 ms" in text and "because" in text and "measured:" in text

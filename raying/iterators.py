@@ -70,16 +70,33 @@ class BatchAssembler:
 
 
 def prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None = None,
-             stall: list[float] | None = None) -> Iterator[Any]:
+             stall: list[float] | None = None,
+             timed: Callable[[float], None] | None = None) -> Iterator[Any]:
     """Run ``source`` (and ``convert``) in a background thread, ``depth`` items ahead.
 
     Errors raised in the thread are re-raised in the consumer. ``stall`` (if given) accumulates
-    the seconds the consumer waited for an item.
+    the seconds the consumer waited for an item; ``timed`` receives the loop's wall seconds.
     """
+    began = time.perf_counter()
+    try:
+        yield from _prefetch(source, depth, convert, stall)
+    finally:
+        if timed is not None:
+            timed(time.perf_counter() - began)
+
+
+def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None,
+              stall: list[float] | None) -> Iterator[Any]:
     if depth <= 0:
-        for item in source:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(source)
+            except StopIteration:
+                return
+            if stall is not None:
+                stall[0] += time.perf_counter() - t0
             yield convert(item) if convert else item
-        return
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 

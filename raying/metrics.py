@@ -29,7 +29,11 @@ class RunAccount:
         self.decode_s = 0.0
         self.skipped: list[dict[str, Any]] = []
         self.skipped_by_reason: collections.Counter[str] = collections.Counter()
-        self._skipped_ids: set[tuple[int, int]] = set()
+        self._skipped_ids: set[int] = set()
+        self.skip_events = 0
+        self.retries = 0
+        self.io: dict[str, int] = {}
+        self._iter_s = 0.0  # wall seconds spent inside iteration loops (stall share's base)
         self._logged = 0
         self.stall = [0.0]  # seconds the consumer waited for a batch (shared with prefetch)
         self.rows_delivered = 0
@@ -72,8 +76,13 @@ class RunAccount:
                 "weight_mean": mean, "weight_std": std,
                 "weight_min": low if count else None, "weight_max": high if count else None}
 
-    def add(self, account: dict[str, Any]) -> None:
-        """One read task's account (called in plan order by the executor)."""
+    def add(self, account: dict[str, Any]) -> list[int]:
+        """One read task's account (called in plan order by the executor).
+
+        Returns the ids set aside for the first time (a bad file is bad in every epoch: it is
+        listed and logged once, and counted again only in ``skip_events``).
+        """
+        fresh: list[int] = []
         with self._lock:
             self.units += 1
             self.rows_in += account["rows_in"]
@@ -81,15 +90,20 @@ class RunAccount:
             self.bytes_read += account.get("bytes_read", 0)
             self.read_s += account.get("read_s", 0.0)
             self.decode_s += account.get("decode_s", 0.0)
+            self.retries += account.get("retries", 0)
+            for key, value in account.get("io", {}).items():
+                self.io[key] = self.io.get(key, 0) + value
             for sid, path, reason, detail in account.get("skipped", ()):
-                key = (account.get("epoch", 0), int(sid))
-                if key in self._skipped_ids:
+                self.skip_events += 1
+                if int(sid) in self._skipped_ids:
                     continue
-                self._skipped_ids.add(key)
+                self._skipped_ids.add(int(sid))
+                fresh.append(int(sid))
                 self.skipped_by_reason[reason] += 1
                 if len(self.skipped) < MAX_SKIPPED_LISTED:
                     self.skipped.append({"id": int(sid), "path": path, "reason": reason,
                                          "detail": detail, "epoch": account.get("epoch", 0)})
+        return fresh
 
     def delivered(self, n: int) -> None:
         now = time.perf_counter()
@@ -110,10 +124,14 @@ class RunAccount:
         logger.warning("raying skipped %d bad samples in epoch %d (%s): %s%s; see "
                        "pipe.stats()['skipped']", len(new), epoch, dict(reasons), shown, more)
 
+    def iterated(self, seconds: float) -> None:
+        """Wall time of one iteration loop, from its first request to its end."""
+        self._iter_s += seconds
+
     def summary(self) -> dict[str, Any]:
         with self._lock:
             elapsed = (self._t_last - self._t_first) if self._t_first and self._t_last else 0.0
-            wall = time.perf_counter() - self._t_start
+            wall = self._iter_s
             return {
                 "rows_delivered": self.rows_delivered,
                 "rows_read": self.rows_in,
@@ -125,6 +143,9 @@ class RunAccount:
                 "worker_read_s": self.read_s,
                 "worker_decode_s": self.decode_s,
                 "skipped_count": sum(self.skipped_by_reason.values()),
+                "skip_events": self.skip_events,
+                "read_retries": self.retries,
+                "io": dict(self.io),
                 "skipped_by_reason": dict(self.skipped_by_reason),
                 "skipped": list(self.skipped),
             }

@@ -80,9 +80,10 @@ def ensure_ray() -> None:
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init()
+        ray.init(logging_level=logging.WARNING)
     else:
-        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", include_dashboard=False, log_to_driver=True,
+                 logging_level=logging.WARNING)
 
 
 class Pipeline:
@@ -164,6 +165,18 @@ class Pipeline:
         return self._stream
 
     # -- iteration -----------------------------------------------------------------------------
+    def _on_account(self, account: dict[str, Any]) -> None:
+        fresh = self.account.add(account)
+        set_aside = getattr(self.sampler, "set_aside", None)
+        if fresh and set_aside is not None:
+            set_aside(fresh)  # a bad sample must not keep drawing reads
+
+    def start(self) -> Pipeline:
+        """Start Ray (if needed), the priority store and the read workers now, not at the
+        first batch. Returns the pipeline."""
+        self._block_stream()
+        return self
+
     def iter_blocks(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """The epoch's blocks in plan order (host numpy; image uint8 NHWC)."""
         stream = self._block_stream()
@@ -176,7 +189,7 @@ class Pipeline:
                         "start": (start_unit, skip)}
         first = True
         for index, block in stream.iter_epoch(int(epoch), start_unit=start_unit, skip_rows=skip,
-                                              on_account=self.account.add):
+                                              on_account=self._on_account):
             begin = skip if first else 0
             first = False
             units.append((index, begin, begin + len(block["id"])))
@@ -196,7 +209,8 @@ class Pipeline:
                 yield from assembler.push(block)
             yield from assembler.finish()
 
-        for batch in prefetch(batches(), prefetch_batches, stall=self.account.stall):
+        for batch in prefetch(batches(), prefetch_batches, stall=self.account.stall,
+                              timed=self.account.iterated):
             self._cursor["delivered"] += len(batch["id"])
             self.account.delivered(len(batch["id"]))
             yield batch
@@ -228,7 +242,8 @@ class Pipeline:
             for b in assembler.finish():
                 yield conv.device_put(conv.host(b))
 
-        for batch in prefetch(batches(), prefetch_batches, stall=self.account.stall):
+        for batch in prefetch(batches(), prefetch_batches, stall=self.account.stall,
+                              timed=self.account.iterated):
             n = int(batch["id"].shape[0])
             self._cursor["delivered"] += n
             self.account.delivered(n)
@@ -268,10 +283,25 @@ class Pipeline:
         self._bind()
         self.sampler.report(ids, losses)
 
-    def stats(self) -> dict[str, Any]:
-        """Throughput, stall share, skipped samples and sampling health."""
+    def priorities(self) -> np.ndarray | None:
+        """Every id's current priority (prioritized sampling), or None (uniform)."""
+        handle = getattr(self.sampler, "handle", None)
+        if handle is None:
+            return None
+        from raying.sampling import store
+
+        self.sampler.flush()
+        return store.priorities(handle)
+
+    def stats(self, *, sampling: bool = True) -> dict[str, Any]:
+        """Throughput, stall share, skipped samples and (``sampling=True``) sampling health.
+
+        ``stall_share`` is the share of the iteration loops' wall time the consumer spent
+        waiting for a batch. ``sampling=False`` skips the round trip to the priority store.
+        """
         out = self.account.summary()
-        out["sampling"] = {**self.sampler.stats(), **self.account.health()}
+        if sampling:
+            out["sampling"] = {**self.sampler.stats(), **self.account.health()}
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -301,14 +331,16 @@ class Pipeline:
         if self._stream is not None:
             self._stream.cancel()
 
-    def close(self) -> None:
-        """Cancel reads in flight and flush pending feedback."""
+    def close(self, *, release_store: bool = True) -> None:
+        """Cancel reads in flight, flush pending feedback and, with ``release_store``, stop the
+        priority store this pipeline created (after a final snapshot, if it takes them)."""
         if self._stream is not None:
             self._stream.close()
             self._stream = None
         close = getattr(self.sampler, "close", None)
         if close is not None:
-            close()
+            close(release_store=release_store)
+        self._bound = False
 
     def __enter__(self) -> Pipeline:
         return self

@@ -99,6 +99,7 @@ class PrioritizedSampler:
         self._buf_time = 0.0
         self._lock = threading.Lock()
         self._n = 0
+        self._created = False
 
     # -- picklable for Ray Data read tasks (the handle travels; buffers stay behind) -----------
     def __getstate__(self) -> dict[str, Any]:
@@ -122,6 +123,7 @@ class PrioritizedSampler:
 
         self._n = len(manifest)
         self.store_name = f"{name}-priorities"
+        self._created = False
         try:
             self.handle = st.get_store(self.store_name)
             if self.handle.n != self._n:
@@ -134,6 +136,7 @@ class PrioritizedSampler:
                 raise
             self.handle = st.create_store(self.store_name, self._n, table=self.table_config,
                                           config=self.store_options)
+            self._created = True
         self._reporter = Reporter(self.handle)
         if manifest.format == "parquet" and self.rows_per_group > 1:
             self._starts = manifest.row_group_table()[2]
@@ -230,5 +233,19 @@ class PrioritizedSampler:
         with self._lock:
             self._buf = None
 
-    def close(self) -> None:
+    def set_aside(self, ids: Any) -> None:
+        """Samples that failed to read or decode get priority 0, so only the uniform floor
+        (``uniform_mix``) still draws them; they are reported in the pipeline's stats."""
+        if self._reporter is not None:
+            ids = np.asarray(ids, dtype=np.int64)
+            self._reporter.add(ids, np.zeros(ids.size))
+
+    def close(self, *, release_store: bool = True) -> None:
+        """Flush reports; with ``release_store``, stop the store this sampler created."""
+        from raying.sampling import store as st
+
         self.flush()
+        if release_store and self.handle is not None and self._created:
+            st.kill_store(self.handle, snapshot=True)
+            self.handle = None
+            self._reporter = None

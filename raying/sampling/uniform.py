@@ -70,6 +70,9 @@ class UniformSampler:
     def report(self, ids: Any, losses: Any) -> None:
         """Losses do not change a uniform plan; they are accepted and dropped."""
 
+    def close(self, *, release_store: bool = True) -> None:
+        """Nothing to release."""
+
     def stats(self) -> dict[str, Any]:
         return {"sampler": self.name, "seed": self.seed}
 

@@ -50,6 +50,8 @@ STATE_FILE = "cluster.json"
 _HEALTH_PATH = "/api/gcs_healthz"  # public: answers without a token
 _HEALTH_PATH_AGENT = "/api/healthz"  # the head's dashboard agent, which runs submitted jobs
 _START_DONE = "will now block forever"  # what `ray start --block` prints once the node is up
+# Processes left once `ray start` has exited are orphans of a dead head: SIGKILL them sooner.
+DEFAULT_STRAGGLER_GRACE_S = 3.0
 # `ray start` attempts before `start` gives up.
 DEFAULT_START_ATTEMPTS = 2
 _VERSION_PATH = "/api/version"  # needs the token when auth is on
@@ -329,7 +331,8 @@ def stop(cluster: LocalCluster | None = None, *,
             time.sleep(0.1)
     stragglers = marked_pids(cluster.cluster_id)  # workers, job drivers (own sessions)
     _signal_all(stragglers, signal.SIGTERM)
-    _signal_all(_wait_gone(cluster.cluster_id, grace_s), signal.SIGKILL)
+    _signal_all(_wait_gone(cluster.cluster_id, min(grace_s, DEFAULT_STRAGGLER_GRACE_S)),
+                signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(cluster.pid, os.WNOHANG)  # reap it when this process started it
     _wait_gone(cluster.cluster_id, grace_s)

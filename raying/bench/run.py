@@ -7,7 +7,7 @@ The protocol of DESIGN.md section 4, in one command and one run:
    (:mod:`raying.bench.child`; ``--isolate peer`` groups a peer's workloads into one process, as
    ``--quick`` does to save start-ups), peers interleaved round-robin and rotated each round.
    The orchestrator watches each child's process tree from outside for CPU-seconds and peak
-   PSS (:mod:`raying.bench.measure`). Each measurement runs every (batch size, consumer mode)
+   PSS (:mod:`raying.bench.launch`, :mod:`raying.bench.measure`). Each measurement runs every (batch size, consumer mode)
    cell with a fresh loader and ``--epochs`` epochs; the first is the cold epoch.
 3. Medians over rounds, ratios to the limit and to the best peer, issue 4's targets
    (:mod:`raying.bench.aggregate`); ``bench.json``, ``bench.png`` and a console table in
@@ -26,17 +26,14 @@ import hashlib
 import json
 import os
 import platform
-import selectors
-import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from raying.bench import aggregate, measure, report
+from raying.bench import aggregate, report
 from raying.bench.child import PEER_NEEDS, PEER_WORKLOADS, PEERS, REFERENCE_PEERS
+from raying.bench.launch import Job, run_job
 from raying.bench.workloads import ALL_WORKLOADS, QUICK_W1_IMAGES, QUICK_W2_IMAGES, Sizes
 from raying.errors import ConfigError
 
@@ -54,8 +51,6 @@ DEFAULT_SLEEP_MS_PER_IMAGE = 0.25
 DEFAULT_WORK_MS_PER_IMAGE = 0.25
 DEFAULT_JOB_TIMEOUT_S = 1800.0
 QUICK_JOB_TIMEOUT_S = 300.0
-# After a measurement exits, how long its descendants (Ray's processes) may take to go.
-LEFTOVER_GRACE_S = 15.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,20 +141,6 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
 
 
 # -- the plan ------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class Job:
-    """One child process: a peer, a round, the cells it runs."""
-
-    round: int
-    peer: str
-    workloads: tuple[str, ...]
-    cells: list[dict[str, Any]]
-
-    @property
-    def tag(self) -> str:
-        return f"r{self.round}-{self.peer}-{'+'.join(self.workloads)}"
-
-
 def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
     """Rounds of jobs: workloads in order, peers rotated by one place every round.
 
@@ -209,144 +190,6 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
                     jobs.append(Job(r, p, wls, cells(p, wls)))
         rounds.append(jobs)
     return rounds
-
-
-# -- one measurement -----------------------------------------------------------------------------
-def _py_spy_dump(pids: list[int]) -> str:
-    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if not os.path.exists(exe):
-        return "(py-spy not found)"
-    out = []
-    for pid in pids:
-        try:
-            res = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True,
-                                 text=True, timeout=30)
-            out.append(res.stdout or res.stderr)
-        except (OSError, subprocess.SubprocessError) as exc:
-            out.append(f"py-spy dump {pid}: {exc}")
-    return "\n".join(out)
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def run_job(job: Job, cfg: BenchConfig, spec_extra: dict[str, Any], logs: str,
-            say) -> dict[str, Any]:
-    """Run one child, watch its tree, and return its raw result with CPU and memory added."""
-    spec = {"peer": job.peer, "cells": job.cells, "epochs": cfg.epochs, "cores": cfg.cores,
-            "seed": cfg.seed + 1000 * job.round, **spec_extra}
-    base = os.path.join(logs, job.tag)
-    with open(base + ".spec.json", "w") as fh:
-        json.dump(spec, fh)
-    result_path = base + ".result.json"
-    if os.path.exists(result_path):
-        os.remove(result_path)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
-               RAY_USAGE_STATS_ENABLED="0")
-    env.pop("RAY_ADDRESS", None)  # every Ray peer starts its own local Ray
-    read_fd, write_fd = os.pipe()
-    load_before = os.getloadavg()
-    t0 = time.monotonic()
-    with open(base + ".log", "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "raying.bench.child", base + ".spec.json", result_path,
-             str(write_fd)], pass_fds=(write_fd,), stdout=log, stderr=subprocess.STDOUT,
-            env=env)
-    os.close(write_fd)
-    watch = measure.TreeWatch(proc.pid).start()
-    timed_out = False
-    sel = selectors.DefaultSelector()
-    sel.register(read_fd, selectors.EVENT_READ)
-    deadline = t0 + cfg.timeout_s
-    pending = b""
-    try:
-        while True:
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            if not sel.select(timeout=1.0):
-                if proc.poll() is not None:
-                    break
-                continue
-            # Unbuffered: every complete line is handled as soon as it arrives, so a mark's
-            # CPU reading is taken when the child sent it, not when the next line comes.
-            chunk = os.read(read_fd, 1 << 16)
-            if not chunk:
-                break
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                msg = json.loads(line)
-                if "mark" in msg:
-                    watch.mark(msg["mark"])
-                if "phase" in msg:
-                    watch.phase(msg["phase"])
-                if "say" in msg:
-                    say(msg["say"])
-    finally:
-        sel.close()
-        os.close(read_fd)
-    if timed_out:
-        pids = measure.alive(watch.known_pids())
-        dump = _py_spy_dump(pids[:6])
-        with open(base + ".log", "a") as log:
-            log.write(f"\n--- timed out after {cfg.timeout_s:.0f} s; py-spy dump ---\n{dump}\n")
-        _kill(pids)
-        say(f"  TIMEOUT after {cfg.timeout_s:.0f} s (py-spy dump in {base}.log)")
-    rc = proc.wait()
-    watch.mark("exit")
-    watch.stop()
-    seconds = time.monotonic() - t0
-    leftovers = _reap(watch.known_pids(), proc.pid)
-    try:
-        with open(result_path) as fh:
-            result = json.load(fh)
-    except (OSError, ValueError):
-        result = {"peer": job.peer, "cells": []}
-    done = len(result["cells"])
-    if rc != 0 or timed_out or done < len(job.cells):
-        tail = _tail(base + ".log")
-        why = "timed out" if timed_out else f"exit code {rc}"
-        say(f"  measurement {job.tag} {why}; {done}/{len(job.cells)} cells done. Log tail:\n"
-            + tail)
-        for cell in job.cells[done:]:
-            result["cells"].append({**cell, "epochs": [], "errors": [f"not run: child {why}"]})
-    for k, cell in enumerate(result["cells"]):
-        cell["cpu_steady_s"] = watch.cpu_between(f"{k}.e0.end", f"{k}.e{cfg.epochs - 1}.end")
-        cell["cpu_all_s"] = watch.cpu_between(f"{k}.open", f"{k}.e{cfg.epochs - 1}.end")
-        cell["peak_pss_mb"] = watch.phase_peaks.get(str(k))
-    result.update({"round": job.round, "peer": job.peer, "workloads": list(job.workloads),
-                   "tag": job.tag, "returncode": rc, "timed_out": timed_out,
-                   "seconds": round(seconds, 2), "log": base + ".log",
-                   "tree": measure.summary(watch), "leftover_pids": leftovers,
-                   "startup_pss_mb": watch.phase_peaks.get("start"),
-                   "cpu_start_s": watch.cpu_between("start.begin", "start.end"),
-                   "loadavg_before": load_before, "loadavg_after": os.getloadavg()})
-    return result
-
-
-def _reap(known: list[tuple[int, int]], root: int) -> list[int]:
-    """Wait for the child's descendants to exit; kill (by pid) those still there after grace."""
-    others = [p for p in known if p[0] != root]
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
-    while measure.alive(others) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = measure.alive(others)
-    _kill(left)
-    return left
-
-
-def _tail(path: str, lines: int = 25) -> str:
-    try:
-        with open(path, errors="replace") as fh:
-            return "".join(fh.readlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def missing_peers(peers: tuple[str, ...]) -> dict[str, str]:
@@ -445,7 +288,8 @@ def main(ns: argparse.Namespace) -> int:
             n += 1
             say(f"[round {job.round + 1}/{cfg.rounds} | {n}/{total}] {'+'.join(job.workloads)} "
                 f"{job.peer}: {len(job.cells)} cell(s)")
-            res = run_job(job, cfg, spec_extra, logs, say)
+            res = run_job(job, epochs=cfg.epochs, cores=cfg.cores, seed=cfg.seed,
+                          timeout_s=cfg.timeout_s, spec_extra=spec_extra, logs=logs, say=say)
             start = res.get("start", {})
             if start.get("ray_start_s") is not None:
                 say(f"  ray start-up {start['ray_start_s']:.1f} s (not in any ttfb)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -119,94 +118,9 @@ def manifest(args: argparse.Namespace):
     return raying.Manifest.scan(uri, storage=storage_options(args))
 
 
-class _DatasetView:
-    """What ``raying.datasource.build_dataset`` reads of a pipeline, without its locks.
-
-    TEMPORARY: ``build_dataset``'s datasource closes over the whole Pipeline (for its name),
-    and a Pipeline holds thread locks, so Ray Train cannot ship ``pipe.dataset(e)`` to its
-    controller. Until the datasource stops capturing ``pipe``, jobs build the dataset from
-    this view and then strip it to the one field the closure still reads.
-    """
-
-    def __init__(self, pipe: Any, epoch: int) -> None:
-        self._plan = pipe.plan(epoch)  # binds the sampler (and its store) first
-        self.manifest = pipe.manifest
-        self.transform = pipe.transform
-        self.sampler = pipe.sampler
-        self._spec = pipe._spec
-        self._accounts_actor = getattr(pipe, "_accounts_actor", None)
-
-    def plan(self, epoch: int) -> Any:
-        return self._plan
-
-
 def train_dataset(pipe: Any, epoch: int):
-    """``pipe.dataset(epoch)`` in a form Ray Train can pickle (see ``_DatasetView``)."""
-    import types
-
-    import ray
-
-    from raying.datasource import build_dataset
-    from raying.pipeline import ensure_ray
-
-    ds = pipe.dataset(epoch)
-    try:
-        ray.cloudpickle.dumps(ds)
-        return ds
-    except TypeError:
-        pass
-    ensure_ray()
-    view = _DatasetView(pipe, epoch)
-    ds = build_dataset(view, epoch)
-    pipe._accounts_actor = view._accounts_actor  # dataset_account(pipe) keeps working
-    view.__dict__ = {"manifest": types.SimpleNamespace(format=pipe.manifest.format)}
-    return ds
-
-
-# Ray gives the head node this resource (Ray Serve pins its controller with it too).
-HEAD_NODE_RESOURCE = "node:__internal_head__"
-
-
-def head_node_id() -> str | None:
-    """The id of the cluster's head node (None if Ray does not say)."""
-    import ray
-
-    for node in ray.nodes():
-        if node.get("Alive") and HEAD_NODE_RESOURCE in node.get("Resources", {}):
-            return node["NodeID"]
-    return None
-
-
-@contextlib.contextmanager
-def store_on_head():
-    """Priority stores created inside this block run on the head node.
-
-    The store is owned by the driver and the head is the one node the cluster cannot lose, so
-    the head adds no failure domain; left to Ray, a 0-CPU actor may land on a preemptible
-    trainer node and fall with it. The head is asked for by its resource (as Ray Serve pins its
-    controller), not its node id, so a restarted head is found again; Ray 2.60 does not keep
-    0-CPU actors on a node under *soft* node affinity (measured: 1 of 4 landed there).
-    TEMPORARY: until ``create_store`` takes actor options, this wraps its actor class.
-    """
-    from raying.sampling import store as st
-
-    original = st._actor_class
-    pin = {HEAD_NODE_RESOURCE: 0.001} if head_node_id() else {}
-
-    class _Placed:
-        def __init__(self) -> None:
-            self._cls = original()
-
-        def options(self, **kwargs: Any) -> Any:
-            if pin:
-                kwargs.setdefault("resources", pin)
-            return self._cls.options(**kwargs)
-
-    st._actor_class = _Placed
-    try:
-        yield
-    finally:
-        st._actor_class = original
+    """``pipe.dataset(epoch)`` for Ray Train (the dataset holds no reference to the pipeline)."""
+    return pipe.dataset(epoch)
 
 
 def ledger_actor():

@@ -86,12 +86,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=args.size), sampler=sampler,
                            config=raying.PipelineConfig(block_rows=args.block_rows,
                                                         spread=True, name=args.name))
-    with _common.store_on_head():
-        if pipe.store_name is not None:
-            handle, target = st.get_store(pipe.store_name), pipe
-        else:  # uniform reads; the losses still go to a store, for a later prioritized run
-            handle = st.create_store(f"{pipe.name}-priorities", len(m), config=store_cfg)
-            target = handle.name
+    if pipe.store_name is not None:
+        handle, target = st.get_store(pipe.store_name), pipe
+    else:  # uniform reads; the losses still go to a store, for a later prioritized run
+        handle = st.create_store(f"{pipe.name}-priorities", len(m), config=store_cfg)
+        target = handle.name
     keras.utils.set_random_seed(args.seed)
     model = rk.FeedbackModel(_model(keras, max(len(m.classes or []), 2), args.size), target)
     model.compile(optimizer=keras.optimizers.Adam(args.lr),

@@ -200,11 +200,10 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=args.size), sampler=sampler,
                            config=raying.PipelineConfig(block_rows=args.block_rows,
                                                         spread=args.spread, name=args.name))
-    with _common.store_on_head():
-        if pipe.store_name is not None:
-            handle = st.get_store(pipe.store_name)
-        else:  # uniform reads, but the losses are kept: a later prioritized run uses them
-            handle = st.create_store(f"{pipe.name}-priorities", len(m), config=store_cfg)
+    if pipe.store_name is not None:
+        handle = st.get_store(pipe.store_name)
+    else:  # uniform reads, but the losses are kept: a later prioritized run uses them
+        handle = st.create_store(f"{pipe.name}-priorities", len(m), config=store_cfg)
     datasets = {f"epoch_{e}": _common.train_dataset(pipe, e) for e in range(args.epochs)}
     ledger = _common.ledger_actor()
     resources: dict[str, float] = {"CPU": args.cpus_per_worker}
@@ -231,6 +230,9 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     fit_s = time.perf_counter() - t_fit
     records = ray.get(ledger.all.remote())
     coverage = _common.epoch_coverage(records, len(m))
+    from raying.datasource import dataset_account
+
+    reads = dataset_account(pipe) or {}
     summary = {
         "job": "train_torch", "samples": len(m), "sampler": args.sampler,
         "workers": args.num_workers,
@@ -238,6 +240,8 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
         "epochs": coverage,
         "final_loss": coverage[max(coverage)]["loss"] if coverage else None,
         "store": _common.store_summary(handle),
+        "decode_rows_by_node": reads.get("rows_by_node", {}),
+        "skipped": reads.get("skipped_count", 0),
         "credentials": _common.credentials_source(),
         "fit_s": round(fit_s, 2), "wall_s": round(time.perf_counter() - t0, 2),
     }

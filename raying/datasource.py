@@ -10,6 +10,11 @@ from raying.plan import ManifestLookup, ReadUnit
 from raying.reader import ReadSpec, empty_block, run_unit
 
 
+# Ray options that read_datasource takes by name (ray_remote_args is deprecated in 2.60).
+_READ_ARG_NAMES = ("num_cpus", "num_gpus", "memory", "resources", "label_selector",
+                   "accelerator_type", "runtime_env", "max_calls")
+
+
 def _account_actor_cls():
     import ray
 
@@ -53,18 +58,25 @@ def build_dataset(pipe: Any, epoch: int):
     from ray.data.datasource import Datasource, ReadTask
 
     plan = pipe.plan(epoch)
-    spec_ref = ray.put(pipe._spec)
-    lookup_ref = ray.put(ManifestLookup(pipe.manifest))
-    if getattr(pipe, "_accounts_actor", None) is None:
-        pipe._accounts_actor = _account_actor_cls().remote()
-    accounts = pipe._accounts_actor
+    refs = getattr(pipe, "_dataset_refs", None)
+    if refs is None:  # once per pipeline: the spec and the per-id lookup
+        refs = (ray.put(pipe._spec), ray.put(ManifestLookup(pipe.manifest)),
+                _account_actor_cls().remote())
+        pipe._dataset_refs = refs
+    spec_ref, lookup_ref, accounts = refs
     size = pipe.transform.size
     sampler = pipe.sampler
     units = plan.units
+    name = f"Raying({pipe.manifest.format})"
+    # Ray Data spreads read tasks over nodes by default; other options go by name.
+    remote_args = {k: v for k, v in (pipe.config.ray_remote_args or {}).items()
+                   if k in _READ_ARG_NAMES}
+    # Nothing below may close over ``pipe``: Ray Train pickles the dataset, and a Pipeline
+    # holds locks and threads.
 
     class _PlanDatasource(Datasource):
         def get_name(self) -> str:
-            return f"Raying({pipe.manifest.format})"
+            return name
 
         def estimate_inmemory_data_size(self) -> int:
             return int(plan.num_rows * size * size * 3)
@@ -79,17 +91,18 @@ def build_dataset(pipe: Any, epoch: int):
                 tasks.append(ReadTask(fn, meta))
             return tasks
 
-    return ray.data.read_datasource(_PlanDatasource(), override_num_blocks=max(1, len(units)))
+    return ray.data.read_datasource(_PlanDatasource(), override_num_blocks=max(1, len(units)),
+                                    **remote_args)
 
 
 def dataset_account(pipe: Any) -> dict[str, Any] | None:
     """The account of reads run by Ray Data for ``pipe`` (None if it made no dataset)."""
     import ray
 
-    actor = getattr(pipe, "_accounts_actor", None)
-    if actor is None:
+    refs = getattr(pipe, "_dataset_refs", None)
+    if refs is None:
         return None
-    return ray.get(actor.summary.remote())
+    return ray.get(refs[2].summary.remote())
 
 
 

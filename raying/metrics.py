@@ -33,6 +33,7 @@ class RunAccount:
         self.skip_events = 0
         self.retries = 0
         self.io: dict[str, int] = {}
+        self.rows_by_node: dict[str, int] = {}
         self._iter_s = 0.0  # wall seconds spent inside iteration loops (stall share's base)
         self._logged = 0
         self.stall = [0.0]  # seconds the consumer waited for a batch (shared with prefetch)
@@ -91,6 +92,9 @@ class RunAccount:
             self.read_s += account.get("read_s", 0.0)
             self.decode_s += account.get("decode_s", 0.0)
             self.retries += account.get("retries", 0)
+            node = account.get("node")
+            if node is not None:
+                self.rows_by_node[node] = self.rows_by_node.get(node, 0) + account["rows_out"]
             for key, value in account.get("io", {}).items():
                 self.io[key] = self.io.get(key, 0) + value
             for sid, path, reason, detail in account.get("skipped", ()):
@@ -146,6 +150,7 @@ class RunAccount:
                 "skip_events": self.skip_events,
                 "read_retries": self.retries,
                 "io": dict(self.io),
+                "rows_by_node": dict(self.rows_by_node),
                 "skipped_by_reason": dict(self.skipped_by_reason),
                 "skipped": list(self.skipped),
             }

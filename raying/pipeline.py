@@ -51,6 +51,8 @@ class PipelineConfig:
         spread: spread read tasks over nodes (``SPREAD``) instead of packing them.
         name: names the pipeline's actors (priority store); default a fresh id.
         max_image_pixels: images claiming more pixels are set aside as decompression bombs.
+        ray_remote_args: extra Ray options of the read tasks, fast path and ``dataset()``
+            alike, e.g. ``{"resources": {"ingest": 0.01}}`` to keep decode on ingest nodes.
         io: read planning and the tiered cache (issue 5): a ``raying.io.options.IOConfig`` or
             a dict of its fields; None reads every file directly (see docs/io.md).
     """
@@ -62,6 +64,7 @@ class PipelineConfig:
     spread: bool = False
     name: str | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    ray_remote_args: dict[str, Any] | None = None
     io: Any = None  # issue 5: IOConfig | dict | None, passed to ReadSpec
 
     def __post_init__(self) -> None:
@@ -159,6 +162,7 @@ class Pipeline:
             opts: dict[str, Any] = {"num_cpus": self.config.task_num_cpus}
             if self.config.spread:
                 opts["scheduling_strategy"] = "SPREAD"
+            opts.update(self.config.ray_remote_args or {})
             self._stream = BlockStream(self._spec, make_plan=self.plan, fill=self._fill,
                                        window=window, keep_warm=self.config.keep_warm,
                                        task_options=opts)

@@ -111,11 +111,21 @@ def run_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     }
     if unit.skip_rows:
         block = {k: v[unit.skip_rows:] for k, v in block.items()}
-    account = {"epoch": unit.epoch, "unit": unit.index, "rows_in": len(ids),
+    account = {"epoch": unit.epoch, "unit": unit.index, "rows_in": len(ids), "node": _node_id(),
                "rows_out": len(block["id"]), "skipped": skipped, "bytes_read": int(nbytes),
                "read_s": t1 - t0, "decode_s": time.perf_counter() - t1}
     account.update(io_account)  # issue 5
     return block, account
+
+
+def _node_id() -> str | None:
+    """The Ray node this read ran on (None outside Ray), for where-decode-ran accounts."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()
 
 
 def _or_default(values: np.ndarray | None, n: int, fill: float, dtype) -> np.ndarray:

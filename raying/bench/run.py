@@ -264,6 +264,7 @@ def main(ns: argparse.Namespace) -> int:
     os.makedirs(logs, exist_ok=True)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t_run = time.monotonic()
+    host = _host(cfg.cores)
     say(f"raying bench: {cfg.cores} cores, workloads {','.join(cfg.workloads)}, peers "
         f"{','.join(cfg.peers)}, {cfg.rounds} round(s) x {cfg.epochs} epochs, batch "
         f"{','.join(map(str, cfg.batch_sizes))}, modes {','.join(cfg.modes)}; data in {cfg.data}")
@@ -294,10 +295,12 @@ def main(ns: argparse.Namespace) -> int:
             if start.get("ray_start_s") is not None:
                 say(f"  ray start-up {start['ray_start_s']:.1f} s (not in any ttfb)")
             runs.append(res)
+            # What has run so far survives an interrupted or crashed run.
+            report.write_json({"config": dataclasses.asdict(cfg), "runs": runs},
+                              os.path.join(cfg.out, "bench.partial.json"))
     wl_dicts = {k: v.to_dict() for k, v in wls.items()}
     rows = aggregate.combine(runs, wl_dicts, cfg.epochs)
     checks = aggregate.targets(rows)
-    host = _host(cfg.cores)
     doc: dict[str, Any] = {
         "version": 1, "started": started, "seconds": round(time.monotonic() - t_run, 1),
         "command": " ".join(sys.argv), "host": host,
@@ -313,6 +316,9 @@ def main(ns: argparse.Namespace) -> int:
     json_path = os.path.join(cfg.out, "bench.json")
     png_path = os.path.join(cfg.out, "bench.png")
     report.write_json(doc, json_path)
+    partial = os.path.join(cfg.out, "bench.partial.json")
+    if os.path.exists(partial):
+        os.remove(partial)
     report.chart(rows, png_path, f"raying bench, {cfg.cores} cores, {started}, median of "
                                  f"{cfg.rounds} round(s)")
     if quiet:

@@ -49,6 +49,10 @@ class StoreConfig:
         shard_rows: ids per actor; a larger store shards by id range.
         storage: StorageOptions (or a dict) for the snapshot URI.
         restore: restore from an existing snapshot at creation (restarts always do).
+        actor_options: extra Ray options of the store's actors. By default they ask for a
+            sliver of the head node's resource (``node:__internal_head__``), so the store
+            lives on the node the cluster cannot lose, apart from trainers and decode
+            workers, and comes back there when restarted; ``{}`` lets Ray place it.
     """
 
     coalesce: str = "last"
@@ -60,6 +64,7 @@ class StoreConfig:
     shard_rows: int = DEFAULT_STORE_SHARD_ROWS
     storage: StorageOptions | Mapping[str, Any] | None = None
     restore: bool = True
+    actor_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.coalesce not in COALESCE_MODES:

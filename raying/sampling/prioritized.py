@@ -100,6 +100,8 @@ class PrioritizedSampler:
         self._lock = threading.Lock()
         self._n = 0
         self._created = False
+        self._copy = False
+        self._shuffle = np.random.default_rng()
 
     # -- picklable for Ray Data read tasks (the handle travels; buffers stay behind) -----------
     def __getstate__(self) -> dict[str, Any]:
@@ -110,6 +112,9 @@ class PrioritizedSampler:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        # A copy inside a Ray Data read task fills one unit: it draws just that many ids.
+        self._copy = True
+        self._shuffle = np.random.default_rng()  # fresh entropy, not the pickled state
 
     def __repr__(self) -> str:
         return (f"PrioritizedSampler(alpha={self.alpha}, beta={self.beta}, "
@@ -154,14 +159,15 @@ class PrioritizedSampler:
     def _draw(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         from raying.sampling import store as st
 
-        chunk = max(DEFAULT_PLAN_CHUNK_IDS, k)
+        chunk = k if self._copy else max(DEFAULT_PLAN_CHUNK_IDS, k)
         if self._starts is not None:
             plan = st.sample_grouped_plan(self.handle, chunk, self._starts, self.rows_per_group)
             order = np.argsort(plan.ids, kind="stable")  # group draws by row group
         else:
             plan = st.sample_plan(self.handle, chunk, systematic=self.systematic)
             # A systematic plan comes sorted by id; shuffle it so each unit is a random part.
-            order = np.random.default_rng(int(plan.ids.sum()) + chunk).permutation(chunk)
+            # Fresh entropy: copies in read tasks must not share a shuffle (or their ids).
+            order = self._shuffle.permutation(chunk)
         ids, probs = plan.ids[order], plan.probs[order]
         return ids, probs, plan.weights(self.beta).astype(np.float32)[order]
 

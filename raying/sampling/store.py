@@ -89,6 +89,23 @@ def _get(refs: Any, what: str, name: str, timeout_s: float = DEFAULT_STORE_CALL_
         raise StoreTimeoutError(msg) from None
 
 
+# Ray gives the head node this resource (Ray Serve pins its controller with it too).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+def _placement(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The store's actor options: the caller's, or a pin to the head node when there is one.
+
+    Soft node affinity does not hold 0-CPU actors in Ray 2.60 (measured: 1 of 4 landed on the
+    target node), so the head is asked for by its resource.
+    """
+    if options is not None:
+        return dict(options)
+    has_head = any(node.get("Alive") and HEAD_NODE_RESOURCE in node.get("Resources", {})
+                   for node in ray.nodes())
+    return {"resources": {HEAD_NODE_RESOURCE: 0.001}} if has_head else {}
+
+
 def _shard_name(name: str, shard: int) -> str:
     return name if shard == 0 else f"{name}.shard-{shard:05d}"
 
@@ -142,11 +159,12 @@ def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | 
                "snapshot_interval_s": cfg.snapshot_interval_s, "storage": cfg.storage,
                "restore": cfg.restore}
     actors = []
+    placement = _placement(cfg.actor_options)
     for shard, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         path = None if directory is None else f"{directory}/{name}.shard-{shard:05d}.npz"
         actor = _actor_class().options(
             name=_shard_name(name, shard), namespace=namespace, num_cpus=0, max_restarts=-1,
-            max_task_retries=DEFAULT_STORE_TASK_RETRIES,
+            max_task_retries=DEFAULT_STORE_TASK_RETRIES, **placement,
         ).remote(_shard_name(name, shard), lo, hi - lo, dataclasses.asdict(table_cfg),
                  options, path, layout)
         actors.append(actor)

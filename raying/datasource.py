@@ -7,7 +7,7 @@ from typing import Any
 
 from raying.metrics import RunAccount
 from raying.plan import ManifestLookup, ReadUnit
-from raying.reader import ReadSpec, empty_block, run_unit
+from raying.reader import ReadSpec, empty_block, iter_unit
 
 
 # Ray options that read_datasource takes by name (ray_remote_args is deprecated in 2.60).
@@ -34,7 +34,8 @@ def _account_actor_cls():
     return _Accounts
 
 
-def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts: Any):
+def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts: Any,
+          block_rows: int):
     import ray
     from ray.data.block import BlockAccessor
 
@@ -43,12 +44,12 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
         unit = sampler.fill(unit)
     lookup: ManifestLookup = ray.get(lookup_ref)
     unit, paths = lookup.complete(unit)
-    block, account = run_unit(spec, unit, paths)
-    if accounts is not None:
-        accounts.add.remote(account)
-    if len(block["id"]) == 0:
-        block = empty_block(spec.transform.size)
-    yield BlockAccessor.batch_to_block(block)
+    for block, account in iter_unit(spec, unit, paths, block_rows=block_rows):
+        if accounts is not None:
+            accounts.add.remote(account)
+        if len(block["id"]) == 0:
+            block = empty_block(spec.transform.size)
+        yield BlockAccessor.batch_to_block(block)
 
 
 def build_dataset(pipe: Any, epoch: int):
@@ -68,6 +69,7 @@ def build_dataset(pipe: Any, epoch: int):
     sampler = pipe.sampler
     units = plan.units
     name = f"Raying({pipe.manifest.format})"
+    block_rows = pipe.block_rows()
     # Ray Data spreads read tasks over nodes by default; other options go by name.
     remote_args = {k: v for k, v in (pipe.config.ray_remote_args or {}).items()
                    if k in _READ_ARG_NAMES}
@@ -87,7 +89,8 @@ def build_dataset(pipe: Any, epoch: int):
             for unit in units:
                 meta = BlockMetadata(num_rows=None, size_bytes=int(unit.num_rows * size * size * 3),
                                      exec_stats=None, input_files=None)
-                fn = functools.partial(_read, spec_ref, unit, lookup_ref, sampler, accounts)
+                fn = functools.partial(_read, spec_ref, unit, lookup_ref, sampler, accounts,
+                                       block_rows)
                 tasks.append(ReadTask(fn, meta))
             return tasks
 

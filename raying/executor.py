@@ -25,7 +25,7 @@ import numpy as np
 
 from raying.errors import RayingError
 from raying.plan import EpochPlan, ReadUnit
-from raying.reader import ReadSpec, run_unit
+from raying.reader import ReadSpec, iter_unit
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +35,13 @@ DEFAULT_TASK_MAX_RETRIES = 8
 _remote_fn = None
 
 
-def read_task(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None):
-    """The read task: a unit's block and account (its return is copied to the object store)."""
-    return run_unit(spec, unit, paths, reuse_output=True)
+def read_task(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None, block_rows: int):
+    """The read task: a generator of (block, account), one per ``block_rows`` rows.
+
+    Each yielded value is copied into the object store before the generator resumes, so the
+    worker's output buffer is reused from block to block.
+    """
+    yield from iter_unit(spec, unit, paths, block_rows=block_rows, reuse_output=True)
 
 
 def _remote():
@@ -63,7 +67,7 @@ class BlockStream:
 
     def __init__(self, spec: ReadSpec, *, make_plan: Callable[[int], EpochPlan],
                  fill: Callable[[ReadUnit], tuple[ReadUnit, list[str] | None]],
-                 window: int, keep_warm: bool = True,
+                 window: int, block_rows: int, keep_warm: bool = True,
                  task_options: dict[str, Any] | None = None) -> None:
         import ray
 
@@ -72,7 +76,12 @@ class BlockStream:
         self._fill = fill
         self._window = max(1, int(window))
         self._keep_warm = keep_warm
+        self._block_rows = int(block_rows)
         self._options = {"num_cpus": 1, "max_retries": DEFAULT_TASK_MAX_RETRIES,
+                         # No generator backpressure: a paused generator keeps its CPU, and
+                         # one nobody consumes (a pipeline dropped mid-epoch) would starve the
+                         # next pipeline's reads. The window bounds memory instead.
+                         "num_returns": "streaming",
                          **(task_options or {})}
         # (epoch, unit index) -> ObjectRef of (block, account), in submission order.
         self._inflight: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
@@ -83,7 +92,8 @@ class BlockStream:
     # -- submission ----------------------------------------------------------------------------
     def _submit(self, unit: ReadUnit) -> None:
         unit, paths = self._fill(unit)
-        ref = _remote().options(**self._options).remote(self._spec_ref, unit, paths)
+        ref = _remote().options(**self._options).remote(self._spec_ref, unit, paths,
+                                                         self._block_rows)
         self._inflight[(unit.epoch, unit.index)] = ref
 
     def _top_up(self) -> None:
@@ -119,8 +129,9 @@ class BlockStream:
     # -- consumption ---------------------------------------------------------------------------
     def iter_epoch(self, epoch: int, *, start_unit: int = 0, skip_rows: int = 0,
                    on_account: Callable[[dict[str, Any]], None] | None = None
-                   ) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
-        """Yield ``(unit index, block)`` for the units of ``epoch`` from ``start_unit`` on."""
+                   ) -> Iterator[tuple[int, dict[str, np.ndarray], bool]]:
+        """Yield ``(unit index, block, last block of the unit)`` for the units of ``epoch``
+        from ``start_unit`` on; a unit yields one block per ``block_rows`` rows, in order."""
         import ray
 
         plan = self._start(epoch, start_unit, skip_rows)
@@ -133,18 +144,19 @@ class BlockStream:
             if ref is None:  # a unit the window has not reached (should not happen)
                 self._top_up()
                 ref = self._inflight.pop(key)
-            try:
-                block, account = ray.get(ref)
-            except ray.exceptions.RayTaskError as exc:
-                self.cancel()
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, RayingError):
-                    raise cause from None
-                raise
-            if on_account is not None:
-                on_account(account)
+            for part in ref:
+                try:
+                    block, account = ray.get(part)
+                except ray.exceptions.RayTaskError as exc:
+                    self.cancel()
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, RayingError):
+                        raise cause from None
+                    raise
+                if on_account is not None:
+                    on_account(account)
+                yield index, block, bool(account.get("final", True))
             self._top_up()
-            yield index, block
             index += 1
 
     def cancel(self) -> None:

@@ -95,8 +95,9 @@ class RunAccount:
             node = account.get("node")
             if node is not None:
                 self.rows_by_node[node] = self.rows_by_node.get(node, 0) + account["rows_out"]
-            for key, value in account.get("io", {}).items():
-                self.io[key] = self.io.get(key, 0) + value
+            for key, value in account.items():
+                if key.startswith(("io_", "cache_")) and isinstance(value, (int, float)):
+                    self.io[key] = self.io.get(key, 0) + value
             for sid, path, reason, detail in account.get("skipped", ()):
                 self.skip_events += 1
                 if int(sid) in self._skipped_ids:
@@ -149,8 +150,18 @@ class RunAccount:
                 "skipped_count": sum(self.skipped_by_reason.values()),
                 "skip_events": self.skip_events,
                 "read_retries": self.retries,
-                "io": dict(self.io),
+                "io": _io_summary(self.io),
                 "rows_by_node": dict(self.rows_by_node),
                 "skipped_by_reason": dict(self.skipped_by_reason),
                 "skipped": list(self.skipped),
             }
+
+
+def _io_summary(totals: dict[str, int]) -> dict[str, Any]:
+    """Read amplification and cache hit ratios from the summed io_*/cache_* counters."""
+    from raying.io.fetch import summarize
+
+    out = summarize(totals)
+    if not totals.get("cache_lookups"):  # no cache configured: leave out the empty ratios
+        out = {k: v for k, v in out.items() if not k.startswith("cache_")}
+    return out

@@ -37,6 +37,8 @@ from raying.transforms import ImageTransform
 
 logger = logging.getLogger(__name__)
 _ON_ERROR = ("skip", "raise")
+# Smallest block a small epoch is cut into (below it, per-task costs dominate).
+MIN_BLOCK_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +142,14 @@ class Pipeline:
     def plan(self, epoch: int) -> EpochPlan:
         """The explicit plan of ``epoch`` (units of ids; prioritized units are drawn later)."""
         self._bind()
-        return self.sampler.plan(self.manifest, int(epoch), block_rows=self.config.block_rows)
+        return self.sampler.plan(self.manifest, int(epoch), block_rows=self.block_rows())
+
+    def block_rows(self) -> int:
+        """Rows per read task (and per block): ``config.block_rows``, smaller for small epochs
+        so that even they spread over at least ~16 tasks. It depends only on the dataset, so
+        a resumed run cuts its epochs the same way on any cluster."""
+        rows = getattr(self.sampler, "samples_per_epoch", None) or len(self.manifest)
+        return max(1, min(self.config.block_rows, max(MIN_BLOCK_ROWS, -(-rows // 16))))
 
     def _fill(self, unit: ReadUnit) -> tuple[ReadUnit, list[str] | None]:
         if self._lookup is None:
@@ -164,8 +173,8 @@ class Pipeline:
                 opts["scheduling_strategy"] = "SPREAD"
             opts.update(self.config.ray_remote_args or {})
             self._stream = BlockStream(self._spec, make_plan=self.plan, fill=self._fill,
-                                       window=window, keep_warm=self.config.keep_warm,
-                                       task_options=opts)
+                                       window=window, block_rows=self.block_rows(),
+                                       keep_warm=self.config.keep_warm, task_options=opts)
         return self._stream
 
     # -- iteration -----------------------------------------------------------------------------
@@ -188,15 +197,15 @@ class Pipeline:
         if self._resume is not None and self._resume[0] == epoch:
             _, start_unit, skip, base = self._resume
         self._resume = None
-        units: list[tuple[int, int, int]] = []
+        units: list[tuple[int, int, int, bool]] = []
         self._cursor = {"epoch": int(epoch), "units": units, "delivered": base, "base": base,
                         "start": (start_unit, skip)}
-        first = True
-        for index, block in stream.iter_epoch(int(epoch), start_unit=start_unit, skip_rows=skip,
-                                              on_account=self._on_account):
-            begin = skip if first else 0
-            first = False
-            units.append((index, begin, begin + len(block["id"])))
+        offset = {start_unit: skip}  # rows of each unit already accounted for
+        for index, block, last in stream.iter_epoch(int(epoch), start_unit=start_unit,
+                                                    skip_rows=skip, on_account=self._on_account):
+            begin = offset.get(index, 0)
+            offset[index] = begin + len(block["id"])
+            units.append((index, begin, begin + len(block["id"]), last))
             self.account.observe_block(int(epoch), block)
             yield block
         self.account.end_epoch(int(epoch))
@@ -318,6 +327,7 @@ class Pipeline:
             unit, row = _position(cur["units"], delivered - cur["base"],
                                   cur.get("start", (0, 0)))
         return {"version": 1, "epoch": epoch, "unit": unit, "row": row,
+                "block_rows": self.block_rows(),
                 "delivered": delivered, "sampler": self.sampler.state_dict(),
                 "fingerprint": self.manifest.fingerprint()}
 
@@ -327,6 +337,11 @@ class Pipeline:
             msg = ("state_dict was saved for a different dataset (manifest fingerprint "
                    f"{state.get('fingerprint')} != {self.manifest.fingerprint()}); rebuild the "
                    f"pipeline on the same manifest")
+            raise ConfigError(msg)
+        if state.get("block_rows", self.block_rows()) != self.block_rows():
+            msg = (f"state_dict was saved with block_rows={state.get('block_rows')} but this "
+                   f"pipeline cuts epochs into blocks of {self.block_rows()}; build it with "
+                   f"PipelineConfig(block_rows={state.get('block_rows')})")
             raise ConfigError(msg)
         self._bind()
         self.sampler.load_state_dict(state["sampler"])
@@ -357,15 +372,20 @@ class Pipeline:
                 f"transform={self.transform!r}, on_error={self.on_error!r})")
 
 
-def _position(units: list[tuple[int, int, int]], delivered: int,
+def _position(units: list[tuple[int, int, int, bool]], delivered: int,
               start: tuple[int, int] = (0, 0)) -> tuple[int, int]:
-    """(unit index, row within that unit's output) of the next undelivered row."""
+    """(unit index, row within that unit's output) of the next undelivered row.
+
+    ``units`` lists the blocks received so far: (unit index, first row, end row, whether it
+    was the unit's last block).
+    """
     left = delivered
-    for index, begin, end in units:
+    for index, begin, end, _ in units:
         if left < end - begin:
             return index, begin + left
         left -= end - begin
     if units:
-        return units[-1][0] + 1, 0
+        index, _, end, last = units[-1]
+        return (index + 1, 0) if last else (index, end)
     return start
 

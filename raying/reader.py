@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,7 @@ _out_buffer: np.ndarray | None = None
 
 
 def _output(n: int, size: int) -> np.ndarray:
-    """This process's reusable output array: written in place, no fresh pages per unit."""
+    """This process's reusable output array: written in place, no fresh pages per block."""
     global _out_buffer
     if _out_buffer is None or _out_buffer.shape[0] < n or _out_buffer.shape[1] != size:
         _out_buffer = np.empty((max(n, 1), size, size, 3), dtype=np.uint8)
@@ -66,56 +67,102 @@ def _output(n: int, size: int) -> np.ndarray:
 
 def run_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
              reuse_output: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Read, decode and augment one unit.
+    """Read, decode and augment one unit: its whole block and its account (see iter_unit)."""
+    parts = list(iter_unit(spec, unit, paths, block_rows=None, reuse_output=False))
+    blocks = [p[0] for p in parts]
+    block = blocks[0] if len(blocks) == 1 else {
+        k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+    return block, merge_accounts([p[1] for p in parts])
 
-    Returns the block (only the rows that decoded, in the unit's order) and the account of
-    the unit: rows in and out, every skipped sample with its reason, bytes read, seconds.
+
+def merge_accounts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One account from the accounts of a unit's sub-blocks."""
+    out = dict(parts[0])
+    for extra in parts[1:]:
+        for key, value in extra.items():
+            if key in ("rows_in", "rows_out", "bytes_read", "read_s", "decode_s") or (
+                    key.startswith(("io_", "cache_")) and isinstance(value, (int, float))):
+                out[key] = out.get(key, 0) + value
+            elif key == "skipped":
+                out[key] = list(out[key]) + list(value)
+        out["final"] = extra.get("final", False)
+    return out
+
+
+def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
+              block_rows: int | None = None, reuse_output: bool = False
+              ) -> Iterator[tuple[dict[str, np.ndarray], dict[str, Any]]]:
+    """Read one unit once, then decode and augment it ``block_rows`` rows at a time.
+
+    Yields ``(block, account)`` per sub-block, so the first rows reach the trainer while the
+    rest of a large unit (a window of Parquet row groups) still decodes. A block holds only
+    the rows that decoded, in the unit's order; its account has rows in and out, every skipped
+    sample with its reason, bytes read, seconds, and ``final=True`` on the unit's last block.
     Under ``on_error="raise"`` the first bad sample raises an error naming its file.
 
-    ``reuse_output=True`` writes the images into a buffer this process keeps between units;
-    only for callers that copy the block out before the next unit runs (a Ray task's return
-    value is copied into the object store when the task ends).
+    ``reuse_output=True`` writes the images into a buffer this process keeps between blocks;
+    only for callers that copy each block out before asking for the next (a Ray generator
+    task stores each yielded value in the object store before it resumes).
     """
-    out = _output(len(unit.ids), spec.transform.size) if reuse_output else None
     t0 = time.perf_counter()
     ids = np.asarray(unit.ids, dtype=np.int64)
+    n = len(ids)
+    step = max(1, block_rows or n)
     fs, root = _storage.resolve(spec.root, spec.storage)
     io_account: dict[str, int] = {}  # issue 5: io_*/cache_* counters (raying.io.fetch)
+    pixels = None
     if spec.fmt == "images":
         if paths is None:
             msg = "an image read unit needs the paths of its ids"
             raise DataError(msg)
         full = [f"{root.rstrip('/')}/{p}" for p in paths]
         datas, io_account = _io_fetch.read_samples(spec, fs, full, unit)  # issue 5
-        where = list(paths)
-        t1 = time.perf_counter()
+        where: list[str] | None = list(paths)
         nbytes = sum(len(d) for d in datas if isinstance(d, (bytes, bytearray, memoryview)))
-        result = _transform_encoded(spec, unit, ids, datas, where, out)
     else:
         datas, where, nbytes = _read_parquet_rows(spec, fs, root, unit, ids)
-        t1 = time.perf_counter()
         if spec.decoded is not None and not isinstance(datas, list):
-            result = _transform_decoded(spec, unit, ids, datas, out)
+            pixels = datas
+    read_s = time.perf_counter() - t0
+    if "io_bytes_fetched" not in io_account:  # read amplification of the plain read path
+        if pixels is not None:
+            delivered = n * int(np.prod(spec.decoded))
         else:
-            result = _transform_encoded(spec, unit, ids, datas, where, out)
-    images, ok, errors = result
-    skipped = [(int(e.sample_id), e.path or "", e.reason, e.detail) for e in errors]
-    if errors and spec.on_error == "raise":
-        raise errors[0]
-    block = {
-        "id": ids[ok],
-        "label": _or_default(unit.labels, len(ids), -1, np.int64)[ok],
-        "image": images,
-        "weight": _or_default(unit.weights, len(ids), 1.0, np.float32)[ok],
-        "prob": _or_default(unit.probs, len(ids), np.nan, np.float64)[ok],
-    }
-    if unit.skip_rows:
-        block = {k: v[unit.skip_rows:] for k, v in block.items()}
-    account = {"epoch": unit.epoch, "unit": unit.index, "rows_in": len(ids), "node": _node_id(),
-               "rows_out": len(block["id"]), "skipped": skipped, "bytes_read": int(nbytes),
-               "read_s": t1 - t0, "decode_s": time.perf_counter() - t1}
-    account.update(io_account)  # issue 5
-    return block, account
+            delivered = sum(len(d) for d in datas if isinstance(d, (bytes, bytearray, memoryview)))
+        io_account = {**io_account, "io_bytes_fetched": int(nbytes),
+                      "io_bytes_delivered": int(delivered)}
+    labels = _or_default(unit.labels, n, -1, np.int64)
+    weights = _or_default(unit.weights, n, 1.0, np.float32)
+    probs = _or_default(unit.probs, n, np.nan, np.float64)
+    skip = unit.skip_rows
+    for a in range(0, max(n, 1), step):
+        t1 = time.perf_counter()
+        b = min(n, a + step)
+        part = slice(a, b)
+        out = _output(b - a, spec.transform.size) if reuse_output else None
+        if pixels is not None:
+            images, ok, errors = _transform_decoded(spec, unit, ids[part], pixels[part], out)
+        else:
+            images, ok, errors = _transform_encoded(spec, unit, ids[part], datas[part],
+                                                    where[part], out)
+        if errors and spec.on_error == "raise":
+            raise errors[0]
+        block = {"id": ids[part][ok], "label": labels[part][ok], "image": images,
+                 "weight": weights[part][ok], "prob": probs[part][ok]}
+        if skip:
+            drop = min(skip, len(block["id"]))
+            block = {k: v[drop:] for k, v in block.items()}
+            skip -= drop
+        account = {"epoch": unit.epoch, "unit": unit.index, "rows_in": b - a,
+                   "node": _node_id(), "rows_out": len(block["id"]),
+                   "skipped": [(int(e.sample_id), e.path or "", e.reason, e.detail)
+                               for e in errors],
+                   "bytes_read": int(nbytes) if a == 0 else 0,
+                   "read_s": read_s if a == 0 else 0.0,
+                   "decode_s": time.perf_counter() - t1, "final": b >= n}
+        if a == 0:
+            account.update(io_account)  # issue 5
+        yield block, account
 
 
 def _node_id() -> str | None:
@@ -156,7 +203,22 @@ def _transform_encoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: l
     return res.images, ok, errors
 
 
-def _transform_decoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, pixels: np.ndarray,
+class _Rows:
+    """Rows ``pos`` of a (N, h, w, c) array as a sequence of views: no gather copy."""
+
+    def __init__(self, array: np.ndarray, pos: np.ndarray) -> None:
+        self.array, self.pos = array, pos
+
+    def __len__(self) -> int:
+        return len(self.pos)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return _Rows(self.array, self.pos[key])
+        return self.array[self.pos[key]]
+
+
+def _transform_decoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, pixels: Any,
                        out: np.ndarray | None = None):
     images = spec.transform.apply_decoded(pixels, ids, seed=spec.seed, epoch=unit.epoch,
                                           out=out)
@@ -217,7 +279,7 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
         h, w, c = spec.decoded
         buf = np.frombuffer(flat.buffers()[1], dtype=np.uint8)
         buf = buf[flat.offset * h * w * c:(flat.offset + len(flat)) * h * w * c]
-        return buf.reshape(len(flat), h, w, c)[pos], None, nbytes
+        return _Rows(buf.reshape(len(flat), h, w, c), pos), None, nbytes
     return _binary_views(values, pos), _row_locations(spec, unit, ids), nbytes
 
 

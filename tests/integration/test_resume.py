@@ -89,3 +89,28 @@ def test_prioritized_resume_keeps_priorities_and_count(manifest, ray_local):
     assert sum(len(f) for f in first) + len(rest) == 100
     assert (rest < 10).all(), "the restored priorities (only ids 0-9 > 0) drive the rest"
     b.close()
+
+
+@pytest.mark.parametrize("batches", [1, 2, 5])
+def test_parquet_resume_inside_a_multi_block_unit(image_folder, tmp_path_factory, ray_local,
+                                                  batches):
+    dst = tmp_path_factory.mktemp("packed-resume")
+    raying.pack(str(image_folder), str(dst), row_group_rows=8, progress=False)
+    m = raying.Manifest.scan(str(dst), label="label")
+
+    def make():
+        return raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               sampler=raying.UniformSampler(seed=2),
+                               config=raying.PipelineConfig(block_rows=10))
+
+    assert make().block_rows() == 10
+    full = np.concatenate([b["id"] for b in make().iter_batches(batch_size=7, epoch=3)])
+    a = make()
+    it = a.iter_batches(batch_size=7, epoch=3, prefetch_batches=0)
+    first = [next(it)["id"] for _ in range(batches)]
+    state = a.state_dict()
+    it.close()
+    b = make()
+    b.load_state_dict(state)
+    rest = [x["id"] for x in b.iter_batches(batch_size=7, epoch=3)]
+    assert np.array_equal(np.concatenate(first + rest), full)

@@ -61,7 +61,7 @@ def build_dataset(pipe: Any, epoch: int):
     plan = pipe.plan(epoch)
     refs = getattr(pipe, "_dataset_refs", None)
     if refs is None:  # once per pipeline: the spec and the per-id lookup
-        refs = (ray.put(pipe._spec), ray.put(ManifestLookup(pipe.manifest)),
+        refs = (ray.put(pipe._ready_spec()), ray.put(ManifestLookup(pipe.manifest)),
                 _account_actor_cls().remote())
         pipe._dataset_refs = refs
     spec_ref, lookup_ref, accounts = refs

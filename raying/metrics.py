@@ -164,4 +164,8 @@ def _io_summary(totals: dict[str, int]) -> dict[str, Any]:
     out = summarize(totals)
     if not totals.get("cache_lookups"):  # no cache configured: leave out the empty ratios
         out = {k: v for k, v in out.items() if not k.startswith("cache_")}
+    if totals.get("cache_decoded_lookups"):
+        out["cache_decoded_lookups"] = int(totals["cache_decoded_lookups"])
+        out["cache_decoded_hits"] = int(totals.get("cache_decoded_hits", 0))
+        out["decoded_cache_hit_ratio"] = out["cache_decoded_hits"] / out["cache_decoded_lookups"]
     return out

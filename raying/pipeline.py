@@ -53,6 +53,9 @@ class PipelineConfig:
         spread: spread read tasks over nodes (``SPREAD``) instead of packing them.
         name: names the pipeline's actors (priority store); default a fresh id.
         max_image_pixels: images claiming more pixels are set aside as decompression bombs.
+        decoded_cache: keep decoded pixels in the node's memory tier across epochs:
+            ``"auto"`` (on when the decoded dataset fits in a quarter of free memory),
+            ``"off"``, or a budget in bytes. See :mod:`raying.io.decoded`.
         ray_remote_args: extra Ray options of the read tasks, fast path and ``dataset()``
             alike, e.g. ``{"resources": {"ingest": 0.01}}`` to keep decode on ingest nodes.
         io: read planning and the tiered cache (issue 5): a ``raying.io.options.IOConfig`` or
@@ -67,6 +70,7 @@ class PipelineConfig:
     name: str | None = None
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     ray_remote_args: dict[str, Any] | None = None
+    decoded_cache: Any = "auto"
     io: Any = None  # issue 5: IOConfig | dict | None, passed to ReadSpec
 
     def __post_init__(self) -> None:
@@ -127,6 +131,7 @@ class Pipeline:
         self._resume: tuple[int, int, int, int] | None = None
         self._bound = False
         self._lookup: ManifestLookup | None = None
+        self._spec_ready = False
         self._spec = ReadSpec.of(manifest, self.transform, getattr(self.sampler, "seed", 0),
                                  on_error, max_pixels=self.config.max_image_pixels,
                                  io=self.config.io)  # issue 5
@@ -156,6 +161,37 @@ class Pipeline:
             self._lookup = ManifestLookup(self.manifest)
         return self._lookup.complete(self.sampler.fill(unit))
 
+    def _ready_spec(self) -> ReadSpec:
+        """The read spec with what is resolved once, in the driver: the decoded-cache budget."""
+        if not self._spec_ready:
+            from raying.io import decoded
+
+            budget = decoded.plan_budget(self.config.decoded_cache, self.manifest,
+                                         size_of=self._header_sizes)
+            self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
+                                             decoded_cache_dir=decoded.cache_dir(self.name),
+                                             cache_namespace=self.manifest.fingerprint())
+            self._spec_ready = True
+        return self._spec
+
+    def _header_sizes(self, ids: np.ndarray) -> list[tuple[int, int] | None]:
+        """(h, w) of some samples from their headers (to size the decoded cache)."""
+        from raying import storage
+        from raying.decode import image_size
+        from raying.errors import DecodeError
+
+        if self.manifest.format != "images":
+            return []
+        fs, root = storage.resolve(self.manifest.root, self.manifest.storage)
+        paths = [f"{root.rstrip('/')}/{p}" for p in self.manifest.column("path")[ids]]
+        out: list[tuple[int, int] | None] = []
+        for data in storage.read_many(fs, paths):
+            try:
+                out.append(None if isinstance(data, BaseException) else image_size(data))
+            except DecodeError:
+                out.append(None)
+        return out
+
     def _block_stream(self):
         if self._stream is None:
             import ray
@@ -172,7 +208,7 @@ class Pipeline:
             if self.config.spread:
                 opts["scheduling_strategy"] = "SPREAD"
             opts.update(self.config.ray_remote_args or {})
-            self._stream = BlockStream(self._spec, make_plan=self.plan, fill=self._fill,
+            self._stream = BlockStream(self._ready_spec(), make_plan=self.plan, fill=self._fill,
                                        window=window, block_rows=self.block_rows(),
                                        keep_warm=self.config.keep_warm, task_options=opts)
         return self._stream
@@ -359,6 +395,10 @@ class Pipeline:
         close = getattr(self.sampler, "close", None)
         if close is not None:
             close(release_store=release_store)
+        if self._spec.decoded_cache_bytes:
+            from raying.io import decoded
+
+            decoded.release(self.name)  # this node's copy; other nodes' go with their tmpfs
         self._bound = False
 
     def __enter__(self) -> Pipeline:

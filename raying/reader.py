@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from raying import storage as _storage
 from raying.config import DEFAULT_MAX_IMAGE_PIXELS, StorageOptions
 from raying.errors import DataError, DecodeError
+from raying.io import decoded as _decoded
 from raying.io import fetch as _io_fetch  # issue 5: planned, cached reads (raying/io/fetch.py)
 from raying.plan import ReadUnit
 
@@ -35,6 +36,10 @@ class ReadSpec:
     on_error: str = "skip"
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     io: Any = None  # issue 5: a raying.io.options.IOConfig; None reads as before
+    # Bytes of the node's memory tier for decoded pixels (0 = off; see raying.io.decoded).
+    decoded_cache_bytes: int = 0
+    decoded_cache_dir: str = ""
+    cache_namespace: str = ""
 
     @classmethod
     def of(cls, manifest: Any, transform: Any, seed: int, on_error: str, *,
@@ -111,14 +116,20 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     fs, root = _storage.resolve(spec.root, spec.storage)
     io_account: dict[str, int] = {}  # issue 5: io_*/cache_* counters (raying.io.fetch)
     pixels = None
+    arrays = None  # decoded pixels (or DecodeErrors) when the decoded cache is on
     if spec.fmt == "images":
         if paths is None:
             msg = "an image read unit needs the paths of its ids"
             raise DataError(msg)
         full = [f"{root.rstrip('/')}/{p}" for p in paths]
-        datas, io_account = _io_fetch.read_samples(spec, fs, full, unit)  # issue 5
         where: list[str] | None = list(paths)
-        nbytes = sum(len(d) for d in datas if isinstance(d, (bytes, bytearray, memoryview)))
+        if spec.decoded_cache_bytes:
+            arrays, io_account, nbytes = _decoded.load_arrays(spec, fs, full, where, unit, ids)
+            datas = []
+        else:
+            datas, io_account = _io_fetch.read_samples(spec, fs, full, unit)  # issue 5
+            nbytes = sum(len(d) for d in datas
+                         if isinstance(d, (bytes, bytearray, memoryview)))
     else:
         datas, where, nbytes = _read_parquet_rows(spec, fs, root, unit, ids)
         if spec.decoded is not None and not isinstance(datas, list):
@@ -127,6 +138,8 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     if "io_bytes_fetched" not in io_account:  # read amplification of the plain read path
         if pixels is not None:
             delivered = n * int(np.prod(spec.decoded))
+        elif arrays is not None:
+            delivered = nbytes
         else:
             delivered = sum(len(d) for d in datas if isinstance(d, (bytes, bytearray, memoryview)))
         io_account = {**io_account, "io_bytes_fetched": int(nbytes),
@@ -140,7 +153,10 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
         b = min(n, a + step)
         part = slice(a, b)
         out = _output(b - a, spec.transform.size) if reuse_output else None
-        if pixels is not None:
+        if arrays is not None:
+            images, ok, errors = _decoded.transform_arrays(spec, unit, ids[part], arrays[part],
+                                                           out)
+        elif pixels is not None:
             images, ok, errors = _transform_decoded(spec, unit, ids[part], pixels[part], out)
         else:
             images, ok, errors = _transform_encoded(spec, unit, ids[part], datas[part],

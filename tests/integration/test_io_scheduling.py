@@ -38,7 +38,10 @@ def test_run_unit_with_io_gives_the_same_block_and_accounts_for_the_cache(manife
     (b0, a0), (b1, a1), (b2, a2) = results
     for k in b0:
         assert np.array_equal(b0[k], b1[k]) and np.array_equal(b0[k], b2[k])
-    assert not any(k.startswith(("io_", "cache_")) for k in a0)
+    # The plain path reports only its read amplification; no cache counters.
+    assert {k for k in a0 if k.startswith(("io_", "cache_"))} == {
+        "io_bytes_fetched", "io_bytes_delivered"}
+    assert a0["io_bytes_fetched"] == a0["io_bytes_delivered"]
     assert set(fetch.ACCOUNT_KEYS) <= set(a1)
     assert a1["io_requests"] == 5 and a1["io_reads_deduped"] == 2
     assert a1["cache_lookups"] == 5 and a1["cache_hits_memory"] == 0
@@ -67,9 +70,10 @@ def _collect(pipe, epoch):
 def test_pipeline_with_a_cache_delivers_the_same_epochs_and_hits_later(manifest, tmp_path,
                                                                        ray_local):
     tf = raying.ImageTransform(size=32)
-    base = raying.Pipeline(manifest, transform=tf, config=raying.PipelineConfig(block_rows=16))
+    off = {"block_rows": 16, "decoded_cache": "off"}  # this test is about the raw-bytes tiers
+    base = raying.Pipeline(manifest, transform=tf, config=raying.PipelineConfig(**off))
     pipe = raying.Pipeline(manifest, transform=tf,
-                           config=raying.PipelineConfig(block_rows=16, io=_io(tmp_path, "lru")))
+                           config=raying.PipelineConfig(**off, io=_io(tmp_path, "lru")))
     try:
         for epoch in (0, 1):
             ids0, img0, _ = _collect(base, epoch)
@@ -90,7 +94,8 @@ def test_prioritized_pipeline_with_a_priority_cache(manifest, tmp_path, ray_loca
     io = IOConfig(cache=CacheConfig(memory_bytes=15 * int(manifest.sizes.mean()),
                                     memory_dir=str(tmp_path / "mem")))
     pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
-                           config=raying.PipelineConfig(block_rows=40, io=io))
+                           config=raying.PipelineConfig(block_rows=40, io=io,
+                                                        decoded_cache="off"))
     try:
         pipe.report(np.arange(60), np.where(manifest.labels == 0, 20.0, 0.1))
         hits = 0
@@ -102,3 +107,28 @@ def test_prioritized_pipeline_with_a_priority_cache(manifest, tmp_path, ray_loca
         assert 0 < totals["io_bytes_fetched"] < totals["io_bytes_delivered"]
     finally:
         pipe.close()
+
+
+def test_decoded_cache_serves_later_epochs_with_the_same_pixels(manifest, ray_local):
+    import os
+
+    tf = raying.ImageTransform(size=32)
+    base = raying.Pipeline(manifest, transform=tf,
+                           config=raying.PipelineConfig(block_rows=16, decoded_cache="off"))
+    pipe = raying.Pipeline(manifest, transform=tf,
+                           config=raying.PipelineConfig(block_rows=16, decoded_cache=64 << 20))
+    try:
+        for epoch in (0, 1, 2):
+            ids0, img0, _ = _collect(base, epoch)
+            ids1, img1, _ = _collect(pipe, epoch)
+            assert np.array_equal(ids0, ids1) and np.array_equal(img0, img1)
+        st = pipe.stats(sampling=False)["io"]
+        # Epoch 0 decodes and fills the cache; epochs 1 and 2 are served from it.
+        assert st["cache_decoded_lookups"] == 180
+        assert st["cache_decoded_hits"] >= 110 and st["decoded_cache_hit_ratio"] >= 0.6
+        directory = pipe._ready_spec().decoded_cache_dir
+        assert os.path.isdir(directory)
+    finally:
+        base.close()
+        pipe.close()
+    assert not os.path.exists(directory), "close() frees the node's decoded pixels"

@@ -150,11 +150,17 @@ class Pipeline:
         return self.sampler.plan(self.manifest, int(epoch), block_rows=self.block_rows())
 
     def block_rows(self) -> int:
-        """Rows per read task (and per block): ``config.block_rows``, smaller for small epochs
-        so that even they spread over at least ~16 tasks. It depends only on the dataset, so
-        a resumed run cuts its epochs the same way on any cluster."""
+        """Rows per read task (and per block): ``config.block_rows``, or for a small epoch (under
+        8 blocks) a multiple of 32 that cuts it into ~8 tasks, so it still spreads over the
+        cores. Batches of a size that divides the block are zero-copy views; others straddle
+        blocks and are copied. It depends only on the dataset, so a resumed run cuts its
+        epochs the same way on any cluster."""
         rows = getattr(self.sampler, "samples_per_epoch", None) or len(self.manifest)
-        return max(1, min(self.config.block_rows, max(MIN_BLOCK_ROWS, -(-rows // 16))))
+        wanted = self.config.block_rows
+        if rows >= 8 * wanted:
+            return wanted
+        small = -(-rows // 8)
+        return max(1, min(wanted, max(MIN_BLOCK_ROWS, -(-small // 32) * 32)))
 
     def _fill(self, unit: ReadUnit) -> tuple[ReadUnit, list[str] | None]:
         if self._lookup is None:

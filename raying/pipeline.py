@@ -186,16 +186,35 @@ class Pipeline:
         from raying.decode import image_size
         from raying.errors import DecodeError
 
-        if self.manifest.format != "images":
-            return []
         fs, root = storage.resolve(self.manifest.root, self.manifest.storage)
-        paths = [f"{root.rstrip('/')}/{p}" for p in self.manifest.column("path")[ids]]
+        if self.manifest.format == "parquet":
+            datas = self._parquet_probe(fs, root, ids)
+        else:
+            paths = [f"{root.rstrip('/')}/{p}" for p in self.manifest.column("path")[ids]]
+            datas = storage.read_many(fs, paths)
         out: list[tuple[int, int] | None] = []
-        for data in storage.read_many(fs, paths):
+        for data in datas:
             try:
                 out.append(None if isinstance(data, BaseException) else image_size(data))
             except DecodeError:
                 out.append(None)
+        return out
+
+    def _parquet_probe(self, fs, root: str, ids: np.ndarray) -> list[Any]:
+        """A few encoded values: the first rows of up to 4 row groups among ``ids``."""
+        import pyarrow.parquet as pq
+
+        m = self.manifest
+        col = m.meta.get("image_column") or "image"
+        groups = sorted({(int(m.column("file")[i]), int(m.column("row_group")[i])) for i in ids})
+        out: list[Any] = []
+        for f, g in groups[:: max(1, len(groups) // 4)][:4]:
+            path = f"{root.rstrip('/')}/{m.files[f]}" if m.files[f] != root else root
+            try:
+                table = pq.ParquetFile(path, filesystem=fs).read_row_group(g, columns=[col])
+            except (OSError, ValueError):
+                continue
+            out.extend(v for v in table.column(col).to_pylist()[:4] if v is not None)
         return out
 
     def _block_stream(self):

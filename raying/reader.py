@@ -124,12 +124,26 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
         full = [f"{root.rstrip('/')}/{p}" for p in paths]
         where: list[str] | None = list(paths)
         if spec.decoded_cache_bytes:
-            arrays, io_account, nbytes = _decoded.load_arrays(spec, fs, full, where, unit, ids)
+            def fetch(miss: list[int]):
+                return _io_fetch.read_samples(spec, fs, [full[k] for k in miss], unit)
+
+            arrays, io_account, nbytes = _decoded.load_arrays(spec, ids, where, fetch)
             datas = []
         else:
             datas, io_account = _io_fetch.read_samples(spec, fs, full, unit)  # issue 5
             nbytes = sum(len(d) for d in datas
                          if isinstance(d, (bytes, bytearray, memoryview)))
+    elif spec.decoded_cache_bytes and spec.decoded is None:
+        where = _row_locations(spec, unit, ids)
+        read: dict[str, Any] = {}
+
+        def fetch(miss: list[int]):  # the unit's row groups, read once, only on a miss
+            values, _, read["bytes"] = _read_parquet_rows(spec, fs, root, unit, ids)
+            return [values[k] for k in miss], {}
+
+        arrays, io_account, _ = _decoded.load_arrays(spec, ids, where, fetch)
+        nbytes = read.get("bytes", 0)
+        datas = []
     else:
         datas, where, nbytes = _read_parquet_rows(spec, fs, root, unit, ids)
         if spec.decoded is not None and not isinstance(datas, list):

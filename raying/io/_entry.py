@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import struct
 import uuid
 import zlib
+from typing import Any
 
 MAGIC = b"RYC1"
 HEADER = struct.Struct("<4sIQ")
+
+
+# Entries at least this large are read through mmap (no copy of the payload).
+MMAP_MIN_BYTES = 64 * 1024
 
 
 def entry_bytes(payload_len: int) -> int:
@@ -27,9 +33,16 @@ def read_entry(path: str, nbytes: int, crc: int) -> memoryview | None:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
-    try:  # one read of the size the index expects, plus one byte to see that nothing follows
-        data = os.read(fd, nbytes + 1)
-    except OSError:
+    try:
+        if nbytes >= MMAP_MIN_BYTES:
+            # Large entries (decoded pixels) are mapped, not copied: files are only ever
+            # replaced by rename or unlinked, never truncated, so a mapping stays valid.
+            if os.fstat(fd).st_size != nbytes:
+                return None
+            data: Any = memoryview(mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ))
+        else:  # one read of the size the index expects, plus one byte: nothing may follow
+            data = os.read(fd, nbytes + 1)
+    except (OSError, ValueError):
         return None
     finally:
         os.close(fd)

@@ -300,9 +300,13 @@ class TieredCache:
 
 def encode_array(arr: np.ndarray) -> bytes:
     """An array as bytes: magic, header length, JSON (dtype, shape), then the raw data."""
-    arr = np.ascontiguousarray(arr)
+    arr = np.asarray(arr)
     head = json.dumps({"dtype": arr.dtype.str, "shape": list(arr.shape)}).encode()
-    return _ARRAY_HEAD.pack(_ARRAY_MAGIC, len(head)) + head + arr.tobytes()
+    lead = _ARRAY_HEAD.pack(_ARRAY_MAGIC, len(head)) + head
+    out = bytearray(len(lead) + arr.nbytes)  # one copy of the pixels, not three
+    out[:len(lead)] = lead
+    np.frombuffer(out, dtype=arr.dtype, offset=len(lead)).reshape(arr.shape)[...] = arr
+    return out
 
 
 def decode_array(data: bytes | memoryview) -> np.ndarray:

@@ -101,15 +101,19 @@ def _cache(spec: Any):
     return open_cache(cfg, namespace=spec.cache_namespace)
 
 
-def load_arrays(spec: Any, fs: Any, full: list[str], where: list[str], unit: Any,
-                ids: np.ndarray) -> tuple[list[Any], dict[str, int], int]:
-    """Pixels of each id (or its DecodeError): cache hits first, then read and decode misses.
+def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
+                ) -> tuple[list[Any], dict[str, int], int]:
+    """Pixels of each id (or its DecodeError): cache hits first, then fetch and decode misses.
+
+    Args:
+        spec: the ReadSpec (cache budget, directory, namespace, max_pixels).
+        ids: the unit's ids.
+        where: a location per id, for error messages.
+        fetch: ``positions -> (encoded values or errors, io account)`` for the misses.
 
     Returns ``(arrays, io_account, bytes_read)``; misses that decode are offered to the cache.
     """
     from raying.decode import decode_image
-    from raying.errors import DecodeError as _DecodeError
-    from raying.io.fetch import read_samples
 
     cache = _cache(spec)
     keys = [str(int(i)) for i in ids]
@@ -119,22 +123,22 @@ def load_arrays(spec: Any, fs: Any, full: list[str], where: list[str], unit: Any
                "cache_decoded_lookups": len(ids)}
     nbytes = 0
     if miss:
-        datas, io_account = read_samples(spec, fs, [full[k] for k in miss], unit)
+        datas, io_account = fetch(miss)
         for key, value in io_account.items():
             account[key] = account.get(key, 0) + value
         fresh_keys, fresh = [], []
         for k, data in zip(miss, datas, strict=True):
-            if isinstance(data, BaseException):
-                arrays[k] = _DecodeError("read_error", str(data).splitlines()[0][:200]
-                                         if str(data) else type(data).__name__,
-                                         path=where[k], sample_id=int(ids[k]))
+            if data is None or isinstance(data, BaseException):
+                reason = "missing" if data is None else "read_error"
+                detail = "" if data is None else (str(data).splitlines() or [""])[0][:200]
+                arrays[k] = DecodeError(reason, detail, path=where[k], sample_id=int(ids[k]))
                 continue
             nbytes += len(data)
             try:
                 arr = decode_image(data, max_pixels=spec.max_pixels)
-            except _DecodeError as exc:
-                arrays[k] = _DecodeError(exc.reason, exc.detail, path=where[k],
-                                         sample_id=int(ids[k]))
+            except DecodeError as exc:
+                arrays[k] = DecodeError(exc.reason, exc.detail, path=where[k],
+                                        sample_id=int(ids[k]))
                 continue
             arrays[k] = arr
             fresh_keys.append(keys[k])

@@ -9,7 +9,6 @@ from raying.metrics import RunAccount
 from raying.plan import ManifestLookup, ReadUnit
 from raying.reader import ReadSpec, empty_block, iter_unit
 
-
 # Ray options that read_datasource takes by name (ray_remote_args is deprecated in 2.60).
 _READ_ARG_NAMES = ("num_cpus", "num_gpus", "memory", "resources", "label_selector",
                    "accelerator_type", "runtime_env", "max_calls")

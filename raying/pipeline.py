@@ -174,6 +174,8 @@ class Pipeline:
 
             budget = decoded.plan_budget(self.config.decoded_cache, self.manifest,
                                          size_of=self._header_sizes)
+            if budget:
+                decoded.claim(self.name)
             self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
                                              decoded_cache_dir=decoded.cache_dir(self.name),
                                              cache_namespace=self.manifest.fingerprint())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from typing import Any
 
 import numpy as np
@@ -90,6 +91,51 @@ def cache_dir(pipeline_name: str) -> str:
 def release(pipeline_name: str) -> None:
     """Remove the pipeline's decoded pixels from this node's memory."""
     shutil.rmtree(cache_dir(pipeline_name), ignore_errors=True)
+
+
+_OWNER = ".owner"
+# A directory without an owner file this old is a leftover (removed at the next start).
+DEFAULT_ORPHAN_AGE_S = 600
+
+
+def claim(pipeline_name: str) -> None:
+    """Mark the pipeline's directory as owned by this process, free it at exit, and sweep
+    directories whose owner died without closing its pipeline (tmpfs is memory: a crashed
+    driver must not keep gigabytes of pixels)."""
+    import atexit
+    import socket
+
+    root = DEFAULT_DECODED_CACHE_DIR
+    host = socket.gethostname()
+    if os.path.isdir(root):
+        for entry in os.listdir(root):
+            path = os.path.join(root, entry)
+            try:
+                with open(os.path.join(path, _OWNER)) as fh:
+                    owner_host, pid = fh.read().split()
+                stale = owner_host == host and not _alive(int(pid))
+            except (OSError, ValueError):  # no owner: a late writer re-created it after close
+                try:
+                    stale = time.time() - os.path.getmtime(path) > DEFAULT_ORPHAN_AGE_S
+                except OSError:
+                    stale = False
+            if stale:
+                shutil.rmtree(path, ignore_errors=True)
+    path = cache_dir(pipeline_name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, _OWNER), "w") as fh:
+        fh.write(f"{host} {os.getpid()}")
+    atexit.register(release, pipeline_name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _cache(spec: Any):

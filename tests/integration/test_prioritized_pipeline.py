@@ -50,8 +50,8 @@ def test_reported_losses_reshape_later_reads(manifest, ray_local):
     weights = {}
     for b in pipe.iter_batches(batch_size=64, epoch=0):
         seen.append(b["id"])
-        probs.update(zip(b["id"].tolist(), b["prob"].tolist()))
-        weights.update(zip(b["id"].tolist(), b["weight"].tolist()))
+        probs.update(zip(b["id"].tolist(), b["prob"].tolist(), strict=True))
+        weights.update(zip(b["id"].tolist(), b["weight"].tolist(), strict=True))
     ids = np.concatenate(seen)
     mass_hard = 0.9 * (20 * 9.0) / (20 * 9.0 + 40 * 1.0) + 0.1 * 20 / 60
     k = int(np.isin(ids, hard).sum())

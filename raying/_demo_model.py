@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
-import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -75,34 +73,6 @@ class ArmConfig:
             msg = (f"max_steps, eval_every and batch_size must be >= 1, got {self.max_steps}, "
                    f"{self.eval_every}, {self.batch_size}")
             raise ConfigError(msg)
-
-
-class _FirstSkipOnly(logging.Filter):
-    """Lets the pipeline's "skipped N bad samples" warning through once, not every epoch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = False
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "skipped" not in record.getMessage():
-            return True
-        if self.seen:
-            return False
-        self.seen = True
-        return True
-
-
-@contextlib.contextmanager
-def quiet_repeated_skips() -> Iterator[None]:
-    """The demo's bad files are skipped every epoch: warn about them once, then count them."""
-    flt = _FirstSkipOnly()
-    log = logging.getLogger("raying")
-    log.addFilter(flt)
-    try:
-        yield
-    finally:
-        log.removeFilter(flt)
 
 
 def build_model(n_classes: int):
@@ -239,7 +209,6 @@ def train_arm(train_manifest: Any, val: tuple[Any, Any], cfg: ArmConfig, *,
                             "time_to_target_s": None}
     step, images, rare_drawn, window_images, window_rare = 0, 0, 0, 0, 0
     ok = np.ones(len(labels_all), dtype=bool)  # False for ids the pipeline skipped
-    zeroed: set[int] = set()
     train_s, eval_s = 0.0, 0.0
     t_window = time.perf_counter()
 
@@ -260,13 +229,7 @@ def train_arm(train_manifest: Any, val: tuple[Any, Any], cfg: ArmConfig, *,
             "skipped_count": int(st["skipped_count"])}
         for s in st["skipped"]:
             ok[s["id"]] = False
-        if cfg.arm == "prioritized":
-            # Workaround: ids the pipeline skipped never get a loss, so they would keep their
-            # initial priority (high, once losses fall) and be drawn again and again.
-            bad = [int(s["id"]) for s in st["skipped"] if int(s["id"]) not in zeroed]
-            if bad:
-                pipe.report(np.asarray(bad), np.zeros(len(bad)))
-                zeroed.update(bad)
+        if cfg.arm == "prioritized":  # (skipped ids get priority 0 from the pipeline itself)
             rec.update(_priority_view(sampler.handle, labels_all, rare, cfg, ok))
         t_window, window_images, window_rare = time.perf_counter(), 0, 0
         eval_s += t_window - t_eval
@@ -326,11 +289,7 @@ def train_arm(train_manifest: Any, val: tuple[Any, Any], cfg: ArmConfig, *,
                 evaluate()
         stats = pipe.stats()
     finally:
-        pipe.close()
-        if cfg.arm == "prioritized" and sampler.handle is not None:
-            from raying.sampling import store
-
-            store.kill_store(sampler.handle, snapshot=False)
+        pipe.close()  # also stops the priority store it created
     final = curve[-1]
     sampling = stats.get("sampling", {})
     return {

@@ -97,7 +97,7 @@ def run(settings: DemoSettings) -> dict[str, Any]:
     """Generate (or reuse) the data, train both arms, write the report; returns the summary."""
     import raying
     from raying import _demo_report as report
-    from raying._demo_model import ArmConfig, load_eval_set, quiet_repeated_skips, train_arm
+    from raying._demo_model import ArmConfig, load_eval_set, train_arm
     from raying.demo_data import ensure_demo_data
     from raying.pipeline import ensure_ray
 
@@ -116,16 +116,15 @@ def run(settings: DemoSettings) -> dict[str, Any]:
     train = raying.Manifest.scan(str(data.train))
     val = load_eval_set(raying.Manifest.scan(str(data.val)), size=settings.spec.size)
     results: dict[str, list[dict[str, Any]]] = {"uniform": [], "prioritized": []}
-    with quiet_repeated_skips():
-        for seed in settings.seeds:
-            for arm in report.ARMS:
-                cfg = ArmConfig(arm=arm, seed=seed, max_steps=settings.max_steps,
-                                time_limit_s=settings.time_limit_s, target=settings.target,
-                                eval_every=settings.eval_every,
-                                **(PRIORITIZED if arm == "prioritized" else {}))
-                desc = f"{arm:>11} seed {seed}"
-                results[arm].append(train_arm(train, val, cfg, rare_classes=data.rare_classes,
-                                              progress=settings.progress, desc=desc))
+    for seed in settings.seeds:
+        for arm in report.ARMS:
+            cfg = ArmConfig(arm=arm, seed=seed, max_steps=settings.max_steps,
+                            time_limit_s=settings.time_limit_s, target=settings.target,
+                            eval_every=settings.eval_every,
+                            **(PRIORITIZED if arm == "prioritized" else {}))
+            desc = f"{arm:>11} seed {seed}"
+            results[arm].append(train_arm(train, val, cfg, rare_classes=data.rare_classes,
+                                          progress=settings.progress, desc=desc))
     summary = _summary(settings, data, train, len(val[1]), results)
     summary["charts"] = report.write_charts(out, results, target=settings.target,
                                             rare_share=summary["dataset"]["rare_share"])

@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import raying
     from raying import _demo_report as report
-    from raying._demo_model import ArmConfig, load_eval_set, quiet_repeated_skips, train_arm
+    from raying._demo_model import ArmConfig, load_eval_set, train_arm
     from raying.demo_data import DemoDataSpec, ensure_demo_data
     from raying.pipeline import ensure_ray
 
@@ -149,25 +149,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     prio = {"alpha": args.alpha, "beta": args.beta, "uniform_mix": args.uniform_mix}
-    with quiet_repeated_skips():
-        for seed in seeds:
-            for arm in args.arms:
-                cfg = ArmConfig(arm=arm, seed=seed, max_steps=args.max_steps,
-                                target=args.target, eval_every=args.eval_every,
-                                batch_size=args.batch_size, lr=args.lr,
-                                schedule=args.schedule,
-                                stop_at_target=args.stop_at_target,
-                                **(prio if arm == "prioritized" else {}))
-                run = train_arm(train, val, cfg, rare_classes=data.rare_classes,
-                                progress=sys.stderr.isatty(), desc=f"{arm} seed {seed}")
-                results[arm].append(run)
-                reached = run["steps_to_target"] if run["steps_to_target"] is not None else (
-                    f"not reached in {run['steps']}")
-                print(f"seed {seed} {arm:>11}: steps to {args.target:.0%}: {reached}; "
-                      f"rare-class acc {run['final_rare_acc']:.1%} (mean over the run "
-                      f"{run['mean_rare_acc']:.1%}); balanced acc "
-                      f"{run['final_acc']:.1%}; {run['img_per_s']:,.0f} img/s; stall "
-                      f"{run['stall_share']:.1%}", flush=True)
+    for seed in seeds:
+        for arm in args.arms:
+            cfg = ArmConfig(arm=arm, seed=seed, max_steps=args.max_steps,
+                            target=args.target, eval_every=args.eval_every,
+                            batch_size=args.batch_size, lr=args.lr,
+                            schedule=args.schedule,
+                            stop_at_target=args.stop_at_target,
+                            **(prio if arm == "prioritized" else {}))
+            run = train_arm(train, val, cfg, rare_classes=data.rare_classes,
+                            progress=sys.stderr.isatty(), desc=f"{arm} seed {seed}")
+            results[arm].append(run)
+            reached = run["steps_to_target"] if run["steps_to_target"] is not None else (
+                f"not reached in {run['steps']}")
+            print(f"seed {seed} {arm:>11}: steps to {args.target:.0%}: {reached}; "
+                  f"rare-class acc {run['final_rare_acc']:.1%} (mean over the run "
+                  f"{run['mean_rare_acc']:.1%}); balanced acc "
+                  f"{run['final_acc']:.1%}; {run['img_per_s']:,.0f} img/s; stall "
+                  f"{run['stall_share']:.1%}", flush=True)
     summary: dict[str, Any] = {
         "job": "train_prioritized", "smoke_test": args.smoke_test, "seeds": seeds,
         "target": args.target, "max_steps": args.max_steps, "prioritized": prio,

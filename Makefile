@@ -16,6 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/raying demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check raying tests jobs
 	$(PY) -m pytest -q -m "not slow and not hdfs"
 
 test-all: $(STAMP)

@@ -82,8 +82,9 @@ def build_dataset(pipe: Any, epoch: int):
         def estimate_inmemory_data_size(self) -> int:
             return int(plan.num_rows * size * size * 3)
 
-        def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None,
-                           **_: Any) -> list[ReadTask]:
+        def get_read_tasks(  # type: ignore[override]
+                self, parallelism: int, per_task_row_limit: int | None = None,
+                **_: Any) -> list[ReadTask]:
             tasks = []
             for unit in units:
                 meta = BlockMetadata(num_rows=None, size_bytes=int(unit.num_rows * size * size * 3),

@@ -115,7 +115,7 @@ class BlockStream:
                  and self._next_epoch_plan.epoch == epoch and start_unit == 0 and skip_rows == 0)
         keys = list(self._inflight)
         if reuse and keys and keys[0] == (epoch, 0):
-            return self._next_epoch_plan  # warm: the first units are already running
+            return self._next_epoch_plan  # type: ignore[return-value]  # warm: already running
         self.cancel()
         plan = self._make_plan(epoch)
         units = [u for u in plan.units if u.index >= start_unit]

@@ -32,7 +32,7 @@ class RunAccount:
         self._skipped_ids: set[int] = set()
         self.skip_events = 0
         self.retries = 0
-        self.io: dict[str, int] = {}
+        self.io: dict[str, float] = {}
         self.rows_by_node: dict[str, int] = {}
         self._iter_s = 0.0  # wall seconds spent inside iteration loops (stall share's base)
         self._logged = 0
@@ -70,8 +70,10 @@ class RunAccount:
         """Coverage of this epoch, share never drawn, importance-weight spread."""
         n = len(self._seen_ever)
         count, total, squares, low, high = self._w
-        mean = total / count if count else None
-        std = float(np.sqrt(max(squares / count - mean * mean, 0.0))) if count else None
+        mean = std = None
+        if count:
+            mean = total / count
+            std = float(np.sqrt(max(squares / count - mean * mean, 0.0)))
         return {"coverage_epoch": float(self._seen_epoch.mean()) if n else None,
                 "never_drawn_share": float(1.0 - self._seen_ever.mean()) if n else None,
                 "weight_mean": mean, "weight_std": std,
@@ -157,7 +159,7 @@ class RunAccount:
             }
 
 
-def _io_summary(totals: dict[str, int]) -> dict[str, Any]:
+def _io_summary(totals: dict[str, float]) -> dict[str, Any]:
     """Read amplification and cache hit ratios from the summed io_*/cache_* counters."""
     from raying.io.fetch import summarize
 

@@ -100,7 +100,8 @@ def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: Storag
         image_col = pa.FixedSizeBinaryArray.from_buffers(
             pa.binary(flat.shape[1]), len(flat), [None, pa.py_buffer(flat)])
     else:
-        image_col = pa.array([bytes(d) for k, d in enumerate(datas) if keep[k]], pa.binary())
+        image_col = pa.array([bytes(d) for k, d in enumerate(datas)  # type: ignore[arg-type]
+                              if keep[k]], pa.binary())
     if on_error == "raise" and skipped:
         s = skipped[0]
         msg = f"{src.root.rstrip('/')}/{s['path']}: {s['reason']} {s['detail']}".rstrip()
@@ -162,7 +163,7 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     out_fs, out_root = _storage.resolve(dst, out_opts)
     _storage.make_dirs(out_fs, out_root)
     ensure_ray()
-    task = ray.remote(num_cpus=1, max_retries=3)(pack_shard)
+    task: Any = ray.remote(num_cpus=1, max_retries=3)(pack_shard)  # type: ignore[arg-type]
     src_ref = ray.put(manifest)
     n = len(manifest)
     refs = []

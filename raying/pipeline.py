@@ -366,7 +366,7 @@ class Pipeline:
             return None
         from raying.sampling import store
 
-        self.sampler.flush()
+        self.sampler.flush()  # type: ignore[union-attr]
         return store.priorities(handle)
 
     def stats(self, *, sampling: bool = True) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -93,12 +94,12 @@ class ManifestLookup:
     def __init__(self, manifest) -> None:
         self.format = manifest.format
         self.labels = manifest.labels
-        self.paths = manifest.column("path") if manifest.format == "images" else None
-        self.rg = manifest.row_group_table()[:3] if manifest.format == "parquet" else None
+        self.paths: Any = manifest.column("path") if manifest.format == "images" else None
+        self.rg: Any = manifest.row_group_table()[:3] if manifest.format == "parquet" else None
 
     def complete(self, unit: ReadUnit) -> tuple[ReadUnit, list[str] | None]:
         """Fill ``unit``'s labels (and row groups), and return the paths of its ids."""
-        ids = unit.ids
+        ids: Any = unit.ids
         unit.labels = self.labels[ids]
         if self.format == "parquet":
             if unit.row_groups is None:

@@ -122,13 +122,13 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
             msg = "an image read unit needs the paths of its ids"
             raise DataError(msg)
         full = [f"{root.rstrip('/')}/{p}" for p in paths]
-        where: list[str] | None = list(paths)
+        where: list[str] = list(paths)
         if spec.decoded_cache_bytes:
             def fetch(miss: list[int]):
                 return _io_fetch.read_samples(spec, fs, [full[k] for k in miss], unit)
 
             arrays, io_account, nbytes = _decoded.load_arrays(spec, ids, where, fetch)
-            datas = []
+            datas: Any = []
         else:
             datas, io_account = _io_fetch.read_samples(spec, fs, full, unit)  # issue 5
             nbytes = sum(len(d) for d in datas
@@ -151,7 +151,7 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     read_s = time.perf_counter() - t0
     if "io_bytes_fetched" not in io_account:  # read amplification of the plain read path
         if pixels is not None:
-            delivered = n * int(np.prod(spec.decoded))
+            delivered = n * int(np.prod(spec.decoded or (0,)))
         elif arrays is not None:
             delivered = nbytes
         else:
@@ -274,7 +274,7 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
     order = np.lexsort((groups[:, 1], groups[:, 0]))
     groups = groups[order]
     chunks: list[pa.Array] = []
-    starts: list[int] = []
+    starts: list[tuple[int, int]] = []
     nbytes = 0
     for f in np.unique(groups[:, 0]):
         sel = groups[groups[:, 0] == f]
@@ -341,7 +341,7 @@ def _binary_views(values: pa.ChunkedArray, pos: np.ndarray) -> list[Any]:
 
 
 def _row_locations(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray) -> list[str]:
-    groups = unit.row_groups
+    groups: Any = unit.row_groups
     first = groups[:, 2]
     sort = np.argsort(first)
     k = sort[np.searchsorted(first[sort], ids, side="right") - 1]

@@ -29,7 +29,7 @@ def _images(shape: tuple[int, int], n: int, seed: int, subsampling: str,
     if source == "photo":  # matplotlib's sample photo, resampled differently for each image
         import matplotlib.cbook
 
-        with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as fh:
+        with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as fh:  # type: ignore[union-attr]
             photo = simplejpeg.decode_jpeg(fh.read(), "RGB")
         out = []
         for _ in range(n):
@@ -137,7 +137,7 @@ def profile(n: int = 256, reps: int = 7, size: int = 224, seed: int = 0,
         for rep in range(reps):
             for key, fn in ways.items():
                 c0, w0 = time.thread_time(), time.perf_counter()
-                fn(rep)
+                fn(rep)  # type: ignore[operator]
                 cpu[key].append(time.thread_time() - c0)
                 wall[key].append(time.perf_counter() - w0)
         row = {k: 1e3 * float(np.median(v)) / n for k, v in cpu.items()}

@@ -290,7 +290,8 @@ class TieredCache:
                    scores: Sequence[float] | None = None, *,
                    stats: CacheStats | None = None) -> None:
         """Offer decoded arrays (e.g. pixels before augmentation) to the tiers."""
-        self.put_many([f"decoded:{k}" for k in keys], [encode_array(a) for a in arrays],
+        self.put_many([f"decoded:{k}" for k in keys],
+                      [memoryview(encode_array(a)) for a in arrays],
                       scores, stats=stats)
 
     def used_bytes(self) -> dict[str, int]:
@@ -298,7 +299,7 @@ class TieredCache:
         return {name: tier.used_bytes() for name, tier in self.tiers}
 
 
-def encode_array(arr: np.ndarray) -> bytes:
+def encode_array(arr: np.ndarray) -> bytearray:
     """An array as bytes: magic, header length, JSON (dtype, shape), then the raw data."""
     arr = np.asarray(arr)
     head = json.dumps({"dtype": arr.dtype.str, "shape": list(arr.shape)}).encode()

@@ -59,8 +59,8 @@ class UniformSampler:
             ids = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
             units = chunk_units(epoch, ids.astype(np.int64), block_rows)
         for u in units:
-            u.probs = np.full(len(u.ids), 1.0 / n)
-            u.weights = np.ones(len(u.ids), dtype=np.float32)
+            u.probs = np.full(u.num_rows, 1.0 / n)
+            u.weights = np.ones(u.num_rows, dtype=np.float32)
         return EpochPlan(epoch=epoch, units=units, sampler=self.name)
 
     def fill(self, unit: ReadUnit) -> ReadUnit:

@@ -242,6 +242,8 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
         "store": _common.store_summary(handle),
         "decode_rows_by_node": reads.get("rows_by_node", {}),
         "skipped": reads.get("skipped_count", 0),
+        "skipped_by_reason": reads.get("skipped_by_reason", {}),
+        "read_retries": reads.get("read_retries", 0),
         "credentials": _common.credentials_source(),
         "fit_s": round(fit_s, 2), "wall_s": round(time.perf_counter() - t0, 2),
     }

@@ -151,7 +151,7 @@ class RunAccount:
                 "worker_decode_s": self.decode_s,
                 "skipped_count": sum(self.skipped_by_reason.values()),
                 "skip_events": self.skip_events,
-                "read_retries": self.retries,
+                "read_retries": self.retries + int(self.io.get("io_retries", 0)),
                 "io": _io_summary(self.io),
                 "rows_by_node": dict(self.rows_by_node),
                 "skipped_by_reason": dict(self.skipped_by_reason),
@@ -164,6 +164,7 @@ def _io_summary(totals: dict[str, float]) -> dict[str, Any]:
     from raying.io.fetch import summarize
 
     out = summarize(totals)
+    out["retries"] = int(totals.get("io_retries", 0))
     if not totals.get("cache_lookups"):  # no cache configured: leave out the empty ratios
         out = {k: v for k, v in out.items() if not k.startswith("cache_")}
     if totals.get("cache_decoded_lookups"):

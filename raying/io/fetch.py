@@ -46,11 +46,17 @@ def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
 
     Returns:
         ``(datas, account)``: bytes (or a memoryview) or the StorageError per path; the
-        ``io_*``/``cache_*`` counters (empty when ``spec.io`` is None).
+        ``io_*``/``cache_*`` counters (just ``io_retries``, if any, when ``spec.io`` is None).
     """
     io = IOConfig.coerce(getattr(spec, "io", None))
     if io is None:
-        return _storage.read_many(fs, paths), {}
+        retried = [0]
+
+        def count(*_: Any) -> None:
+            retried[0] += 1
+
+        datas = _storage.read_many(fs, paths, on_retry=count)
+        return datas, ({"io_retries": retried[0]} if retried[0] else {})
     probs = getattr(unit, "probs", None)
     return fetch_files(fs, paths, io=io, scores=probs, namespace=str(spec.root))
 

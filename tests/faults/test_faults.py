@@ -186,7 +186,9 @@ def test_s3_restarted_mid_read_loses_nothing(folder):
                     restart.start()
             restart.join()
             assert sorted(ids) == list(range(400)), "every id once, none lost to the outage"
-            assert pipe.stats()["skipped_count"] == 0
+            st = pipe.stats(sampling=False)
+            assert st["skipped_count"] == 0
+            print(f"S3 restart: {len(ids)} rows, {st['read_retries']} reads retried")
             pipe.close()
         finally:
             ray.shutdown()

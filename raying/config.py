@@ -47,6 +47,12 @@ DEFAULT_PACK_ROW_GROUP_ROWS = _env_int("RAYING_PACK_ROW_GROUP_ROWS", 256)
 DEFAULT_PACK_SHARD_ROWS = _env_int("RAYING_PACK_SHARD_ROWS", 4096)
 # Read tasks in flight per CPU the executor may use.
 DEFAULT_INFLIGHT_TASKS_PER_CPU = _env_int("RAYING_INFLIGHT_TASKS_PER_CPU", 2)
+# Object store of a local Ray that raying starts itself (``ensure_ray``): this many MB per CPU,
+# at least the floor, at most Ray's own default (30% of memory). Ray's default lets the shared
+# memory that read tasks write through grow to gigabytes on a small node with no gain in speed
+# (``python -m raying.bench.mem_profile``). RAYING_OBJECT_STORE_MB fixes it; 0 keeps Ray's.
+DEFAULT_OBJECT_STORE_MB_PER_CPU = _env_int("RAYING_OBJECT_STORE_MB_PER_CPU", 256)
+DEFAULT_OBJECT_STORE_MIN_MB = _env_int("RAYING_OBJECT_STORE_MIN_MB", 512)
 # Threads a read task uses to fetch objects from remote storage.
 DEFAULT_REMOTE_READ_THREADS = _env_int("RAYING_REMOTE_READ_THREADS", 16)
 # Attempts for a storage read before the error surfaces.

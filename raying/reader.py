@@ -116,7 +116,10 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     fs, root = _storage.resolve(spec.root, spec.storage)
     io_account: dict[str, int] = {}  # issue 5: io_*/cache_* counters (raying.io.fetch)
     pixels = None
-    arrays = None  # decoded pixels (or DecodeErrors) when the decoded cache is on
+    # With the decoded cache on, pixels are looked up (and misses fetched and decoded) one
+    # sub-block at a time, so a task holds block_rows decoded images, not its whole unit.
+    load_part: Any = None
+    nbytes = 0
     if spec.fmt == "images":
         if paths is None:
             msg = "an image read unit needs the paths of its ids"
@@ -124,10 +127,13 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
         full = [f"{root.rstrip('/')}/{p}" for p in paths]
         where: list[str] = list(paths)
         if spec.decoded_cache_bytes:
-            def fetch(miss: list[int]):
-                return _io_fetch.read_samples(spec, fs, [full[k] for k in miss], unit)
+            def load_part(part: slice):
+                def fetch(miss: list[int]):
+                    picked = [full[part][k] for k in miss]
+                    return _io_fetch.read_samples(spec, fs, picked, unit)
 
-            arrays, io_account, nbytes = _decoded.load_arrays(spec, ids, where, fetch)
+                return _decoded.load_arrays(spec, ids[part], where[part], fetch)
+
             datas: Any = []
         else:
             datas, io_account = _io_fetch.read_samples(spec, fs, full, unit)  # issue 5
@@ -137,23 +143,29 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
         where = _row_locations(spec, unit, ids)
         read: dict[str, Any] = {}
 
-        def fetch(miss: list[int]):  # the unit's row groups, read once, only on a miss
-            values, _, read["bytes"] = _read_parquet_rows(spec, fs, root, unit, ids)
-            return [values[k] for k in miss], {}
+        def load_part(part: slice):
+            def fetch(miss: list[int]):  # the unit's row groups, read once, only on a miss
+                fetched = 0
+                if "values" not in read:
+                    read["values"], _, fetched = _read_parquet_rows(spec, fs, root, unit, ids)
+                values = read["values"][part]
+                picked = [values[k] for k in miss]
+                delivered = sum(len(v) for v in picked if isinstance(v, (bytes, memoryview)))
+                return picked, {"io_bytes_fetched": int(fetched),
+                                "io_bytes_delivered": int(delivered)}
 
-        arrays, io_account, _ = _decoded.load_arrays(spec, ids, where, fetch)
-        nbytes = read.get("bytes", 0)
+            arrays, acct, _ = _decoded.load_arrays(spec, ids[part], where[part], fetch)
+            return arrays, acct, acct.get("io_bytes_fetched", 0)
+
         datas = []
     else:
         datas, where, nbytes = _read_parquet_rows(spec, fs, root, unit, ids)
         if spec.decoded is not None and not isinstance(datas, list):
             pixels = datas
     read_s = time.perf_counter() - t0
-    if "io_bytes_fetched" not in io_account:  # read amplification of the plain read path
+    if load_part is None and "io_bytes_fetched" not in io_account:  # plain read path
         if pixels is not None:
             delivered = n * int(np.prod(spec.decoded or (0,)))
-        elif arrays is not None:
-            delivered = nbytes
         else:
             delivered = sum(len(d) for d in datas if isinstance(d, (bytes, bytearray, memoryview)))
         io_account = {**io_account, "io_bytes_fetched": int(nbytes),
@@ -167,9 +179,16 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
         b = min(n, a + step)
         part = slice(a, b)
         out = _output(b - a, spec.transform.size) if reuse_output else None
-        if arrays is not None:
-            images, ok, errors = _decoded.transform_arrays(spec, unit, ids[part], arrays[part],
-                                                           out)
+        part_account: dict[str, int] = io_account if a == 0 else {}
+        part_bytes = nbytes if a == 0 else 0
+        part_read_s = read_s if a == 0 else 0.0
+        if load_part is not None:
+            arrays, part_account, part_bytes = load_part(part)
+            if "io_bytes_fetched" not in part_account:
+                part_account = {**part_account, "io_bytes_fetched": int(part_bytes),
+                                "io_bytes_delivered": int(part_bytes)}
+            part_read_s += time.perf_counter() - t1
+            images, ok, errors = _decoded.transform_arrays(spec, unit, ids[part], arrays, out)
         elif pixels is not None:
             images, ok, errors = _transform_decoded(spec, unit, ids[part], pixels[part], out)
         else:
@@ -187,11 +206,9 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
                    "node": _node_id(), "rows_out": len(block["id"]),
                    "skipped": [(int(e.sample_id), e.path or "", e.reason, e.detail)
                                for e in errors],
-                   "bytes_read": int(nbytes) if a == 0 else 0,
-                   "read_s": read_s if a == 0 else 0.0,
+                   "bytes_read": int(part_bytes), "read_s": part_read_s,
                    "decode_s": time.perf_counter() - t1, "final": b >= n}
-        if a == 0:
-            account.update(io_account)  # issue 5
+        account.update(part_account)  # issue 5
         yield block, account
 
 

@@ -211,6 +211,37 @@ def test_a_corrupt_entry_is_detected_and_dropped(tmp_path, damage):
     assert len(tier) == 0 and not path.exists()
 
 
+def test_a_large_entry_is_checksummed_once_until_its_file_changes(tmp_path):
+    from raying.io import _entry
+
+    tier = DirTier(str(tmp_path), 10**7)
+    big = payload_of("big", _entry.MMAP_MIN_BYTES * 2)  # read through mmap
+    tier.put_many(["k"], [big], [1.0])
+    path = _entry_file(tmp_path)
+    calls = []
+    real = zlib.crc32
+
+    def counting(data, *args):
+        calls.append(len(data))
+        return real(data, *args)
+
+    _entry._VERIFIED.clear()
+    _entry.zlib.crc32 = counting
+    try:
+        for _ in range(3):
+            found, corrupt = tier.get_many(["k"])
+            assert bytes(found[0]) == big and corrupt == 0
+        assert calls == [len(big)]  # the first read checks the payload, later reads skip it
+        data = bytearray(path.read_bytes())
+        data[-10] ^= 0xFF  # damaged in place, same size: a new mtime, so checked again
+        path.write_bytes(bytes(data))
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
+        found, corrupt = tier.get_many(["k"])
+        assert found == {} and corrupt == 1 and len(calls) == 2
+    finally:
+        _entry.zlib.crc32 = real
+
+
 def test_a_corrupt_cache_file_is_refetched_and_nothing_wrong_is_served(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

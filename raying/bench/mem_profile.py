@@ -49,7 +49,7 @@ def _category(path: str) -> str:
 
 def _smaps(pid: int) -> dict[str, float]:
     """PSS in MB of one process, by mapping category."""
-    out: collections.Counter[str] = collections.Counter()
+    out: dict[str, float] = collections.defaultdict(float)
     cat = "heap and anonymous"
     try:
         with open(f"/proc/{pid}/smaps", "rb") as fh:
@@ -158,7 +158,7 @@ def _cpu_by_role(root: int) -> dict[int, tuple[str, float]]:
 def _cpu_delta(a: dict[int, tuple[str, float]], b: dict[int, tuple[str, float]]
                ) -> dict[str, float]:
     """CPU seconds spent between two readings, by role (processes born in between count whole)."""
-    out: collections.Counter[str] = collections.Counter()
+    out: dict[str, float] = collections.defaultdict(float)
     for p, (role, cpu) in b.items():
         out[role] += cpu - (a[p][1] if p in a else 0.0)
     return dict(out)

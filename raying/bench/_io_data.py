@@ -90,3 +90,103 @@ def dataset(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.ndarra
     sizes = np.array([p.stat().st_size for p in files], dtype=np.int64)
     labels = np.array([int(p.parent.name.split("_")[1]) for p in files], dtype=np.int64)
     return paths, sizes, labels
+
+
+def trace_rates(n: int, *, sigma: float, seed: int) -> np.ndarray:
+    """The long-run draw rates of :func:`make_trace`'s samples: their fixed difficulty."""
+    return np.random.default_rng(seed).lognormal(0.0, sigma, n)
+
+
+def simulated_hit_ratio(trace: list[TraceUnit], sizes: np.ndarray, capacity: int,
+                        policy: str, rates: np.ndarray | None = None) -> float:
+    """Hit ratio of a byte-bounded cache replaying ``trace`` (distinct ids per unit, in order).
+
+    ``policy="lru"`` mirrors the real LRU tier (admit every miss that fits, evict the least
+    recently used), a check that the simulation counts as the cache does. ``policy="oracle"``
+    is Belady's offline rule with bypass: it knows every future access, keeps what is used
+    soonest and admits a miss only where it would evict nothing used sooner. With entries of
+    different sizes this is the classic reference, not a proven optimum; no online policy
+    (which cannot see the future) is expected to beat it. ``policy="ideal"`` is the best an
+    online cache can do when it knows every sample's long-run draw rate (``rates``) from the
+    start, as no real cache does: it admits a sample at its first read if it belongs to the
+    set of highest rate per byte that fills the capacity, and never evicts.
+    """
+    import heapq
+    from collections import OrderedDict
+
+    seq = [int(i) for u in trace for i in dict.fromkeys(u.ids.tolist())]
+    size = sizes.astype(np.int64) + 16  # the entry header, as the tiers count
+    hits, used = 0, 0
+    if policy == "lru":
+        lru: OrderedDict[int, None] = OrderedDict()
+        for i in seq:
+            if i in lru:
+                hits += 1
+                lru.move_to_end(i)
+            elif size[i] <= capacity:
+                while used + size[i] > capacity:
+                    used -= int(size[lru.popitem(last=False)[0]])
+                lru[i] = None
+                used += int(size[i])
+        return hits / max(len(seq), 1)
+    if policy == "ideal":
+        if rates is None:
+            msg = "policy='ideal' needs the samples' rates"
+            raise ValueError(msg)
+        keep = np.zeros(len(size), dtype=bool)
+        room = capacity
+        for i in np.argsort(-(rates / size), kind="stable"):
+            if size[i] <= room:
+                keep[i] = True
+                room -= int(size[i])
+        held_ids: set[int] = set()
+        for i in seq:
+            if i in held_ids:
+                hits += 1
+            elif keep[i]:
+                held_ids.add(i)
+        return hits / max(len(seq), 1)
+    if policy != "oracle":
+        msg = f"policy must be 'lru', 'ideal' or 'oracle', got {policy!r}"
+        raise ValueError(msg)
+    never = len(seq) + 1
+    nxt = [never] * len(seq)
+    last: dict[int, int] = {}
+    for pos in range(len(seq) - 1, -1, -1):
+        nxt[pos] = last.get(seq[pos], never)
+        last[seq[pos]] = pos
+    held: dict[int, int] = {}  # id -> its next use
+    heap: list[tuple[int, int]] = []  # (-next use, id), stale entries skipped
+    for pos, i in enumerate(seq):
+        if i in held:
+            hits += 1
+        elif nxt[pos] == never or size[i] > capacity:
+            continue
+        else:
+            need = used + int(size[i]) - capacity
+            victims: list[int] = []
+            freed = 0
+            while freed < need and heap:
+                neg, j = heapq.heappop(heap)
+                if held.get(j) != -neg:
+                    continue
+                if -neg <= nxt[pos]:  # everything left is used before i: bypass i
+                    heapq.heappush(heap, (neg, j))
+                    break
+                victims.append(j)
+                freed += int(size[j])
+            if freed < need:
+                for j in victims:
+                    heapq.heappush(heap, (-held[j], j))
+                continue
+            for j in victims:
+                del held[j]
+                used -= int(size[j])
+            used += int(size[i])
+        held[i] = nxt[pos]
+        if nxt[pos] == never:
+            del held[i]
+            used -= int(size[i])
+        else:
+            heapq.heappush(heap, (-nxt[pos], i))
+    return hits / max(len(seq), 1)

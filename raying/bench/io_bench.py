@@ -40,7 +40,15 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from raying import storage as _storage
-from raying.bench._io_data import BLOCK_ROWS, TraceUnit, dataset, make_trace, write_parquet
+from raying.bench._io_data import (
+    BLOCK_ROWS,
+    TraceUnit,
+    dataset,
+    make_trace,
+    simulated_hit_ratio,
+    trace_rates,
+    write_parquet,
+)
 from raying.io import slow
 from raying.io.cache import open_cache
 from raying.io.fetch import fetch_files, summarize
@@ -204,6 +212,12 @@ def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespa
                 ratios[policy].append(summarize(totals)["cache_hit_ratio"])
                 shutil.rmtree(io.cache.memory_dir if io.cache else "", ignore_errors=True)
         row: dict[str, Any] = {"capacity": capacity, "seeds": args.seeds, "sigma": args.sigma}
+        for policy in ("lru", "ideal", "oracle"):  # the same traces replayed in a simulation
+            ratios[f"sim_{policy}"] = [
+                simulated_hit_ratio(make_trace(len(paths), epochs=args.epochs, sigma=args.sigma,
+                                               seed=seed), sizes, int(capacity * total), policy,
+                                    trace_rates(len(paths), sigma=args.sigma, seed=seed))
+                for seed in range(args.seeds)]
         for policy, values in ratios.items():
             row[f"{policy}_mean"] = round(statistics.mean(values), 4)
             row[policy] = [round(x, 4) for x in values]
@@ -213,7 +227,9 @@ def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespa
         out.append(row)
         print(f"  capacity {capacity:.0%}: hit ratio LRU {row['lru_mean']:.3f}, priority "
               f"{row['priority_mean']:.3f} -> x{row['ratio']} (worst seed x"
-              f"{row['ratio_min_over_seeds']})")
+              f"{row['ratio_min_over_seeds']}); simulated: LRU {row['sim_lru_mean']:.3f}, "
+              f"known-rates ideal {row['sim_ideal_mean']:.3f}, offline (Belady) "
+              f"{row['sim_oracle_mean']:.3f}")
     return out
 
 

@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--env-file", default=None, metavar="FILE",
                    help="KEY=VALUE lines set in every process of the head: secrets for the "
                         "jobs, kept out of job submissions (see docs/secrets.md)")
-    c.set_defaults(func=_lazy("raying.cluster", "main"))
+    c.set_defaults(func=_lazy("raying._cluster_cli", "main"))
     return p
 
 

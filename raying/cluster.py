@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from raying.errors import ConfigError, RayingError
+from raying.errors import RayingError
 
 DEFAULT_CLUSTER_PORT = 6380
 DEFAULT_DASHBOARD_PORT = 8265
@@ -351,53 +351,3 @@ def status(state_dir: str | os.PathLike = DEFAULT_STATE_DIR) -> dict[str, Any]:
             "dashboard": cluster.dashboard_url, "token_file": cluster.token_file,
             "pid": cluster.pid, "processes": len(marked_pids(cluster.cluster_id)),
             "submit": cluster.submit_command()}
-
-
-def _read_env_file(path: str) -> dict[str, str]:
-    out = {}
-    for n, line in enumerate(Path(path).expanduser().read_text().splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.partition("=")
-        if not sep or not key.strip():
-            msg = f"{path}:{n}: expected KEY=VALUE, got a line without '=' (values not shown)"
-            raise ConfigError(msg)
-        out[key.strip().removeprefix("export ").strip()] = value.strip().strip("'\"")
-    return out
-
-
-def _print_started(cluster: LocalCluster) -> None:
-    print(f"head:       {cluster.address}  (ray.init(address=...) needs the env below)")
-    print(f"dashboard:  {cluster.dashboard_url}  (127.0.0.1 only; token auth on)")
-    print(f"token file: {cluster.token_file}  (mode 0600; never paste it into a job)")
-    print("submit a job:")
-    print(f"  {cluster.submit_command()}")
-    print("from Python:")
-    print(f"  JobSubmissionClient({cluster.dashboard_url!r}, headers={{'Authorization': "
-          f"'Bearer ' + open({cluster.token_file!r}).read().strip()}})")
-    print("stop it:     raying cluster stop")
-
-
-def main(ns: Any) -> int:
-    """`raying cluster start|stop|status` (see raying.cli)."""
-    state_dir = getattr(ns, "state_dir", None) or DEFAULT_STATE_DIR
-    if ns.action == "start":
-        env = _read_env_file(ns.env_file) if getattr(ns, "env_file", None) else None
-        resources = json.loads(ns.resources) if getattr(ns, "resources", None) else None
-        cluster = start(port=ns.port, dashboard_port=ns.dashboard_port, num_cpus=ns.num_cpus,
-                        resources=resources, token_file=ns.token_file, state_dir=state_dir,
-                        env=env)
-        _print_started(cluster)
-        return 0
-    if ns.action == "stop":
-        cluster = load(state_dir)
-        left = stop(cluster)
-        print(f"stopped the head at {cluster.address}"
-              + (f" ({left} of its processes outlived `ray start` and were stopped)"
-                 if left else ""))
-        return 0
-    info = status(state_dir)
-    for k, v in info.items():
-        print(f"{k:>10}: {v}")
-    return 0 if info["running"] else 1

@@ -34,6 +34,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 
 from raying.io._entry import entry_bytes, read_entry, unlink, write_entry
+from raying.io._sqlite import _chunks, _marks, _retry_locked, _write, fcntl
 from raying.io.options import (
     DEFAULT_CACHE_DECAY_READS,
     DEFAULT_CACHE_LOCK_TIMEOUT_S,
@@ -42,14 +43,6 @@ from raying.io.options import (
 )
 
 logger = logging.getLogger(__name__)
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - Windows: SQLite's own locking alone
-    fcntl = None  # type: ignore[assignment]
-
-# SQLite's default limit on host parameters per statement is 999 (older builds).
-_SQL_CHUNK = 500
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -347,59 +340,3 @@ class DirTier:
             if self._fd is not None and self._fd_pid == os.getpid():
                 os.close(self._fd)
             self._conn, self._fd = None, None
-
-
-@contextlib.contextmanager
-def _write(conn: sqlite3.Connection, lock_fd: int | None) -> Iterator[None]:
-    """One write transaction; the lock is taken at BEGIN so the decisions inside hold.
-
-    Writers first queue on an flock of the tier's lock file: the kernel wakes the next one
-    the moment the lock frees, where SQLite's own busy handler polls with sleeps of up to
-    100 ms once several processes contend.
-    """
-    if lock_fd is not None:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
-    finally:
-        if lock_fd is not None:
-            fcntl.flock(lock_fd, fcntl.LOCK_UN)
-
-
-def _retry_locked(call, lock_fd: int | None) -> None:
-    """Run ``call`` under the writers' flock, retrying while SQLite reports a lock.
-
-    Switching a new index to WAL needs the database to itself; processes opening the tier at
-    the same moment (Ray workers starting together) take turns instead of failing.
-    """
-    deadline = time.monotonic() + DEFAULT_CACHE_LOCK_TIMEOUT_S
-    delay = 0.001
-    while True:
-        if lock_fd is not None:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)
-        try:
-            call()
-            return
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() > deadline:
-                raise
-        finally:
-            if lock_fd is not None:
-                fcntl.flock(lock_fd, fcntl.LOCK_UN)
-        time.sleep(delay)
-        delay = min(0.05, delay * 2)
-
-
-def _chunks(items: list[str]) -> Iterator[list[str]]:
-    for i in range(0, len(items), _SQL_CHUNK):
-        yield items[i:i + _SQL_CHUNK]
-
-
-def _marks(part: list[str]) -> str:
-    return ",".join("?" * len(part))

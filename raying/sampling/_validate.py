@@ -178,3 +178,35 @@ class TableConfig:
             return cls(**value)
         msg = f"table config must be a TableConfig, a dict or None, got {type(value).__name__}"
         raise ConfigError(msg)
+
+
+def check_state(state: Mapping[str, Any], n: int, own: dict[str, Any], *, strict: bool,
+                version: int) -> tuple[np.ndarray, np.ndarray]:
+    """The priorities and last-update clocks of a table state, checked against the table.
+
+    ``own`` is the table's config as a dict; with ``strict`` the saved one must equal it.
+    """
+    if state.get("version") != version:
+        msg = (f"table state version must be {version}, got {state.get('version')!r}; "
+               f"was it saved by another raying version?")
+        raise ConfigError(msg)
+    if int(state["n"]) != n:
+        msg = (f"table state holds {state['n']} rows, this table has {n}; build the "
+               f"table with n={state['n']}")
+        raise ConfigError(msg)
+    if strict:
+        diff = sorted(key for key in own if own[key] != state["config"].get(key))
+        if diff:
+            got = {key: state["config"].get(key) for key in diff}
+            msg = (f"table state was saved with {got}, this table has "
+                   f"{ {key: own[key] for key in diff} }; build the table with the saved "
+                   f"settings, or pass strict=False to keep this table's")
+            raise ConfigError(msg)
+    raw = np.asarray(state["priorities"], dtype=np.float64)
+    last = np.asarray(state["last_update"], dtype=np.int64)
+    if raw.shape != (n,) or last.shape != (n,) or not np.all(np.isfinite(raw)) \
+            or np.any(raw < 0):
+        msg = (f"table state priorities must be {n} finite values >= 0 with as many "
+               f"last_update entries; got shapes {raw.shape} and {last.shape}")
+        raise ConfigError(msg)
+    return raw, last

@@ -15,6 +15,7 @@ from raying.sampling._validate import (
     DEFAULT_AGE_RATE,
     REJECT_REASONS,
     TableConfig,
+    check_state,
     check_updates,
     importance_weights,
 )
@@ -379,30 +380,8 @@ class PriorityTable:
             strict: require the saved config to equal this table's; with False, keep this
                 table's config and take only the priorities, clocks, counters and generator.
         """
-        if state.get("version") != _STATE_VERSION:
-            msg = (f"table state version must be {_STATE_VERSION}, got {state.get('version')!r}; "
-                   f"was it saved by another raying version?")
-            raise ConfigError(msg)
-        if int(state["n"]) != self.n:
-            msg = (f"table state holds {state['n']} rows, this table has {self.n}; build the "
-                   f"table with n={state['n']}")
-            raise ConfigError(msg)
-        if strict:
-            own = dataclasses.asdict(self.config)
-            diff = sorted(key for key in own if own[key] != state["config"].get(key))
-            if diff:
-                got = {key: state["config"].get(key) for key in diff}
-                msg = (f"table state was saved with {got}, this table has "
-                       f"{ {key: own[key] for key in diff} }; build the table with the saved "
-                       f"settings, or pass strict=False to keep this table's")
-                raise ConfigError(msg)
-        raw = np.asarray(state["priorities"], dtype=np.float64)
-        last = np.asarray(state["last_update"], dtype=np.int64)
-        if raw.shape != (self.n,) or last.shape != (self.n,) or not np.all(np.isfinite(raw)) \
-                or np.any(raw < 0):
-            msg = (f"table state priorities must be {self.n} finite values >= 0 with as many "
-                   f"last_update entries; got shapes {raw.shape} and {last.shape}")
-            raise ConfigError(msg)
+        raw, last = check_state(state, self.n, dataclasses.asdict(self.config), strict=strict,
+                                version=_STATE_VERSION)
         self._raw = raw.copy()
         self._last = last.copy()
         self._clock = int(state["clock"])

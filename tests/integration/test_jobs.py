@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from raying import cluster as rc
+from raying._cluster_cli import _read_env_file as read_env_file
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "jobs"))
@@ -151,9 +152,9 @@ def test_env_file_errors_never_echo_values(tmp_path):
 
     env = tmp_path / "secrets.env"
     env.write_text("# cluster secrets\nexport AWS_ACCESS_KEY_ID=abc\nAWS_SECRET_ACCESS_KEY='s3cr3t'\n")
-    assert rc._read_env_file(str(env)) == {"AWS_ACCESS_KEY_ID": "abc",
+    assert read_env_file(str(env)) == {"AWS_ACCESS_KEY_ID": "abc",
                                            "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
     env.write_text("TOKEN s3cr3t-value\n")
     with pytest.raises(ConfigError, match="expected KEY=VALUE") as err:
-        rc._read_env_file(str(env))
+        read_env_file(str(env))
     assert "s3cr3t" not in str(err.value)

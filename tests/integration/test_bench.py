@@ -149,3 +149,25 @@ def test_quick_bench_every_peer_runs_and_counts_rows(quick_bench):
     assert all(not run_["leftover_pids"] for run_ in doc["runs"])
     assert os.path.getsize(out / "bench.png") > 10_000
     assert "issue 4 targets" in res.stdout
+
+
+def test_first_touch_counts_new_ids_per_epoch(image_folder, ray_local):
+    """Uniform epochs are permutations: every id is new in epoch 0 and never after; prioritized
+    draws repeat ids, and each id counts as new once, in the epoch that first drew it."""
+    import raying
+    from raying.bench.first_touch import first_touches
+
+    m = raying.Manifest.scan(str(image_folder))
+    n = len(m)
+    transform = raying.ImageTransform(size=32)
+    pipe = raying.Pipeline(m, transform=transform)
+    rows = first_touches(pipe, n, epochs=2, batch_size=16, report=False)
+    pipe.close()
+    assert [(r["draws"], r["distinct"], r["first_touches"]) for r in rows] == [(n, n, n),
+                                                                                (n, n, 0)]
+    pipe = raying.Pipeline(m, transform=transform, sampler=raying.PrioritizedSampler(seed=0))
+    rows = first_touches(pipe, n, epochs=3, batch_size=16, report=True)
+    pipe.close()
+    assert rows[0]["first_touches"] == rows[0]["distinct"] < n  # with replacement: repeats
+    assert sum(r["first_touches"] for r in rows) <= n
+    assert all(r["draws"] == n and r["first_touches"] <= r["distinct"] for r in rows)

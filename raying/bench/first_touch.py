@@ -41,16 +41,15 @@ def first_touches(pipe, n: int, epochs: int, batch_size: int, report: bool,
 
 
 def main(argv: list[str] | None = None) -> None:
-    import ray
-
     import raying
+    from raying.pipeline_config import ensure_ray
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("data", help="an image folder, e.g. the bench's W1 data")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=256)
     args = ap.parse_args(argv)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ensure_ray()  # raying's local Ray (all CPUs, bounded object store), or RAY_ADDRESS's
     manifest = raying.Manifest.scan(args.data)
     for name, sampler in (("uniform", None), ("prioritized", raying.PrioritizedSampler())):
         pipe = raying.Pipeline(manifest, sampler=sampler,

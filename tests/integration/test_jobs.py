@@ -153,7 +153,7 @@ def test_env_file_errors_never_echo_values(tmp_path):
     env = tmp_path / "secrets.env"
     env.write_text("# cluster secrets\nexport AWS_ACCESS_KEY_ID=abc\nAWS_SECRET_ACCESS_KEY='s3cr3t'\n")
     assert read_env_file(str(env)) == {"AWS_ACCESS_KEY_ID": "abc",
-                                           "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
+                                       "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
     env.write_text("TOKEN s3cr3t-value\n")
     with pytest.raises(ConfigError, match="expected KEY=VALUE") as err:
         read_env_file(str(env))

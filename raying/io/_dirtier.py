@@ -7,6 +7,7 @@ Layout of a tier directory::
     lock                          writers queue on its flock
     data/ab/abcdef...             one file per entry: 16-byte header (magic, crc32, length)
                                   then the payload
+    inflight (a table)            claims on files being fetched by some read (single flight)
 
 Safety between processes (every Ray worker of a node shares the tier):
 
@@ -24,7 +25,6 @@ Safety between processes (every Ray worker of a node shares the tier):
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import sqlite3
@@ -33,7 +33,8 @@ import time
 import zlib
 from collections.abc import Iterator, Sequence
 
-from raying.io._entry import entry_bytes, read_entry, unlink, write_entry
+from raying.io._entry import digest_of, entry_bytes, read_entry, unlink, write_entry
+from raying.io._inflight import InflightClaims
 from raying.io._sqlite import _chunks, _marks, _retry_locked, _write, fcntl
 from raying.io.options import (
     DEFAULT_CACHE_DECAY_READS,
@@ -51,17 +52,15 @@ CREATE TABLE IF NOT EXISTS entries (
     ready INTEGER NOT NULL) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS entries_seen ON entries(seen);
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS inflight (
+    digest TEXT PRIMARY KEY, owner TEXT NOT NULL, pid INTEGER NOT NULL,
+    since REAL NOT NULL) WITHOUT ROWID;
 INSERT OR IGNORE INTO meta VALUES ('clock', 0);
 INSERT OR IGNORE INTO meta VALUES ('version', 2);
 """
 
 
-def digest_of(key: str) -> str:
-    """The file name of a key (40 hex characters of its SHA-256)."""
-    return hashlib.sha256(key.encode()).hexdigest()[:40]
-
-
-class DirTier:
+class DirTier(InflightClaims):
     """A size-bounded, checksummed, multi-process cache directory (see the module docstring).
 
     Args:
@@ -340,3 +339,4 @@ class DirTier:
             if self._fd is not None and self._fd_pid == os.getpid():
                 os.close(self._fd)
             self._conn, self._fd = None, None
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import struct
@@ -22,6 +23,11 @@ MMAP_MIN_BYTES = 64 * 1024
 # pixels are read every epoch and the CRC of 150 KB costs ~0.05 ms, a sixth of the hit path.
 _VERIFIED: dict[tuple[int, int, int, int, int], None] = {}
 _VERIFIED_MAX = 1 << 18
+
+
+def digest_of(key: str) -> str:
+    """The file name of a key (40 hex characters of its SHA-256)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
 def entry_bytes(payload_len: int) -> int:

@@ -19,20 +19,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
 import os
-import struct
 import threading
+import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from raying.errors import DataError
+from raying.io._arrays import decode_array, encode_array
 from raying.io._dirtier import DirTier, digest_of, entry_bytes
-from raying.io.options import DEFAULT_CACHE_QUEUE_BYTES, CacheConfig
+from raying.io.options import DEFAULT_CACHE_INFLIGHT_S, DEFAULT_CACHE_QUEUE_BYTES, CacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +39,6 @@ __all__ = ["CacheStats", "DirTier", "TieredCache", "decode_array", "digest_of", 
            "entry_bytes", "open_cache"]
 
 TIER_NAMES = ("memory", "disk")
-_ARRAY_MAGIC = b"RYA1"
-_ARRAY_HEAD = struct.Struct("<4sI")
 
 
 @dataclasses.dataclass
@@ -126,7 +123,8 @@ class TieredCache:
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._background = CacheStats()  # admissions done by the writer, not yet reported
-        self._queue: collections.deque[tuple[list[str], list[Any], list[float] | None, int]] = (
+        self._queue: collections.deque[
+            tuple[list[str], list[Any], list[float] | None, int, Callable[[], None] | None]] = (
             collections.deque())
         self._queued_bytes = 0
         self._pending: dict[str, Any] = {}  # key -> payload offered, not yet written
@@ -188,7 +186,8 @@ class TieredCache:
 
     def put_many(self, keys: Sequence[str], payloads: Sequence[bytes | memoryview],
                  scores: Sequence[float] | None = None, *,
-                 stats: CacheStats | None = None, background: bool | None = None) -> None:
+                 stats: CacheStats | None = None, background: bool | None = None,
+                 on_done: Callable[[], None] | None = None) -> None:
         """Offer fetched payloads to every tier (each admits by its policy and capacity).
 
         Args:
@@ -200,48 +199,122 @@ class TieredCache:
                 An offer that finds the queue non-empty and would take it past its bound
                 (``DEFAULT_CACHE_QUEUE_BYTES``, at most 1/16 of the tiers' capacity) is
                 dropped and counted: the writer is behind, and caching is best effort.
+            on_done: called once the tiers have decided (admitted or not), or the offer was
+                dropped (releases the fetch's claims; see :meth:`claim`).
         """
         if background is None:
             background = self.config.background_writes
         if background:
             self._submit(self._keys(keys), list(payloads),
-                         list(scores) if scores is not None else None, upto=len(self.tiers))
+                         list(scores) if scores is not None else None, upto=len(self.tiers),
+                         on_done=on_done)
             return
         local = CacheStats()
         idx = list(range(len(keys)))
-        self._offer(idx, self._keys(keys), list(payloads), scores, local, upto=len(self.tiers))
+        try:
+            self._offer(idx, self._keys(keys), list(payloads), scores, local,
+                        upto=len(self.tiers))
+        finally:
+            if on_done is not None:
+                on_done()
         self._record(local, stats)
+
+    # -- single flight -----------------------------------------------------------------------
+    def claim(self, keys: Sequence[str], owner: str) -> list[bool]:
+        """Claim the fetch of each key (True: ours to fetch; False: another read has it).
+
+        Claims live in the first tier's index, so every process of the node sees them.
+        Release ours with :meth:`release` (``put_many(on_done=...)`` once admitted) and wait
+        for the others' with :meth:`wait_shared`.
+        """
+        return self.tiers[0][1].claim(self._keys(keys), owner)
+
+    def release(self, keys: Sequence[str], owner: str) -> None:
+        """Drop ``owner``'s claims on ``keys``."""
+        if keys:
+            self.tiers[0][1].release(self._keys(keys), owner)
+
+    def wait_shared(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
+                    timeout_s: float = DEFAULT_CACHE_INFLIGHT_S) -> list[memoryview | None]:
+        """Wait for the reads other owners claimed on ``keys``; their payloads, or None.
+
+        A key's payload comes from this process's writer queue (a thread of this process
+        fetched it) or from a tier once its owner's admission landed; None where the owner
+        released its claim without an entry (not admitted, failed), died, or ``timeout_s``
+        passed: the caller fetches those itself.
+        """
+        full = self._keys(keys)
+        out: list[memoryview | None] = [None] * len(keys)
+        left = list(range(len(keys)))
+        claims = self.tiers[0][1]
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while left:
+            if self._pending:
+                with self._wake:
+                    for i in left:
+                        p = self._pending.get(full[i])
+                        if p is not None:
+                            out[i] = memoryview(p)
+                left = [i for i in left if out[i] is None]
+            if not left:
+                break
+            held = claims.claims([full[i] for i in left])  # before the lookup: no race
+            done = [i for i in left if full[i] not in held]
+            for _, tier in self.tiers:
+                if not done:
+                    break
+                found, _ = tier.get_many(
+                    [full[i] for i in done],
+                    [scores[i] for i in done] if scores is not None else None, draws=0)
+                for j, payload in found.items():
+                    out[done[j]] = payload
+                done = [i for i in done if out[i] is None]
+            left = [i for i in left if full[i] in held and out[i] is None]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(delay)
+            delay = min(0.02, delay * 2)
+        return out
 
     # -- the background writer ----------------------------------------------------------------
     def _submit(self, full: list[str], payloads: list[Any], scores: list[float] | None, *,
-                upto: int) -> None:
+                upto: int, on_done: Callable[[], None] | None = None) -> None:
         size = sum(len(p) for p in payloads)
         with self._wake:
-            if self._queue and self._queued_bytes + size > self._queue_limit:
+            dropped = bool(self._queue) and self._queued_bytes + size > self._queue_limit
+            if dropped:
                 self._background.dropped += len(full)
-                return
-            self._queue.append((full, payloads, scores, upto))
-            self._queued_bytes += size
-            for k, p in zip(full, payloads, strict=True):
-                self._pending[k] = p
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._write_loop, daemon=True,
-                                                name="raying-cache-writer")
-                self._thread.start()
-            self._wake.notify_all()
+            else:
+                self._queue.append((full, payloads, scores, upto, on_done))
+                self._queued_bytes += size
+                for k, p in zip(full, payloads, strict=True):
+                    self._pending[k] = p
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._write_loop, daemon=True,
+                                                    name="raying-cache-writer")
+                    self._thread.start()
+                self._wake.notify_all()
+        if dropped and on_done is not None:
+            on_done()
 
     def _write_loop(self) -> None:
         while True:
             with self._wake:
                 while not self._queue:
                     self._wake.wait()
-                full, payloads, scores, upto = self._queue.popleft()
+                full, payloads, scores, upto, on_done = self._queue.popleft()
                 self._busy = True
             local = CacheStats()
             try:
                 self._offer(list(range(len(full))), full, payloads, scores, local, upto=upto)
             except Exception as exc:  # noqa: BLE001 - a cache write must never stop reads
                 logger.warning("raying cache: background admission failed (%s)", exc)
+            if on_done is not None:
+                try:
+                    on_done()
+                except Exception as exc:  # noqa: BLE001
+                    logger.warning("raying cache: releasing claims failed (%s)", exc)
             with self._wake:
                 self._queued_bytes -= sum(len(p) for p in payloads)
                 for k, p in zip(full, payloads, strict=True):
@@ -297,29 +370,6 @@ class TieredCache:
     def used_bytes(self) -> dict[str, int]:
         """Bytes held per tier (all namespaces)."""
         return {name: tier.used_bytes() for name, tier in self.tiers}
-
-
-def encode_array(arr: np.ndarray) -> bytearray:
-    """An array as bytes: magic, header length, JSON (dtype, shape), then the raw data."""
-    arr = np.asarray(arr)
-    head = json.dumps({"dtype": arr.dtype.str, "shape": list(arr.shape)}).encode()
-    lead = _ARRAY_HEAD.pack(_ARRAY_MAGIC, len(head)) + head
-    out = bytearray(len(lead) + arr.nbytes)  # one copy of the pixels, not three
-    out[:len(lead)] = lead
-    np.frombuffer(out, dtype=arr.dtype, offset=len(lead)).reshape(arr.shape)[...] = arr
-    return out
-
-
-def decode_array(data: bytes | memoryview) -> np.ndarray:
-    """The array of :func:`encode_array` (a read-only view of ``data``)."""
-    view = memoryview(data)
-    magic, n = _ARRAY_HEAD.unpack_from(view)
-    if magic != _ARRAY_MAGIC:
-        msg = "cached array has a bad header; clear the cache directory"
-        raise DataError(msg)
-    meta = json.loads(bytes(view[_ARRAY_HEAD.size:_ARRAY_HEAD.size + n]))
-    body = view[_ARRAY_HEAD.size + n:]
-    return np.frombuffer(body, dtype=np.dtype(meta["dtype"])).reshape(meta["shape"])
 
 
 _TIERS: dict[tuple, DirTier] = {}

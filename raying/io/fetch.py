@@ -13,6 +13,9 @@ and the account of the unit gets the ``io_*`` and ``cache_*`` counters of
 
 from __future__ import annotations
 
+import itertools
+import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,9 +28,12 @@ from raying.io.options import IOConfig
 from raying.io.planner import OpStats, plan_files, read_amplification, run_ops
 from raying.io.tiers import profile_for
 
+_OWNERS = itertools.count()  # a claim owner per fetch: pid, thread and this counter
+
 # Integer counters a unit's account carries when an IOConfig is set (RunAccount sums them).
 ACCOUNT_KEYS = (
     "io_requests", "io_bytes_fetched", "io_bytes_delivered", "io_reads_deduped",
+    "io_reads_shared",
     "cache_lookups", "cache_corrupt", "cache_dropped",
     *(f"cache_{what}_{tier}" for tier in TIER_NAMES
       for what in ("hits", "hit_bytes", "admitted", "evicted")),
@@ -97,19 +103,33 @@ def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,
         cache = open_cache(io.cache, namespace=namespace)
         got = list(cache.get_many(files, key_scores, stats=cstats))
     miss = [i for i, g in enumerate(got) if g is None]
+    shared = 0
     if miss:
-        concurrency = io.concurrency or profile_for(fs).concurrency
-        ops = plan_files([files[i] for i in miss], dedupe=False)
-        fetched = run_ops(fs, ops, len(miss), concurrency=concurrency, stats=ops_stats)
-        keep = []
-        for j, i in enumerate(miss):
-            got[i] = fetched[j]
-            if not isinstance(fetched[j], BaseException):
-                keep.append(i)
-        if cache is not None and keep:
-            cache.put_many([files[i] for i in keep], [got[i] for i in keep],
-                           [key_scores[i] for i in keep] if key_scores is not None else None,
-                           stats=cstats)
+        profile = profile_for(fs)
+        concurrency = io.concurrency or profile.concurrency
+        theirs: list[int] = []
+        owner = None
+        if cache is not None and cache.config.share_reads and profile.name != "local":
+            owner = f"{os.getpid()}.{threading.get_ident()}.{next(_OWNERS)}"
+            ours = cache.claim([files[i] for i in miss], owner)
+            theirs = [i for i, mine in zip(miss, ours, strict=True) if not mine]
+            miss = [i for i, mine in zip(miss, ours, strict=True) if mine]
+        try:
+            _fetch_into(fs, files, miss, got, key_scores, cache, concurrency, ops_stats,
+                        cstats, owner)
+        finally:
+            if owner is not None:  # claims not handed to the writer (errors) go now
+                cache.release([files[i] for i in miss
+                               if got[i] is None or isinstance(got[i], BaseException)], owner)
+        if theirs:  # another read is fetching these: take its bytes, fetch what it left
+            waited = cache.wait_shared([files[i] for i in theirs],
+                                       [key_scores[i] for i in theirs]
+                                       if key_scores is not None else None)
+            for i, payload in zip(theirs, waited, strict=True):
+                got[i] = payload
+            shared = sum(p is not None for p in waited)
+            _fetch_into(fs, files, [i for i in theirs if got[i] is None], got, key_scores,
+                        cache, concurrency, ops_stats, cstats, None)
     if cache is not None:
         cstats.add(cache.take_background_stats())
     slot = {p: got[i] for i, p in enumerate(files)} if io.dedupe else None
@@ -117,9 +137,33 @@ def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,
     delivered = sum(len(d) for d in datas if not isinstance(d, BaseException))
     account = {"io_requests": ops_stats.requests, "io_bytes_fetched": ops_stats.bytes_fetched,
                "io_bytes_delivered": int(delivered),
-               "io_reads_deduped": len(paths) - len(keys)}
+               "io_reads_deduped": len(paths) - len(keys), "io_reads_shared": shared}
     account.update(cstats.account())
     return datas, account
+
+
+def _fetch_into(fs: pafs.FileSystem, files: list[str], idx: list[int], got: list[Any],
+                key_scores: list[float] | None, cache: Any, concurrency: int,
+                ops_stats: OpStats, cstats: CacheStats, owner: str | None) -> None:
+    """Fetch ``files[i]`` for ``i`` in ``idx`` into ``got``; offer the good ones to the cache.
+
+    With an ``owner``, its claims on what was fetched are released once the tiers decided.
+    """
+    if not idx:
+        return
+    ops = plan_files([files[i] for i in idx], dedupe=False)
+    fetched = run_ops(fs, ops, len(idx), concurrency=concurrency, stats=ops_stats)
+    keep = []
+    for j, i in enumerate(idx):
+        got[i] = fetched[j]
+        if not isinstance(fetched[j], BaseException):
+            keep.append(i)
+    if cache is not None and keep:
+        done_keys = [files[i] for i in keep]
+        on_done = ((lambda: cache.release(done_keys, owner)) if owner is not None else None)
+        cache.put_many(done_keys, [got[i] for i in keep],
+                       [key_scores[i] for i in keep] if key_scores is not None else None,
+                       stats=cstats, on_done=on_done)
 
 
 def summarize(totals: dict[str, Any]) -> dict[str, Any]:

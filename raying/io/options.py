@@ -31,6 +31,9 @@ DEFAULT_CACHE_QUEUE_BYTES = 64 * 1024**2
 # A reserved entry whose file is still not written after this long (its writer died) may be
 # evicted.
 DEFAULT_CACHE_PENDING_S = 120.0
+# A claim on a file another process or thread is fetching (see CacheConfig.share_reads) is
+# ignored after this long, or at once when its owner's process is gone.
+DEFAULT_CACHE_INFLIGHT_S = 30.0
 
 # --- planning ---------------------------------------------------------------------------------
 # Ranges of one file closer than this are fetched as one request (None: the tier's profile).
@@ -61,6 +64,10 @@ class CacheConfig:
             URI by the reader.
         background_writes: admit in a background thread, so reads never wait for the cache
             to fill (False: admit before returning, e.g. for tests).
+        share_reads: a miss that another read task of the node (or another thread) is
+            already fetching waits for that read instead of fetching the file again ("single
+            flight"; claims live in the first tier's index). Off for local files, whose reads
+            cost less than a claim.
     """
 
     memory_bytes: int = 0
@@ -71,6 +78,7 @@ class CacheConfig:
     decay_reads: float = DEFAULT_CACHE_DECAY_READS
     namespace: str | None = None
     background_writes: bool = True
+    share_reads: bool = True
 
     def __post_init__(self) -> None:
         for name in ("memory_bytes", "disk_bytes"):

@@ -118,10 +118,10 @@ def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,
             _fetch_into(fs, files, miss, got, key_scores, cache, concurrency, ops_stats,
                         cstats, owner)
         finally:
-            if owner is not None:  # claims not handed to the writer (errors) go now
+            if owner is not None and cache is not None:  # claims not handed over go now
                 cache.release([files[i] for i in miss
                                if got[i] is None or isinstance(got[i], BaseException)], owner)
-        if theirs:  # another read is fetching these: take its bytes, fetch what it left
+        if theirs and cache is not None:  # another read has these: its bytes, or fetch
             waited = cache.wait_shared([files[i] for i in theirs],
                                        [key_scores[i] for i in theirs]
                                        if key_scores is not None else None)

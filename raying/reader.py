@@ -16,6 +16,7 @@ from raying.config import DEFAULT_MAX_IMAGE_PIXELS, StorageOptions
 from raying.errors import DataError, DecodeError
 from raying.io import decoded as _decoded
 from raying.io import fetch as _io_fetch  # issue 5: planned, cached reads (raying/io/fetch.py)
+from raying.io.options import IOConfig
 from raying.plan import ReadUnit
 
 BLOCK_KEYS = ("id", "label", "image", "weight", "prob")
@@ -146,12 +147,14 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
         def load_part(part: slice):
             def fetch(miss: list[int]):  # the unit's row groups, read once, only on a miss
                 fetched = 0
+                acct: dict[str, int] = {}
                 if "values" not in read:
-                    read["values"], _, fetched = _read_parquet_rows(spec, fs, root, unit, ids)
+                    read["values"], _, fetched = _read_parquet_rows(spec, fs, root, unit, ids,
+                                                                    acct)
                 values = read["values"][part]
                 picked = [values[k] for k in miss]
                 delivered = sum(len(v) for v in picked if isinstance(v, (bytes, memoryview)))
-                return picked, {"io_bytes_fetched": int(fetched),
+                return picked, {**acct, "io_bytes_fetched": int(fetched),
                                 "io_bytes_delivered": int(delivered)}
 
             arrays, acct, _ = _decoded.load_arrays(spec, ids[part], where[part], fetch)
@@ -159,7 +162,7 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
 
         datas = []
     else:
-        datas, where, nbytes = _read_parquet_rows(spec, fs, root, unit, ids)
+        datas, where, nbytes = _read_parquet_rows(spec, fs, root, unit, ids, io_account)
         if spec.decoded is not None and not isinstance(datas, list):
             pixels = datas
     read_s = time.perf_counter() - t0
@@ -277,11 +280,17 @@ def _first_line(exc: BaseException) -> str:
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
-def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray):
+def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
+                       account: dict[str, int] | None = None):
     """The image values of ``ids``, reading each needed row group once.
 
+    With ``spec.io`` set, the row groups' image chunks are fetched as a planned window
+    through the cache (:func:`raying.io.parquet.read_unit_groups`) and ``account`` gets the
+    ``io_*``/``cache_*`` counters; else each file's row groups are read with pyarrow.
+
     Returns (values, locations, bytes): values is a list of buffers (encoded images, None for
-    nulls) or, for pre-decoded data, one (n, h, w, c) uint8 array.
+    nulls) or, for pre-decoded data, one (n, h, w, c) uint8 array; bytes are those fetched
+    (planned path) or the Arrow size of what was read.
     """
     groups = unit.row_groups
     if groups is None or len(groups) == 0:
@@ -293,7 +302,20 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
     chunks: list[pa.Array] = []
     starts: list[tuple[int, int]] = []
     nbytes = 0
-    for f in np.unique(groups[:, 0]):
+    io = IOConfig.coerce(getattr(spec, "io", None))
+    if io is not None:  # issue 5: planned, coalesced, cached column chunks
+        from raying.io.parquet import read_unit_groups
+
+        arrays, acct = read_unit_groups(spec, fs, root, groups, col, unit, io)
+        offset = 0
+        for (_, _, g_start), arr in zip(groups.tolist(), arrays, strict=True):
+            starts.append((int(g_start), offset))
+            offset += len(arr)
+            chunks.append(arr)
+        nbytes = acct.pop("io_bytes_fetched", 0)
+        if account is not None:
+            account.update(acct)
+    for f in (np.unique(groups[:, 0]) if io is None else ()):
         sel = groups[groups[:, 0] == f]
         rel = spec.files[int(f)]
         path = f"{root.rstrip('/')}/{rel}" if spec.files and rel != root else root
@@ -302,10 +324,7 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
                 pf = pq.ParquetFile(fh)
                 table = pf.read_row_groups([int(g) for g in sel[:, 1]], columns=[col])
         except (pa.ArrowInvalid, OSError) as exc:
-            msg = (f"{spec.root.rstrip('/')}/{rel}: cannot read row groups "
-                   f"{sel[:, 1].tolist()} ({_first_line(exc)}); the file may be corrupt or "
-                   f"changed since the manifest was scanned: rescan it")
-            raise DataError(msg) from None
+            raise _parquet_error(spec, rel, sel[:, 1].tolist(), exc) from None
         arr = table.column(col)
         nbytes += table.nbytes
         # read_row_groups returns the groups in the order asked; track each group's first row.
@@ -328,6 +347,12 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
         buf = buf[flat.offset * h * w * c:(flat.offset + len(flat)) * h * w * c]
         return _Rows(buf.reshape(len(flat), h, w, c), pos), None, nbytes
     return _binary_views(values, pos), _row_locations(spec, unit, ids), nbytes
+
+
+def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseException) -> DataError:
+    return DataError(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups} "
+                     f"({_first_line(exc)}); the file may be corrupt or changed since the "
+                     f"manifest was scanned: rescan it")
 
 
 def _group_rows(sel: np.ndarray, pf: pq.ParquetFile):

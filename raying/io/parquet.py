@@ -11,10 +11,12 @@ memory, through a file object that serves only the fetched ranges.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -122,6 +124,60 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
             col = pf.read_row_group(distinct[i][1], columns=[column]).column(0)
             arrays[distinct[i]] = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     return [arrays[it] for it in items]
+
+
+def read_unit_groups(spec: Any, fs: Any, root: str, groups: Any, column: str, unit: Any,
+                     io: IOConfig) -> tuple[list[pa.Array], dict[str, int]]:
+    """The ``column`` chunk of each row group of a read unit, as one planned window.
+
+    Args:
+        spec: the unit's ReadSpec (``files``, ``root``: file names and the dataset URI).
+        fs, root: the dataset's filesystem and root path on it.
+        groups: (file index, row-group index, first id) rows, in read order.
+        column: the image column.
+        unit: the ReadUnit; the probability mass of its draws in a row group (``unit.probs``)
+            is that group's cache score.
+        io: the read settings.
+
+    Returns:
+        One array per row group and the unit's ``io_*``/``cache_*`` counters. A row group
+        that cannot be read or decoded raises a DataError naming its file and the fix.
+    """
+    from raying.io.fetch import ACCOUNT_KEYS
+
+    files = [int(f) for f in groups[:, 0]]
+    paths = [f"{root.rstrip('/')}/{spec.files[f]}" if spec.files and spec.files[f] != root
+             else root for f in files]
+    items = [(p, int(g)) for p, g in zip(paths, groups[:, 1], strict=True)]
+    scores = None
+    probs = getattr(unit, "probs", None)
+    if probs is not None and getattr(unit, "ids", None) is not None:
+        starts = groups[:, 2]
+        order = np.argsort(starts, kind="stable")
+        k = order[np.searchsorted(starts[order], np.asarray(unit.ids), side="right") - 1]
+        scores = np.bincount(k, weights=np.asarray(probs, dtype=np.float64),
+                             minlength=len(items)).tolist()
+    stats, cstats = OpStats(), CacheStats()
+    try:
+        arrays = read_chunks(fs, items, column, io=io, scores=scores,
+                             namespace=str(spec.root), stats=stats, cache_stats=cstats)
+    except (pa.ArrowInvalid, OSError, DataError) as exc:
+        for f in dict.fromkeys(files):  # find the file at fault and name it
+            mine = [i for i, x in enumerate(files) if x == f]
+            try:
+                read_chunks(fs, [items[i] for i in mine], column,
+                            io=dataclasses.replace(io, cache=None))
+            except (pa.ArrowInvalid, OSError, DataError) as one:
+                msg = (f"{spec.root.rstrip('/')}/{spec.files[f]}: cannot read row groups "
+                       f"{[items[i][1] for i in mine]} ({str(one).splitlines()[0]}); the file "
+                       f"may be corrupt or changed since the manifest was scanned: rescan it")
+                raise DataError(msg) from None
+        raise DataError(f"{spec.root}: cannot read a unit's row groups ({exc})") from None
+    account = dict.fromkeys(ACCOUNT_KEYS, 0)
+    account.update(cstats.account())
+    account["io_requests"] = stats.requests
+    account["io_bytes_fetched"] = stats.bytes_fetched
+    return arrays, account
 
 
 class _RangeFile:

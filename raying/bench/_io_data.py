@@ -146,8 +146,38 @@ def simulated_hit_ratio(trace: list[TraceUnit], sizes: np.ndarray, capacity: int
             elif keep[i]:
                 held_ids.add(i)
         return hits / max(len(seq), 1)
+    if policy == "rates":
+        if rates is None:
+            msg = "policy='rates' needs the samples' rates"
+            raise ValueError(msg)
+        value = rates / size
+        kept: list[tuple[float, int]] = []  # heap of (value, id): the lowest on top
+        inside: set[int] = set()
+        for i in seq:
+            if i in inside:
+                hits += 1
+                continue
+            if size[i] > capacity:
+                continue
+            out: list[tuple[float, int]] = []
+            freed = capacity - used
+            while freed < size[i] and kept and kept[0][0] < value[i]:
+                v = heapq.heappop(kept)
+                out.append(v)
+                freed += int(size[v[1]])
+            if freed < size[i]:  # not worth its room: put the candidates back
+                for v in out:
+                    heapq.heappush(kept, v)
+                continue
+            for _, j in out:
+                inside.discard(j)
+                used -= int(size[j])
+            heapq.heappush(kept, (float(value[i]), i))
+            inside.add(i)
+            used += int(size[i])
+        return hits / max(len(seq), 1)
     if policy != "oracle":
-        msg = f"policy must be 'lru', 'ideal' or 'oracle', got {policy!r}"
+        msg = f"policy must be 'lru', 'ideal', 'rates' or 'oracle', got {policy!r}"
         raise ValueError(msg)
     never = len(seq) + 1
     nxt = [never] * len(seq)

@@ -212,7 +212,7 @@ def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespa
                 ratios[policy].append(summarize(totals)["cache_hit_ratio"])
                 shutil.rmtree(io.cache.memory_dir if io.cache else "", ignore_errors=True)
         row: dict[str, Any] = {"capacity": capacity, "seeds": args.seeds, "sigma": args.sigma}
-        for policy in ("lru", "ideal", "oracle"):  # the same traces replayed in a simulation
+        for policy in ("lru", "ideal", "rates", "oracle"):  # the same traces, simulated
             ratios[f"sim_{policy}"] = [
                 simulated_hit_ratio(make_trace(len(paths), epochs=args.epochs, sigma=args.sigma,
                                                seed=seed), sizes, int(capacity * total), policy,
@@ -228,7 +228,8 @@ def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespa
         print(f"  capacity {capacity:.0%}: hit ratio LRU {row['lru_mean']:.3f}, priority "
               f"{row['priority_mean']:.3f} -> x{row['ratio']} (worst seed x"
               f"{row['ratio_min_over_seeds']}); simulated: LRU {row['sim_lru_mean']:.3f}, "
-              f"known-rates ideal {row['sim_ideal_mean']:.3f}, offline (Belady) "
+              f"known-rates ideal {row['sim_ideal_mean']:.3f}, known rates at every moment "
+              f"{row['sim_rates_mean']:.3f}, offline (Belady) "
               f"{row['sim_oracle_mean']:.3f}")
     return out
 

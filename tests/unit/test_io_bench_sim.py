@@ -24,6 +24,13 @@ def test_small_traces_by_hand():
     rates = np.array([1.0, 5.0, 0.1, 0.1])
     ideal = simulated_hit_ratio(_trace([[0, 1], [0, 1], [1]]), sizes, 100, "ideal", rates)
     assert ideal == pytest.approx(2 / 5)
+    # Known rates at every moment: 0 is admitted while the cache has room, then 1 replaces
+    # it (higher rate) and stays; 2 never beats 1.
+    got = simulated_hit_ratio(_trace([[0], [1], [0], [1], [2], [1]]), sizes, 100, "rates",
+                              rates)
+    assert got == pytest.approx(2 / 6)
+    with pytest.raises(ValueError, match="rates"):
+        simulated_hit_ratio(trace, sizes, 100, "rates")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -35,12 +42,13 @@ def test_references_order_and_the_full_cache_limit(seed):
     lookups = sum(len(set(u.ids.tolist())) for u in trace)
     distinct = len({int(i) for u in trace for i in u.ids})
     full = int(sizes.sum()) + 16 * n
-    for policy in ("lru", "ideal", "oracle"):  # room for all: only first touches miss
+    for policy in ("lru", "ideal", "rates", "oracle"):  # room for all: only first touches miss
         got = simulated_hit_ratio(trace, sizes, full, policy, rates)
         assert got == pytest.approx(1 - distinct / lookups)
     for frac in (0.1, 0.2):
         cap = int(frac * sizes.sum())
         lru = simulated_hit_ratio(trace, sizes, cap, "lru")
         ideal = simulated_hit_ratio(trace, sizes, cap, "ideal", rates)
+        known = simulated_hit_ratio(trace, sizes, cap, "rates", rates)
         oracle = simulated_hit_ratio(trace, sizes, cap, "oracle")
-        assert 0 < lru < ideal < oracle < 1 - distinct / lookups
+        assert 0 < lru < ideal < known < oracle < 1 - distinct / lookups

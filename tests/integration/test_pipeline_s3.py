@@ -50,3 +50,43 @@ def test_s3_endpoint_from_environment(s3_images, s3_endpoint, monkeypatch, ray_l
 def test_s3_missing_prefix_is_a_clear_error(s3_images, s3_endpoint, ray_local):
     with pytest.raises(raying.StorageError, match="does not exist|no such|not found"):
         raying.Manifest.scan("s3://raying-images/nope", storage={"endpoint_url": s3_endpoint})
+
+
+def test_s3_parquet_through_the_cache_matches_local(s3_server, s3_endpoint, image_folder,
+                                                    tmp_path_factory, ray_local):
+    from raying.io.fetch import ACCOUNT_KEYS
+    from raying.io.options import CacheConfig, IOConfig
+
+    packed = tmp_path_factory.mktemp("s3-packed")
+    raying.pack(str(image_folder), str(packed), shard_rows=25, row_group_rows=8,
+                progress=False)
+    uri = s3_server.upload_folder(packed, "raying-parquet", "train")
+    local = raying.Manifest.scan(str(packed), format="parquet", label="label")
+    remote = raying.Manifest.scan(uri, format="parquet", label="label",
+                                  storage={"endpoint_url": s3_endpoint})
+    cache_dir = tmp_path_factory.mktemp("s3-cache")
+    io = IOConfig(cache=CacheConfig(memory_bytes=10**8, memory_dir=str(cache_dir)))
+    tf = raying.ImageTransform(size=16)
+    off = {"block_rows": 16, "decoded_cache": "off"}
+    plain = raying.Pipeline(local, transform=tf, config=raying.PipelineConfig(**off))
+    cached = raying.Pipeline(remote, transform=tf, config=raying.PipelineConfig(**off, io=io))
+    try:
+        for epoch in (0, 1):
+            accounts = []
+            add = cached.account.add
+            cached.account.add = lambda a, add=add: (accounts.append(a), add(a))
+            a = _epoch(plain, epoch)
+            b = _epoch(cached, epoch)
+            cached.account.add = add
+            for x, y in zip(a, b, strict=True):
+                assert np.array_equal(x, y)
+            totals = {k: sum(acc.get(k, 0) for acc in accounts) for k in ACCOUNT_KEYS}
+            assert totals["cache_lookups"] > 0
+            if epoch == 0:
+                assert totals["io_requests"] > 0 and totals["io_bytes_fetched"] > 0
+            else:  # the image chunks come from the tier; at most footers from S3
+                assert totals["cache_hits_memory"] == totals["cache_lookups"]
+                assert totals["io_requests"] <= len(remote.files)
+    finally:
+        plain.close()
+        cached.close()

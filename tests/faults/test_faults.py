@@ -65,10 +65,18 @@ def ray_fresh():
     ray.shutdown()
 
 
-def test_uniform_epoch_survives_five_worker_kills(folder, ray_fresh):
+@pytest.mark.parametrize("cached", [False, True], ids=["direct", "tiered-cache"])
+def test_uniform_epoch_survives_five_worker_kills(folder, ray_fresh, tmp_path, cached):
+    from raying.io.options import CacheConfig, IOConfig
+
     m = _slow_manifest(folder)
+    # With the cache, killed workers also leave claims on the files they were fetching
+    # (single flight): the others must see them void and fetch those files themselves.
+    io = (IOConfig(cache=CacheConfig(memory_bytes=10**8, memory_dir=str(tmp_path / "mem")))
+          if cached else None)
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
-                           config=raying.PipelineConfig(block_rows=20))
+                           config=raying.PipelineConfig(block_rows=20, io=io,
+                                                        decoded_cache="off"))
     killed: list[int] = []
     stop = threading.Event()
 
@@ -87,6 +95,19 @@ def test_uniform_epoch_survives_five_worker_kills(folder, ray_fresh):
     t.join()
     assert len(killed) == 5, f"only {len(killed)} kills landed; make the epoch longer"
     assert len(ids) == 400 and sorted(ids) == list(range(400)), "each id exactly once"
+    if cached:  # a second epoch is served by the tier; no live claim is left behind
+        from raying.io._dirtier import DirTier
+        from raying.io._inflight import _alive
+
+        again = [i for b in pipe.iter_batches(batch_size=32, epoch=1) for i in b["id"].tolist()]
+        assert sorted(again) == list(range(400))
+        st = pipe.stats(sampling=False)["io"]
+        assert st["cache_hits_memory"] > 0
+        tier = DirTier(str(tmp_path / "mem"), 10**8)
+        with tier._lock:
+            pids = [pid for (pid,) in tier._db().execute("SELECT pid FROM inflight")]
+        assert not [p for p in pids if _alive(p)], "claims of live owners were all released"
+        assert len(pids) <= 5 * 20, "only killed workers' (void) claims may remain"
     pipe.close()
 
 

@@ -74,7 +74,7 @@ def test_s3_parquet_through_the_cache_matches_local(s3_server, s3_endpoint, imag
         for epoch in (0, 1):
             accounts = []
             add = cached.account.add
-            cached.account.add = lambda a, add=add: (accounts.append(a), add(a))
+            cached.account.add = lambda a, add=add, seen=accounts: (seen.append(a), add(a))
             a = _epoch(plain, epoch)
             b = _epoch(cached, epoch)
             cached.account.add = add

@@ -304,9 +304,12 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
     nbytes = 0
     io = IOConfig.coerce(getattr(spec, "io", None))
     if io is not None:  # issue 5: planned, coalesced, cached column chunks
-        from raying.io.parquet import read_unit_groups
+        from raying.io.parquet import UnitGroupError, read_unit_groups
 
-        arrays, acct = read_unit_groups(spec, fs, root, groups, col, unit, io)
+        try:
+            arrays, acct = read_unit_groups(spec, fs, root, groups, col, unit, io)
+        except UnitGroupError as exc:
+            raise _parquet_error(spec, spec.files[exc.file], exc.groups, exc.cause) from None
         offset = 0
         for (_, _, g_start), arr in zip(groups.tolist(), arrays, strict=True):
             starts.append((int(g_start), offset))

@@ -339,4 +339,3 @@ class DirTier(InflightClaims):
             if self._fd is not None and self._fd_pid == os.getpid():
                 os.close(self._fd)
             self._conn, self._fd = None, None
-

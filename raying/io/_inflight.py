@@ -75,7 +75,7 @@ class InflightClaims:
 
     def claims(self, keys: Sequence[str], *, stale_s: float = DEFAULT_CACHE_INFLIGHT_S
                ) -> set[str]:
-        """The keys still claimed by a live owner (read-only; no lock)."""
+        """The keys still claimed by a live owner (a read: no writers' lock taken)."""
         by_digest = {digest_of(k): k for k in keys}
         if not by_digest:
             return set()
@@ -102,4 +102,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process: alive
         return True
     return True
-

@@ -126,6 +126,14 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
     return [arrays[it] for it in items]
 
 
+class UnitGroupError(Exception):
+    """Row groups of one file of a unit that cannot be read (file index, groups, cause)."""
+
+    def __init__(self, file: int, groups: list[int], cause: BaseException) -> None:
+        super().__init__(f"file {file}: row groups {groups}: {cause}")
+        self.file, self.groups, self.cause = file, groups, cause
+
+
 def read_unit_groups(spec: Any, fs: Any, root: str, groups: Any, column: str, unit: Any,
                      io: IOConfig) -> tuple[list[pa.Array], dict[str, int]]:
     """The ``column`` chunk of each row group of a read unit, as one planned window.
@@ -140,8 +148,11 @@ def read_unit_groups(spec: Any, fs: Any, root: str, groups: Any, column: str, un
         io: the read settings.
 
     Returns:
-        One array per row group and the unit's ``io_*``/``cache_*`` counters. A row group
-        that cannot be read or decoded raises a DataError naming its file and the fix.
+        One array per row group and the unit's ``io_*``/``cache_*`` counters.
+
+    Raises:
+        UnitGroupError: naming the file (index into ``spec.files``) whose row groups cannot
+            be read or decoded, and why; the reader turns it into its DataError.
     """
     from raying.io.fetch import ACCOUNT_KEYS
 
@@ -168,10 +179,7 @@ def read_unit_groups(spec: Any, fs: Any, root: str, groups: Any, column: str, un
                 read_chunks(fs, [items[i] for i in mine], column,
                             io=dataclasses.replace(io, cache=None))
             except (pa.ArrowInvalid, OSError, DataError) as one:
-                msg = (f"{spec.root.rstrip('/')}/{spec.files[f]}: cannot read row groups "
-                       f"{[items[i][1] for i in mine]} ({str(one).splitlines()[0]}); the file "
-                       f"may be corrupt or changed since the manifest was scanned: rescan it")
-                raise DataError(msg) from None
+                raise UnitGroupError(f, [items[i][1] for i in mine], one) from None
         raise DataError(f"{spec.root}: cannot read a unit's row groups ({exc})") from None
     account = dict.fromkeys(ACCOUNT_KEYS, 0)
     account.update(cstats.account())

@@ -31,19 +31,35 @@ _FOOTERS: dict[tuple[int, str], tuple[pq.FileMetaData, int]] = {}
 _FOOTERS_LOCK = threading.Lock()
 
 
-def footer(fs: Any, path: str, stats: OpStats | None = None) -> tuple[pq.FileMetaData, int]:
-    """The metadata and size of a Parquet file, read once per process and filesystem."""
+def footer(fs: Any, path: str, stats: OpStats | None = None, *, cache: Any = None
+           ) -> tuple[pq.FileMetaData, int]:
+    """The metadata and size of a Parquet file, read once per process and filesystem.
+
+    With a ``cache`` (a TieredCache) the footer is also kept in its tiers, so a worker
+    process started later on the node does not request it from storage again.
+    """
     key = (id(fs), path)
     with _FOOTERS_LOCK:
         hit = _FOOTERS.get(key)
     if hit is not None:
         return hit
-    with _storage.open_input(fs, path) as fh:
-        size = fh.size()
-        md = pq.read_metadata(fh)
-    if stats is not None:
-        stats.requests += 1
-        stats.bytes_fetched += md.serialized_size + 8
+    got = cache.get_many([f"{path}#footer"]) if cache is not None else [None]
+    if got[0] is not None:
+        view = memoryview(got[0])
+        size = int.from_bytes(view[:8], "little")
+        md = pq.read_metadata(pa.BufferReader(pa.py_buffer(view[8:])))
+    else:
+        with _storage.open_input(fs, path) as fh:
+            size = fh.size()
+            md = pq.read_metadata(fh)
+        if stats is not None:
+            stats.requests += 1
+            stats.bytes_fetched += md.serialized_size + 8
+        if cache is not None:  # a footer serves every read of its file: keep it first
+            sink = pa.BufferOutputStream()
+            md.write_metadata_file(sink)
+            cache.put_many([f"{path}#footer"], [size.to_bytes(8, "little")
+                                               + sink.getvalue().to_pybytes()], [1.0])
     with _FOOTERS_LOCK:
         _FOOTERS[key] = (md, size)
     return md, size
@@ -87,14 +103,15 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
     if scores is not None:
         for it, s in zip(items, scores, strict=True):
             best[it] = max(best.get(it, float(s)), float(s))
-    metas = {p: footer(fs, p, stats) for p in dict.fromkeys(p for p, _ in distinct)}
+    cache = None
+    if io.cache is not None and io.cache.enabled:
+        cache = open_cache(io.cache, namespace=namespace)
+    metas = {p: footer(fs, p, stats, cache=cache) for p in dict.fromkeys(p for p, _ in distinct)}
     ranges = [chunk_range(metas[p][0], g, column) for p, g in distinct]
     keys = [f"{p}#rg{g}/{column}" for p, g in distinct]
     item_scores = [best.get(it, 0.0) for it in distinct] if scores is not None else None
     raw: list[Any] = [None] * len(distinct)
-    cache = None
-    if io.cache is not None and io.cache.enabled:
-        cache = open_cache(io.cache, namespace=namespace)
+    if cache is not None:
         raw = list(cache.get_many(keys, item_scores, stats=cache_stats))
     miss = [i for i, r in enumerate(raw) if r is None]
     if miss:

@@ -193,3 +193,38 @@ def test_local_files_take_no_claims(tmp_path, monkeypatch):
         fetch.fetch_files(fs, [*paths, paths[0] + ".x"], io=io, scores=[0.5] * 3,
                           namespace="ns")
     assert len(calls) == 1
+
+
+def _read_parquet_in_process(path: str, mem: str, q) -> None:
+    from raying.io.parquet import read_chunks
+    from raying.io.planner import OpStats
+
+    stats = OpStats()
+    io = IOConfig(cache=CacheConfig(memory_bytes=10**6, memory_dir=mem,
+                                    background_writes=False))
+    arrays = read_chunks(pafs.LocalFileSystem(), [(path, 0), (path, 2)], "image", io=io,
+                         scores=[0.5, 0.5], namespace="pq", stats=stats)
+    q.put(([a.to_pylist() for a in arrays], stats.requests))
+
+
+def test_parquet_footers_and_chunks_are_shared_by_the_node_processes(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "part.parquet")
+    pq.write_table(pa.table({"id": list(range(40)),
+                             "image": [bytes([i]) * (50 + i) for i in range(40)]}),
+                   path, row_group_size=10)
+    ctx = multiprocessing.get_context("spawn")
+    results = []
+    for _ in range(2):  # two fresh processes, one after the other, sharing one tier
+        q = ctx.Queue()
+        p = ctx.Process(target=_read_parquet_in_process, args=(path, str(tmp_path / "m"), q))
+        p.start()
+        results.append(q.get(timeout=120))
+        p.join(30)
+    (first, n1), (second, n2) = results
+    want = pq.ParquetFile(path)
+    assert first == second == [want.read_row_group(g, columns=["image"]).column(0).to_pylist()
+                               for g in (0, 2)]
+    assert n1 >= 2 and n2 == 0  # the second process asks storage for nothing, footer included

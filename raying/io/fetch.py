@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,33 +103,15 @@ def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,
         cache = open_cache(io.cache, namespace=namespace)
         got = list(cache.get_many(files, key_scores, stats=cstats))
     miss = [i for i, g in enumerate(got) if g is None]
-    shared = 0
-    if miss:
-        profile = profile_for(fs)
-        concurrency = io.concurrency or profile.concurrency
-        theirs: list[int] = []
-        owner = None
-        if cache is not None and cache.config.share_reads and profile.name != "local":
-            owner = f"{os.getpid()}.{threading.get_ident()}.{next(_OWNERS)}"
-            ours = cache.claim([files[i] for i in miss], owner)
-            theirs = [i for i, mine in zip(miss, ours, strict=True) if not mine]
-            miss = [i for i, mine in zip(miss, ours, strict=True) if mine]
-        try:
-            _fetch_into(fs, files, miss, got, key_scores, cache, concurrency, ops_stats,
-                        cstats, owner)
-        finally:
-            if owner is not None and cache is not None:  # claims not handed over go now
-                cache.release([files[i] for i in miss
-                               if got[i] is None or isinstance(got[i], BaseException)], owner)
-        if theirs and cache is not None:  # another read has these: its bytes, or fetch
-            waited = cache.wait_shared([files[i] for i in theirs],
-                                       [key_scores[i] for i in theirs]
-                                       if key_scores is not None else None)
-            for i, payload in zip(theirs, waited, strict=True):
-                got[i] = payload
-            shared = sum(p is not None for p in waited)
-            _fetch_into(fs, files, [i for i in theirs if got[i] is None], got, key_scores,
-                        cache, concurrency, ops_stats, cstats, None)
+    profile = profile_for(fs)
+    concurrency = io.concurrency or profile.concurrency
+
+    def fetch(idx: list[int]) -> list[Any]:
+        ops = plan_files([files[i] for i in idx], dedupe=False)
+        return run_ops(fs, ops, len(idx), concurrency=concurrency, stats=ops_stats)
+
+    shared = fetch_missing(cache, files, miss, got, key_scores, fetch, stats=cstats,
+                           share=profile.name != "local")
     if cache is not None:
         cstats.add(cache.take_background_stats())
     slot = {p: got[i] for i, p in enumerate(files)} if io.dedupe else None
@@ -142,28 +124,70 @@ def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,
     return datas, account
 
 
-def _fetch_into(fs: pafs.FileSystem, files: list[str], idx: list[int], got: list[Any],
-                key_scores: list[float] | None, cache: Any, concurrency: int,
-                ops_stats: OpStats, cstats: CacheStats, owner: str | None) -> None:
-    """Fetch ``files[i]`` for ``i`` in ``idx`` into ``got``; offer the good ones to the cache.
+def fetch_missing(cache: Any, keys: list[str], miss: list[int], got: list[Any],
+                  scores: list[float] | None, fetch: Callable[[list[int]], list[Any]], *,
+                  stats: CacheStats, share: bool = True) -> int:
+    """Fill ``got[i]`` for the missed ``keys[i]``, with single flight; offer them to the cache.
+
+    Args:
+        cache: the TieredCache, or None (then ``fetch`` all of ``miss``).
+        keys, got, scores: cache keys, the result slots, their scores.
+        miss: positions to fill.
+        fetch: positions -> a payload (or the exception) for each, from storage.
+        stats: cache counters to add the admissions to.
+        share: take claims (when the cache allows it): a miss another read of the node is
+            fetching is taken from that read instead (see :mod:`raying.io._inflight`).
+
+    Returns:
+        How many positions another read's fetch served.
+    """
+    if not miss:
+        return 0
+    owner = None
+    theirs: list[int] = []
+    if cache is not None and share and cache.config.share_reads:
+        owner = f"{os.getpid()}.{threading.get_ident()}.{next(_OWNERS)}"
+        ours = cache.claim([keys[i] for i in miss], owner)
+        theirs = [i for i, mine in zip(miss, ours, strict=True) if not mine]
+        miss = [i for i, mine in zip(miss, ours, strict=True) if mine]
+    try:
+        _fetch_into(cache, keys, miss, got, scores, fetch, stats, owner)
+    finally:
+        if owner is not None:  # claims not handed to the writer (failed reads) go now
+            cache.release([keys[i] for i in miss
+                           if got[i] is None or isinstance(got[i], BaseException)], owner)
+    if not theirs:
+        return 0
+    waited = cache.wait_shared([keys[i] for i in theirs],
+                               [scores[i] for i in theirs] if scores is not None else None)
+    for i, payload in zip(theirs, waited, strict=True):
+        got[i] = payload
+    _fetch_into(cache, keys, [i for i in theirs if got[i] is None], got, scores, fetch, stats,
+                None)
+    return sum(p is not None for p in waited)
+
+
+def _fetch_into(cache: Any, keys: list[str], idx: list[int], got: list[Any],
+                scores: list[float] | None, fetch: Callable[[list[int]], list[Any]],
+                stats: CacheStats, owner: str | None) -> None:
+    """Fetch positions ``idx`` into ``got``; offer the good ones to the cache.
 
     With an ``owner``, its claims on what was fetched are released once the tiers decided.
     """
     if not idx:
         return
-    ops = plan_files([files[i] for i in idx], dedupe=False)
-    fetched = run_ops(fs, ops, len(idx), concurrency=concurrency, stats=ops_stats)
+    fetched = fetch(idx)
     keep = []
     for j, i in enumerate(idx):
         got[i] = fetched[j]
         if not isinstance(fetched[j], BaseException):
             keep.append(i)
     if cache is not None and keep:
-        done_keys = [files[i] for i in keep]
+        done_keys = [keys[i] for i in keep]
         on_done = ((lambda: cache.release(done_keys, owner)) if owner is not None else None)
         cache.put_many(done_keys, [got[i] for i in keep],
-                       [key_scores[i] for i in keep] if key_scores is not None else None,
-                       stats=cstats, on_done=on_done)
+                       [scores[i] for i in keep] if scores is not None else None,
+                       stats=stats, on_done=on_done)
 
 
 def summarize(totals: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from raying import storage as _storage
 from raying.errors import DataError
 from raying.io.cache import CacheStats, open_cache
+from raying.io.fetch import ACCOUNT_KEYS, fetch_missing
 from raying.io.options import IOConfig
 from raying.io.planner import OpStats, coalesce_ranges, run_ops
 from raying.io.tiers import profile_for
@@ -114,23 +115,23 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
     if cache is not None:
         raw = list(cache.get_many(keys, item_scores, stats=cache_stats))
     miss = [i for i, r in enumerate(raw) if r is None]
-    if miss:
-        profile = profile_for(fs)
-        gap = profile.gap_bytes if io.gap_bytes is None else io.gap_bytes
-        ops = coalesce_ranges([(distinct[i][0], *ranges[i]) for i in miss], gap_bytes=gap,
+    profile = profile_for(fs)
+    gap = profile.gap_bytes if io.gap_bytes is None else io.gap_bytes
+
+    def fetch(idx: list[int]) -> list[Any]:
+        ops = coalesce_ranges([(distinct[i][0], *ranges[i]) for i in idx], gap_bytes=gap,
                               max_request_bytes=io.max_request_bytes)
-        got = run_ops(fs, ops, len(miss), concurrency=io.concurrency or profile.concurrency,
-                      stats=stats)
-        for j, i in enumerate(miss):
-            if isinstance(got[j], BaseException):
-                p, g = distinct[i]
-                msg = f"{p}: cannot read row group {g} ({got[j]})"
-                raise DataError(msg) from got[j]
-            raw[i] = got[j]
-        if cache is not None:
-            cache.put_many([keys[i] for i in miss], [raw[i] for i in miss],
-                           [item_scores[i] for i in miss] if item_scores is not None else None,
-                           stats=cache_stats)
+        return run_ops(fs, ops, len(idx), concurrency=io.concurrency or profile.concurrency,
+                       stats=stats)
+
+    fetch_missing(cache, keys, miss, raw, item_scores, fetch,
+                  stats=cache_stats if cache_stats is not None else CacheStats(),
+                  share=profile.name != "local")
+    for i in miss:
+        if isinstance(raw[i], BaseException):
+            p, g = distinct[i]
+            msg = f"{p}: cannot read row group {g} ({raw[i]})"
+            raise DataError(msg) from raw[i]
     arrays: dict[tuple[str, int], pa.Array] = {}
     for path in metas:
         mine = [i for i, (p, _) in enumerate(distinct) if p == path]
@@ -171,8 +172,6 @@ def read_unit_groups(spec: Any, fs: Any, root: str, groups: Any, column: str, un
         UnitGroupError: naming the file (index into ``spec.files``) whose row groups cannot
             be read or decoded, and why; the reader turns it into its DataError.
     """
-    from raying.io.fetch import ACCOUNT_KEYS
-
     files = [int(f) for f in groups[:, 0]]
     paths = [f"{root.rstrip('/')}/{spec.files[f]}" if spec.files and spec.files[f] != root
              else root for f in files]

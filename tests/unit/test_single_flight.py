@@ -7,6 +7,7 @@ What an owner leaves (not admitted, failed, died) the waiter fetches itself, at 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import multiprocessing
 import os
@@ -228,3 +229,42 @@ def test_parquet_footers_and_chunks_are_shared_by_the_node_processes(tmp_path):
     assert first == second == [want.read_row_group(g, columns=["image"]).column(0).to_pylist()
                                for g in (0, 2)]
     assert n1 >= 2 and n2 == 0  # the second process asks storage for nothing, footer included
+
+
+def test_threads_reading_the_same_row_groups_fetch_each_chunk_once(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raying.io.parquet import footer, read_chunks
+    from raying.io.planner import OpStats
+
+    path = str(tmp_path / "part.parquet")
+    pq.write_table(pa.table({"id": list(range(40)), "other": [b"z" * 500] * 40,
+                             "image": [bytes([i]) * (50 + i) for i in range(40)]}),
+                   path, row_group_size=10)
+    fs = slow.slow_filesystem(pafs.LocalFileSystem(), (LATENCY_S, None))
+    io = dataclasses.replace(_io(tmp_path), gap_bytes=0)  # one request per chunk
+    footer(fs, path)  # footers apart: this is about the chunks
+    out: dict = {}
+
+    def go(name: str, groups: list[int]) -> threading.Thread:
+        def run() -> None:
+            stats = OpStats()
+            arrays = read_chunks(fs, [(path, g) for g in groups], "image", io=io,
+                                 namespace="pq", stats=stats)
+            out[name] = (arrays, stats.requests)
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    ta = go("a", [0, 2])
+    _wait_for_claims(tmp_path, 2)
+    tb = go("b", [2, 0, 3])
+    ta.join()
+    tb.join()
+    want = pq.ParquetFile(path)
+    for name, groups in (("a", [0, 2]), ("b", [2, 0, 3])):
+        got = [a.to_pylist() for a in out[name][0]]
+        assert got == [want.read_row_group(g, columns=["image"]).column(0).to_pylist()
+                       for g in groups]
+    assert out["a"][1] == 2 and out["b"][1] == 1  # b fetched only group 3 itself

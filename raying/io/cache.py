@@ -187,7 +187,7 @@ class TieredCache:
     def put_many(self, keys: Sequence[str], payloads: Sequence[bytes | memoryview],
                  scores: Sequence[float] | None = None, *,
                  stats: CacheStats | None = None, background: bool | None = None,
-                 on_done: Callable[[], None] | None = None) -> None:
+                 on_done: Callable[[], None] | None = None, wait_s: float = 0.0) -> None:
         """Offer fetched payloads to every tier (each admits by its policy and capacity).
 
         Args:
@@ -201,13 +201,16 @@ class TieredCache:
                 dropped and counted: the writer is behind, and caching is best effort.
             on_done: called once the tiers have decided (admitted or not), or the offer was
                 dropped (releases the fetch's claims; see :meth:`claim`).
+            wait_s: with background writes, how long an offer that finds the queue full may
+                wait for room before it is dropped (``DEFAULT_CACHE_QUEUE_WAIT_S`` for
+                entries fetched from slow storage; 0: drop at once).
         """
         if background is None:
             background = self.config.background_writes
         if background:
             self._submit(self._keys(keys), list(payloads),
                          list(scores) if scores is not None else None, upto=len(self.tiers),
-                         on_done=on_done)
+                         on_done=on_done, wait_s=wait_s)
             return
         local = CacheStats()
         idx = list(range(len(keys)))
@@ -279,10 +282,16 @@ class TieredCache:
 
     # -- the background writer ----------------------------------------------------------------
     def _submit(self, full: list[str], payloads: list[Any], scores: list[float] | None, *,
-                upto: int, on_done: Callable[[], None] | None = None) -> None:
+                upto: int, on_done: Callable[[], None] | None = None,
+                wait_s: float = 0.0) -> None:
         size = sum(len(p) for p in payloads)
         with self._wake:
-            dropped = bool(self._queue) and self._queued_bytes + size > self._queue_limit
+            def no_room() -> bool:
+                return bool(self._queue) and self._queued_bytes + size > self._queue_limit
+
+            if wait_s > 0 and no_room():  # the writer is behind: give it a moment
+                self._wake.wait_for(lambda: not no_room(), wait_s)
+            dropped = no_room()
             if dropped:
                 self._background.dropped += len(full)
             else:

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 
 from raying import storage as _storage
 from raying.io.cache import TIER_NAMES, CacheStats, open_cache
-from raying.io.options import IOConfig
+from raying.io.options import DEFAULT_CACHE_QUEUE_WAIT_S, IOConfig
 from raying.io.planner import OpStats, plan_files, read_amplification, run_ops
 from raying.io.tiers import profile_for
 
@@ -135,14 +135,17 @@ def fetch_missing(cache: Any, keys: list[str], miss: list[int], got: list[Any],
         miss: positions to fill.
         fetch: positions -> a payload (or the exception) for each, from storage.
         stats: cache counters to add the admissions to.
-        share: take claims (when the cache allows it): a miss another read of the node is
-            fetching is taken from that read instead (see :mod:`raying.io._inflight`).
+        share: the storage is slow (not local files): take claims (when the cache allows
+            it), so a miss another read of the node is fetching is taken from that read
+            instead (see :mod:`raying.io._inflight`), and let offers wait up to
+            ``DEFAULT_CACHE_QUEUE_WAIT_S`` for room in the writer's queue.
 
     Returns:
         How many positions another read's fetch served.
     """
     if not miss:
         return 0
+    wait_s = DEFAULT_CACHE_QUEUE_WAIT_S if share else 0.0  # slow storage: refetching costs more
     owner = None
     theirs: list[int] = []
     if cache is not None and share and cache.config.share_reads:
@@ -151,7 +154,7 @@ def fetch_missing(cache: Any, keys: list[str], miss: list[int], got: list[Any],
         theirs = [i for i, mine in zip(miss, ours, strict=True) if not mine]
         miss = [i for i, mine in zip(miss, ours, strict=True) if mine]
     try:
-        _fetch_into(cache, keys, miss, got, scores, fetch, stats, owner)
+        _fetch_into(cache, keys, miss, got, scores, fetch, stats, owner, wait_s)
     finally:
         if owner is not None:  # claims not handed to the writer (failed reads) go now
             cache.release([keys[i] for i in miss
@@ -163,16 +166,17 @@ def fetch_missing(cache: Any, keys: list[str], miss: list[int], got: list[Any],
     for i, payload in zip(theirs, waited, strict=True):
         got[i] = payload
     _fetch_into(cache, keys, [i for i in theirs if got[i] is None], got, scores, fetch, stats,
-                None)
+                None, wait_s)
     return sum(p is not None for p in waited)
 
 
 def _fetch_into(cache: Any, keys: list[str], idx: list[int], got: list[Any],
                 scores: list[float] | None, fetch: Callable[[list[int]], list[Any]],
-                stats: CacheStats, owner: str | None) -> None:
+                stats: CacheStats, owner: str | None, wait_s: float = 0.0) -> None:
     """Fetch positions ``idx`` into ``got``; offer the good ones to the cache.
 
-    With an ``owner``, its claims on what was fetched are released once the tiers decided.
+    With an ``owner``, its claims on what was fetched are released once the tiers decided;
+    ``wait_s`` is how long the offer may wait for room in the writer's queue.
     """
     if not idx:
         return
@@ -187,7 +191,7 @@ def _fetch_into(cache: Any, keys: list[str], idx: list[int], got: list[Any],
         on_done = ((lambda: cache.release(done_keys, owner)) if owner is not None else None)
         cache.put_many(done_keys, [got[i] for i in keep],
                        [scores[i] for i in keep] if scores is not None else None,
-                       stats=stats, on_done=on_done)
+                       stats=stats, on_done=on_done, wait_s=wait_s)
 
 
 def summarize(totals: dict[str, Any]) -> dict[str, Any]:

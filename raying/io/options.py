@@ -28,6 +28,10 @@ DEFAULT_CACHE_ORPHAN_AGE_S = 300.0
 # Bytes of offers waiting for the background writer (at most 1/16 of the tiers' capacity);
 # offers beyond it are dropped.
 DEFAULT_CACHE_QUEUE_BYTES = 64 * 1024**2
+# On slow storage, an offer that finds the writer's queue full waits up to this long for
+# room before it is dropped: fetching a dropped entry again costs more than the wait (on a
+# busy node the writer falls behind; dropping there added 12-20% storage requests).
+DEFAULT_CACHE_QUEUE_WAIT_S = 1.0
 # A reserved entry whose file is still not written after this long (its writer died) may be
 # evicted.
 DEFAULT_CACHE_PENDING_S = 120.0

@@ -154,6 +154,15 @@ def test_background_writes_fill_the_cache_without_blocking(tmp_path, monkeypatch
     assert cache.flush(timeout_s=30)
     stats = cache.take_background_stats()
     assert stats.dropped == 1 and stats.admitted == {"memory": 2}
+    # Entries from slow storage may wait for room (wait_s) instead: the writer catches up
+    # and nothing is dropped.
+    gate.clear()
+    cache.put_many(["h0", "h1"], [payload_of("h0", 1000), payload_of("h1", 1000)])
+    threading.Timer(0.3, gate.set).start()
+    cache.put_many(["h2"], [payload_of("h2", 1000)], wait_s=30)
+    assert cache.flush(timeout_s=30)
+    stats = cache.take_background_stats()
+    assert stats.dropped == 0 and stats.admitted == {"memory": 3}
 
 
 def test_namespaces_keep_datasets_apart(tmp_path):

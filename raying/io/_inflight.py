@@ -16,6 +16,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from raying.io._entry import digest_of
 from raying.io._sqlite import _chunks, _marks, _write
@@ -102,3 +103,71 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process: alive
         return True
     return True
+
+
+class SingleFlight:
+    """Mixed into TieredCache: claim misses, release them, wait for other owners' reads."""
+
+    tiers: list[tuple[str, Any]]
+    _pending: dict[str, Any]
+    _wake: threading.Condition
+
+    def _keys(self, keys: Sequence[str]) -> list[str]:  # pragma: no cover - TieredCache's
+        raise NotImplementedError
+
+    def claim(self, keys: Sequence[str], owner: str) -> list[bool]:
+        """Claim the fetch of each key (True: ours to fetch; False: another read has it).
+
+        Claims live in the first tier's index, so every process of the node sees them.
+        Release ours with :meth:`release` (``put_many(on_done=...)`` once admitted) and wait
+        for the others' with :meth:`wait_shared`.
+        """
+        return self.tiers[0][1].claim(self._keys(keys), owner)
+
+    def release(self, keys: Sequence[str], owner: str) -> None:
+        """Drop ``owner``'s claims on ``keys``."""
+        if keys:
+            self.tiers[0][1].release(self._keys(keys), owner)
+
+    def wait_shared(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
+                    timeout_s: float = DEFAULT_CACHE_INFLIGHT_S) -> list[memoryview | None]:
+        """Wait for the reads other owners claimed on ``keys``; their payloads, or None.
+
+        A key's payload comes from this process's writer queue (a thread of this process
+        fetched it) or from a tier once its owner's admission landed; None where the owner
+        released its claim without an entry (not admitted, failed), died, or ``timeout_s``
+        passed: the caller fetches those itself.
+        """
+        full = self._keys(keys)
+        out: list[memoryview | None] = [None] * len(keys)
+        left = list(range(len(keys)))
+        claims = self.tiers[0][1]
+        deadline = time.monotonic() + timeout_s
+        delay = 0.001
+        while left:
+            if self._pending:
+                with self._wake:
+                    for i in left:
+                        p = self._pending.get(full[i])
+                        if p is not None:
+                            out[i] = memoryview(p)
+                left = [i for i in left if out[i] is None]
+            if not left:
+                break
+            held = claims.claims([full[i] for i in left])  # before the lookup: no race
+            done = [i for i in left if full[i] not in held]
+            for _, tier in self.tiers:
+                if not done:
+                    break
+                found, _ = tier.get_many(
+                    [full[i] for i in done],
+                    [scores[i] for i in done] if scores is not None else None, draws=0)
+                for j, payload in found.items():
+                    out[done[j]] = payload
+                done = [i for i in done if out[i] is None]
+            left = [i for i in left if full[i] in held and out[i] is None]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(delay)
+            delay = min(0.02, delay * 2)
+        return out

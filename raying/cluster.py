@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from raying._pids import alive as pid_alive
 from raying.errors import RayingError
 
 DEFAULT_CLUSTER_PORT = 6380
@@ -265,19 +266,6 @@ def _wait_ready(cluster: LocalCluster, proc: subprocess.Popen, agent_url: str,
     raise ClusterError(msg)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):  # a zombie (our own unreaped child) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
-
-
 def _has_marker(pid: int, needle: bytes) -> bool:
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes()
@@ -291,13 +279,13 @@ def marked_pids(cluster_id: str) -> list[int]:
     needle = f"{MARKER_ENV}={cluster_id}".encode()
     return [int(e.name) for e in Path("/proc").glob("[0-9]*")
             if int(e.name) != os.getpid() and _has_marker(int(e.name), needle)
-            and _alive(int(e.name))]
+            and pid_alive(int(e.name))]
 
 
 def _head_alive(cluster: LocalCluster) -> bool:
     """The recorded `ray start` is alive and is ours (its pid may have been reused)."""
     needle = f"{MARKER_ENV}={cluster.cluster_id}".encode()
-    return _alive(cluster.pid) and _has_marker(cluster.pid, needle)
+    return pid_alive(cluster.pid) and _has_marker(cluster.pid, needle)
 
 
 def _signal_all(pids: list[int], sig: int) -> None:
@@ -327,7 +315,7 @@ def stop(cluster: LocalCluster | None = None, *,
     if _head_alive(cluster):  # `ray start --block` stops its node's processes on SIGTERM
         _signal_all([cluster.pid], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while _alive(cluster.pid) and time.monotonic() < deadline:
+        while pid_alive(cluster.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
     stragglers = marked_pids(cluster.cluster_id)  # workers, job drivers (own sessions)
     _signal_all(stragglers, signal.SIGTERM)

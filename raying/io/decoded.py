@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from raying._pids import alive as pid_alive
 from raying.errors import ConfigError, DecodeError
 
 # Share of the node's available memory (and of free tmpfs) the auto budget may take.
@@ -113,7 +114,7 @@ def claim(pipeline_name: str) -> None:
             try:
                 with open(os.path.join(path, _OWNER)) as fh:
                     owner_host, pid = fh.read().split()
-                stale = owner_host == host and not _alive(int(pid))
+                stale = owner_host == host and not pid_alive(int(pid))
             except (OSError, ValueError):  # no owner: a late writer re-created it after close
                 try:
                     stale = time.time() - os.path.getmtime(path) > DEFAULT_ORPHAN_AGE_S
@@ -126,16 +127,6 @@ def claim(pipeline_name: str) -> None:
     with open(os.path.join(path, _OWNER), "w") as fh:
         fh.write(f"{host} {os.getpid()}")
     atexit.register(release, pipeline_name)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _cache(spec: Any):

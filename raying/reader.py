@@ -306,8 +306,9 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
     if io is not None:  # issue 5: planned, coalesced, cached column chunks
         from raying.io.parquet import UnitGroupError, read_unit_groups
 
+        paths = [_file_path(spec, root, int(f)) for f in groups[:, 0]]
         try:
-            arrays, acct = read_unit_groups(spec, fs, root, groups, col, unit, io)
+            arrays, acct = read_unit_groups(spec, fs, paths, groups, col, unit, io)
         except UnitGroupError as exc:
             raise _parquet_error(spec, spec.files[exc.file], exc.groups, exc.cause) from None
         offset = 0
@@ -318,12 +319,11 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
         nbytes = acct.pop("io_bytes_fetched", 0)
         if account is not None:
             account.update(acct)
-    for f in (np.unique(groups[:, 0]) if io is None else ()):
+    for f in (np.unique(groups[:, 0]) if io is None else ()):  # else: read above
         sel = groups[groups[:, 0] == f]
         rel = spec.files[int(f)]
-        path = f"{root.rstrip('/')}/{rel}" if spec.files and rel != root else root
         try:
-            with _storage.open_input(fs, path) as fh:
+            with _storage.open_input(fs, _file_path(spec, root, int(f))) as fh:
                 pf = pq.ParquetFile(fh)
                 table = pf.read_row_groups([int(g) for g in sel[:, 1]], columns=[col])
         except (pa.ArrowInvalid, OSError) as exc:
@@ -350,6 +350,12 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
         buf = buf[flat.offset * h * w * c:(flat.offset + len(flat)) * h * w * c]
         return _Rows(buf.reshape(len(flat), h, w, c), pos), None, nbytes
     return _binary_views(values, pos), _row_locations(spec, unit, ids), nbytes
+
+
+def _file_path(spec: ReadSpec, root: str, f: int) -> str:
+    """Path on the filesystem of the dataset's ``f``-th Parquet file."""
+    rel = spec.files[f] if spec.files else root
+    return f"{root.rstrip('/')}/{rel}" if rel != root else root
 
 
 def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseException) -> DataError:

@@ -152,13 +152,14 @@ class UnitGroupError(Exception):
         self.file, self.groups, self.cause = file, groups, cause
 
 
-def read_unit_groups(spec: Any, fs: Any, root: str, groups: Any, column: str, unit: Any,
-                     io: IOConfig) -> tuple[list[pa.Array], dict[str, int]]:
+def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: str,
+                     unit: Any, io: IOConfig) -> tuple[list[pa.Array], dict[str, int]]:
     """The ``column`` chunk of each row group of a read unit, as one planned window.
 
     Args:
-        spec: the unit's ReadSpec (``files``, ``root``: file names and the dataset URI).
-        fs, root: the dataset's filesystem and root path on it.
+        spec: the unit's ReadSpec (its ``root``, the dataset URI, is the cache namespace).
+        fs: the dataset's filesystem.
+        paths: the path on ``fs`` of each row group's file.
         groups: (file index, row-group index, first id) rows, in read order.
         column: the image column.
         unit: the ReadUnit; the probability mass of its draws in a row group (``unit.probs``)
@@ -173,8 +174,6 @@ def read_unit_groups(spec: Any, fs: Any, root: str, groups: Any, column: str, un
             be read or decoded, and why; the reader turns it into its DataError.
     """
     files = [int(f) for f in groups[:, 0]]
-    paths = [f"{root.rstrip('/')}/{spec.files[f]}" if spec.files and spec.files[f] != root
-             else root for f in files]
     items = [(p, int(g)) for p, g in zip(paths, groups[:, 1], strict=True)]
     scores = None
     probs = getattr(unit, "probs", None)

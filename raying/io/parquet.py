@@ -124,9 +124,9 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
         return run_ops(fs, ops, len(idx), concurrency=io.concurrency or profile.concurrency,
                        stats=stats)
 
-    fetch_missing(cache, keys, miss, raw, item_scores, fetch,
-                  stats=cache_stats if cache_stats is not None else CacheStats(),
-                  share=profile.name != "local")
+    stats.shared += fetch_missing(cache, keys, miss, raw, item_scores, fetch,
+                                  stats=cache_stats if cache_stats is not None else CacheStats(),
+                                  share=profile.name != "local")
     for i in miss:
         if isinstance(raw[i], BaseException):
             p, g = distinct[i]
@@ -200,6 +200,7 @@ def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: 
     account.update(cstats.account())
     account["io_requests"] = stats.requests
     account["io_bytes_fetched"] = stats.bytes_fetched
+    account["io_reads_shared"] = stats.shared
     return arrays, account
 
 

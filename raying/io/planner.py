@@ -176,10 +176,12 @@ def row_group_runs(row_groups: np.ndarray) -> list[tuple[int, list[int]]]:
 
 @dataclasses.dataclass
 class OpStats:
-    """What a batch of requests cost: requests issued and bytes they returned."""
+    """What a batch of requests cost: requests issued and bytes they returned (and how many
+    items another read in flight served instead, see :func:`raying.io.fetch.fetch_missing`)."""
 
     requests: int = 0
     bytes_fetched: int = 0
+    shared: int = 0
 
 
 def run_ops(fs: pafs.FileSystem, ops: Sequence[ReadOp], n_slots: int, *, concurrency: int,

@@ -252,7 +252,7 @@ def test_threads_reading_the_same_row_groups_fetch_each_chunk_once(tmp_path):
             stats = OpStats()
             arrays = read_chunks(fs, [(path, g) for g in groups], "image", io=io,
                                  namespace="pq", stats=stats)
-            out[name] = (arrays, stats.requests)
+            out[name] = (arrays, stats.requests, stats.shared)
         t = threading.Thread(target=run)
         t.start()
         return t
@@ -268,3 +268,4 @@ def test_threads_reading_the_same_row_groups_fetch_each_chunk_once(tmp_path):
         assert got == [want.read_row_group(g, columns=["image"]).column(0).to_pylist()
                        for g in groups]
     assert out["a"][1] == 2 and out["b"][1] == 1  # b fetched only group 3 itself
+    assert out["a"][2] == 0 and out["b"][2] == 2  # and says it took two from a's reads

@@ -103,9 +103,15 @@ def test_uniform_epoch_survives_five_worker_kills(folder, ray_fresh, tmp_path, c
         assert sorted(again) == list(range(400))
         st = pipe.stats(sampling=False)["io"]
         assert st["cache_hits_memory"] > 0
+        pipe.close()  # no read in flight any more: live owners release once their writes land
         tier = DirTier(str(tmp_path / "mem"), 10**8)
-        with tier._lock:
-            pids = [pid for (pid,) in tier._db().execute("SELECT pid FROM inflight")]
+        deadline = time.monotonic() + 30
+        while True:
+            with tier._lock:
+                pids = [pid for (pid,) in tier._db().execute("SELECT pid FROM inflight")]
+            if not [p for p in pids if _alive(p)] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert not [p for p in pids if _alive(p)], "claims of live owners were all released"
         assert len(pids) <= 5 * 20, "only killed workers' (void) claims may remain"
     pipe.close()

@@ -17,6 +17,10 @@ All in this process, on a simulated tier (``raying.io.slow``; default 5 ms per r
    time with synchronous admission (deterministic).
 3. **Parquet read amplification** (bytes read / bytes delivered) of a uniform epoch and of
    prioritized two-stage plans, the reader's path against the planned one.
+4. **Bound** (``--parts bound``, simulated only): over a sweep of difficulty spreads
+   (``--sigmas``), the hit ratio of a cache told every sample's true draw rate (the best a
+   policy that ranks by rate can do: with independent draws, keeping the highest rates is
+   the optimal online rule) against LRU at 10/15/20%, on the same traces and sizes.
 
 Example:
     python -m raying.bench.io_bench                 # ~10 minutes on 2 busy cores
@@ -290,6 +294,32 @@ def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict
 
 
 
+def bound_study(sizes: np.ndarray, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Part 4: what ranking by rate can reach over LRU, across difficulty spreads (simulated)."""
+    total = int(sizes.sum())
+    n = len(sizes)
+    out = []
+    for sigma in args.sigmas:
+        hits: dict[tuple[float, str], list[float]] = {}
+        for seed in range(args.seeds):
+            trace = make_trace(n, epochs=args.epochs, sigma=sigma, seed=seed)
+            rates = trace_rates(n, sigma=sigma, seed=seed)
+            for capacity in (0.10, 0.15, 0.20):
+                for policy in ("lru", "rates"):
+                    hits.setdefault((capacity, policy), []).append(simulated_hit_ratio(
+                        trace, sizes, int(capacity * total), policy, rates))
+        row: dict[str, Any] = {"sigma": sigma, "seeds": args.seeds}
+        for capacity in (0.10, 0.15, 0.20):
+            lru = statistics.mean(hits[capacity, "lru"])
+            best = statistics.mean(hits[capacity, "rates"])
+            row[f"{capacity:.0%}"] = {"lru": round(lru, 4), "known_rates": round(best, 4),
+                                      "ratio": round(best / lru, 2)}
+        out.append(row)
+        print(f"  sigma {sigma:g}: known rates / LRU at 10% x{row['10%']['ratio']}, "
+              f"15% x{row['15%']['ratio']}, 20% x{row['20%']['ratio']}")
+    return out
+
+
 def _counters(fs: pafs.FileSystem) -> dict[str, int]:
     counters = slow.io_counters(fs)
     return counters.snapshot() if counters is not None else {"requests": 0, "bytes_read": 0}
@@ -323,7 +353,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.add_argument(flag, type=typ, default=default, help=help_)
     p.add_argument("--disk", type=float, nargs="+", default=list(DEFAULT_DISK_CAPACITY),
                    help="disk tier sizes as shares of the dataset (tiered configurations)")
-    p.add_argument("--parts", default="images,hits,parquet")
+    p.add_argument("--sigmas", type=float, nargs="+", default=[0.5, 0.75, 1.0, 1.5, 2.0, 2.5],
+                   help="difficulty spreads of the bound sweep (part 4)")
+    p.add_argument("--parts", default="images,hits,parquet",
+                   help="comma-separated: images, hits, parquet, bound")
     p.add_argument("--data", default=os.path.join(tempfile.gettempdir(), "raying-io-bench"))
     p.add_argument("--quick", action="store_true", help="small sizes, checks that it runs")
     p.add_argument("--json", default=None, help="also write the figures to this file")
@@ -354,6 +387,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             root = write_parquet(paths, labels, Path(args.data) / f"parquet-{args.images}-"
                                  f"{args.side}")
             result["parquet"] = parquet_study(root, args, work)
+        if "bound" in parts:
+            print(f"4. bound: a cache told the true rates vs LRU ({args.seeds} seeds):")
+            result["bound"] = bound_study(sizes, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:

@@ -52,3 +52,24 @@ def test_references_order_and_the_full_cache_limit(seed):
         known = simulated_hit_ratio(trace, sizes, cap, "rates", rates)
         oracle = simulated_hit_ratio(trace, sizes, cap, "oracle")
         assert 0 < lru < ideal < known < oracle < 1 - distinct / lookups
+
+
+def test_bound_sweep_peaks_between_uniform_and_concentrated():
+    """Part 4: ranking by true rate gains most over LRU at a middle spread of difficulty.
+
+    Uniform draws leave nothing to rank (every cache holds its share); very concentrated ones
+    let LRU keep the hot set too. The sweep must show both ends below the middle.
+    """
+    import argparse
+
+    from raying.bench.io_bench import bound_study
+
+    sizes = np.random.default_rng(0).integers(1_500, 2_500, 2_000)
+    args = argparse.Namespace(sigmas=[0.05, 1.0, 3.0], seeds=1, epochs=3)
+    rows = bound_study(sizes, args)
+    ratio = {r["sigma"]: r["10%"]["ratio"] for r in rows}
+    assert ratio[1.0] > 1.3
+    assert ratio[0.05] < ratio[1.0] and ratio[3.0] < ratio[1.0]
+    for r in rows:
+        for cap in ("10%", "15%", "20%"):
+            assert 0 < r[cap]["lru"] <= r[cap]["known_rates"] < 1

@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--row-group-rows", type=int, help="rows per row group")
     p.add_argument("--on-error", choices=["skip", "raise"], default="skip")
     p.add_argument("--verify", action="store_true", help="fully decode every image first")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete Parquet files already in --dst first (else they are refused)")
     return p
 
 
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res = raying.pack(src, dst, decode_size=args.decode_size, shard_rows=shard_rows,
                       row_group_rows=group_rows, storage=_common.storage_options(args),
                       dst_storage=_common.storage_options(args), on_error=args.on_error,
-                      verify=args.verify, progress=False)
+                      verify=args.verify, progress=False, overwrite=args.overwrite)
     back = raying.Manifest.scan(dst, format="parquet", label="label",
                                 storage=_common.storage_options(args))
     summary = {"job": "pack", "source_samples": len(src), **res.summary(),

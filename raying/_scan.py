@@ -260,6 +260,10 @@ def _read_labels(fs, infos, uris, col: str, workers: int) -> tuple[np.ndarray, l
                 msg = f"{uris[k]}: label column {col!r} holds non-integer values; expected class ids"
                 raise DataError(msg)
         values = values.astype(np.int64)
+        if len(values) and (values == -1).all():
+            msg = (f"{uris[k]}: label column {col!r} holds -1 in every row (packed without "
+                   f"labels): scan it with label=None (raying scan --label none)")
+            raise DataError(msg)
         if len(values) and values.min() < 0:
             first = int(np.flatnonzero(values < 0)[0])
             msg = (f"{uris[k]}: label column {col!r} has negative labels (e.g. {values[first]} "

@@ -78,7 +78,8 @@ def cmd_pack(ns: argparse.Namespace) -> int:
 
     res = pack(ns.src, ns.dst, decode_size=ns.decode_size, shard_rows=ns.shard_rows,
                row_group_rows=ns.row_group_rows, storage=_storage(ns),
-               on_error=ns.on_error, verify=ns.verify, progress=not ns.json)
+               on_error=ns.on_error, verify=ns.verify, progress=not ns.json,
+               label=None if ns.label == "none" else "folder", overwrite=ns.overwrite)
     out = res.summary()
     _print(out, ns.json)
     for s in res.skipped[:20]:
@@ -127,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--row-group-rows", type=int, default=256)
     k.add_argument("--on-error", default="skip", choices=["skip", "raise"])
     k.add_argument("--verify", action="store_true", help="fully decode every image first")
+    k.add_argument("--label", default="folder", choices=["folder", "none"],
+                   help="'folder' (class subfolders) or 'none' (a flat, unlabelled folder)")
+    k.add_argument("--overwrite", action="store_true",
+                   help="delete Parquet files already in DST first (else they are refused)")
     k.add_argument("--json", action="store_true", help="print JSON")
     _storage_args(k)
     k.set_defaults(func=cmd_pack)

@@ -131,7 +131,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
          row_group_rows: int = DEFAULT_PACK_ROW_GROUP_ROWS,
          storage: StorageOptions | dict | None = None,
          dst_storage: StorageOptions | dict | None = None, on_error: str = "skip",
-         verify: bool = False, progress: bool = True) -> PackResult:
+         verify: bool = False, progress: bool = True, label: str | None = "folder",
+         overwrite: bool = False) -> PackResult:
     """Write an image dataset as Parquet shards, one Ray task per shard.
 
     Columns: ``id``, ``label``, ``image`` (the encoded file bytes as ``binary``) and ``path``;
@@ -141,6 +142,11 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     the schema metadata. Bad files are skipped and listed (``on_error="skip"``) or stop the
     pack (``"raise"``). Scan the result with ``Manifest.scan(dst, format="parquet",
     label="label")``.
+
+    ``label="folder"`` takes each image's class from its subfolder; ``label=None`` packs a
+    flat, unlabelled folder (label -1). A destination that already holds Parquet files is
+    refused (their rows would be read with the new shards'); ``overwrite=True`` deletes them
+    first.
     """
     import ray
 
@@ -154,13 +160,14 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
         msg = f"decode_size must be a positive number of pixels, got {decode_size!r}"
         raise ConfigError(msg)
     t0 = time.perf_counter()
-    manifest = src if isinstance(src, Manifest) else Manifest.scan(src, format="images",
-                                                                   storage=storage)
+    manifest = src if isinstance(src, Manifest) else Manifest.scan(
+        src, format="images", label=label, storage=storage)
     if manifest.format != "images":
         msg = f"pack reads image folders; {manifest.root} is {manifest.format}"
         raise ConfigError(msg)
     out_opts = StorageOptions.coerce(dst_storage if dst_storage is not None else storage)
     out_fs, out_root = _storage.resolve(dst, out_opts)
+    _clear_destination(out_fs, out_root, dst, overwrite=overwrite)
     _storage.make_dirs(out_fs, out_root)
     ensure_ray()
     task: Any = ray.remote(num_cpus=1, max_retries=3)(pack_shard)  # type: ignore[arg-type]
@@ -179,6 +186,27 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
                       rows=sum(r["rows"] for r in results),
                       bytes_written=sum(r["bytes"] for r in results), skipped=skipped,
                       seconds=time.perf_counter() - t0)
+
+
+def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None:
+    """Refuse (or, with ``overwrite``, delete) Parquet files already under the destination."""
+    try:
+        old = _storage.list_files(fs, root, extensions=(".parquet",))
+    except _storage.NotFoundError:
+        return
+    if not old:
+        return
+    if not overwrite:
+        name = old[0].path.rsplit("/", 1)[-1]
+        msg = (f"{dst} already holds {len(old)} Parquet file(s) ({name}, ...): a scan of it "
+               f"would read their rows with the new shards'. Pack into an empty folder, or "
+               f"pass overwrite=True (raying pack --overwrite) to delete them first")
+        raise ConfigError(msg)
+    for info in old:
+        try:
+            fs.delete_file(info.path)
+        except Exception as exc:
+            raise _storage.storage_error(exc, info.path, action="delete") from None
 
 
 def _wait_all(refs: list[Any], *, total: int, progress: bool) -> list[dict[str, Any]]:

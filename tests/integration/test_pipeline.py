@@ -32,6 +32,37 @@ def packed(image_folder, tmp_path_factory, ray_local):
     return dst
 
 
+def test_pack_refuses_a_destination_with_parquet_unless_overwrite(image_folder, packed,
+                                                                   tmp_path, ray_local):
+    import shutil
+
+    dst = tmp_path / "again"
+    shutil.copytree(packed, dst)  # 3 shards of 25 rows
+    with pytest.raises(raying.ConfigError, match=r"already holds 3 Parquet.*overwrite=True"):
+        raying.pack(str(image_folder), str(dst), shard_rows=100, progress=False)
+    assert len(list(dst.glob("*.parquet"))) == 3  # nothing deleted when refused
+    res = raying.pack(str(image_folder), str(dst), shard_rows=100, progress=False,
+                      overwrite=True)
+    assert res.shards == ["part-00000.parquet"]
+    back = raying.Manifest.scan(str(dst), format="parquet", label="label")
+    assert len(back) == 60, "old shards must not be read with the new one"
+
+
+def test_pack_a_flat_unlabelled_folder(image_folder, tmp_path, ray_local):
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for k, f in enumerate(sorted(image_folder.rglob("*.jpg"))[:10]):
+        (flat / f"{k:03d}.jpg").write_bytes(f.read_bytes())
+    with pytest.raises(raying.RayingError, match="label=None"):
+        raying.pack(str(flat), str(tmp_path / "out0"), progress=False)
+    res = raying.pack(str(flat), str(tmp_path / "out"), progress=False, label=None)
+    assert res.rows == 10
+    with pytest.raises(raying.DataError, match="packed without labels.*label=None"):
+        raying.Manifest.scan(str(tmp_path / "out"), format="parquet", label="label")
+    back = raying.Manifest.scan(str(tmp_path / "out"), format="parquet", label=None)
+    assert len(back) == 10 and set(back.labels.tolist()) == {-1}
+
+
 def test_folder_epoch_every_id_once_with_label(image_folder, ray_local):
     m = raying.Manifest.scan(str(image_folder))
     assert len(m) == 60 and m.classes == ["class_00", "class_01", "class_02"]

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from raying import storage as _storage
 from raying.config import DEFAULT_MAX_IMAGE_PIXELS, StorageOptions
-from raying.errors import DataError, DecodeError
+from raying.errors import CredentialsError, DataError, DecodeError, StorageError
 from raying.io import decoded as _decoded
 from raying.io import fetch as _io_fetch  # issue 5: planned, cached reads (raying/io/fetch.py)
 from raying.io.options import IOConfig
@@ -358,7 +358,13 @@ def _file_path(spec: ReadSpec, root: str, f: int) -> str:
     return f"{root.rstrip('/')}/{rel}" if rel != root else root
 
 
-def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseException) -> DataError:
+def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseException
+                   ) -> DataError | StorageError:
+    if isinstance(exc, StorageError) and not isinstance(exc, FileNotFoundError):
+        # Unreachable or refused storage says nothing about the file: keep the storage error.
+        kind = type(exc) if isinstance(exc, CredentialsError) else StorageError
+        return kind(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups}: "
+                    f"{_first_line(exc)}")
     return DataError(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups} "
                      f"({_first_line(exc)}); the file may be corrupt or changed since the "
                      f"manifest was scanned: rescan it")

@@ -23,6 +23,8 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from raying import storage as _storage
+from raying._storage_errors import NotFoundError
+from raying.errors import CredentialsError, StorageError
 from raying.io.cache import TIER_NAMES, CacheStats, open_cache
 from raying.io.options import DEFAULT_CACHE_QUEUE_WAIT_S, IOConfig
 from raying.io.planner import OpStats, plan_files, read_amplification, run_ops
@@ -62,9 +64,36 @@ def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
             retried[0] += 1
 
         datas = _storage.read_many(fs, paths, on_retry=count)
-        return datas, ({"io_retries": retried[0]} if retried[0] else {})
-    probs = getattr(unit, "probs", None)
-    return fetch_files(fs, paths, io=io, scores=probs, namespace=str(spec.root))
+        account = {"io_retries": retried[0]} if retried[0] else {}
+    else:
+        probs = getattr(unit, "probs", None)
+        datas, account = fetch_files(fs, paths, io=io, scores=probs, namespace=str(spec.root))
+    refuse_outage(datas)
+    return datas, account
+
+
+def refuse_outage(datas: Sequence[Any]) -> None:
+    """Raise when every read of a unit failed on the storage itself (not on a missing file).
+
+    ``on_error="skip"`` sets bad files aside; an endpoint that is down or credentials that are
+    refused are not a property of the samples, and skipping them would end the epoch
+    "normally" with nothing delivered. A lone failure among good reads is still skipped and
+    reported (the rest of the unit is not lost with it); a unit of one read is left to that
+    policy too.
+    """
+    if len(datas) < 2:
+        return
+    first = None
+    for d in datas:
+        if not isinstance(d, StorageError) or isinstance(d, NotFoundError):
+            return
+        first = first or d
+    kind = type(first) if isinstance(first, CredentialsError) else StorageError
+    msg = (f"none of the {len(datas)} reads of this unit succeeded; the first failed with: "
+           f"{str(first).splitlines()[0]}. The storage is unreachable or refusing access: "
+           f"on_error='skip' sets bad files aside, not outages: check the endpoint and the "
+           f"credentials, then run the epoch again")
+    raise kind(msg)
 
 
 def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,

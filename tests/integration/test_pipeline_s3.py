@@ -92,3 +92,36 @@ def test_s3_parquet_through_the_cache_matches_local(s3_server, s3_endpoint, imag
     finally:
         plain.close()
         cached.close()
+
+
+def test_s3_outage_raises_instead_of_skipping_every_sample(image_folder, ray_local):
+    """An endpoint that goes down after the scan is not 'bad input': the epoch must fail
+    loudly (default on_error='skip'), not end normally with nothing delivered."""
+    from tests.s3server import start_s3_server
+
+    with start_s3_server() as server:
+        uri = server.upload_folder(image_folder, "outage", "imgs")
+        m = raying.Manifest.scan(uri, storage=server.storage_options)
+        server.stop(keep_data=True, snapshot=False)
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               config=raying.PipelineConfig(block_rows=16,
+                                                            decoded_cache="off"))
+        with pytest.raises(raying.StorageError, match=r"none of the 16 reads.*not outages"):
+            for _ in pipe.iter_batches(batch_size=16, epoch=0):
+                pass
+        pipe.close()
+        # Parquet: the unreachable endpoint is a storage error, not "the file may be corrupt".
+        server.start()
+        dst = "s3://outage/packed"
+        raying.pack(m, dst, dst_storage=server.storage_options, progress=False)
+        pm = raying.Manifest.scan(dst, format="parquet", label="label",
+                                  storage=server.storage_options)
+        server.stop(keep_data=True, snapshot=False)
+        pipe = raying.Pipeline(pm, transform=raying.ImageTransform(size=16),
+                               config=raying.PipelineConfig(block_rows=16,
+                                                            decoded_cache="off"))
+        with pytest.raises(raying.StorageError, match="cannot reach") as info:
+            for _ in pipe.iter_batches(batch_size=16, epoch=0):
+                pass
+        assert "corrupt" not in str(info.value)
+        pipe.close()

@@ -550,3 +550,21 @@ def test_slow_filesystem_pickles_and_writes(tmp_path):
     storage.write_bytes_atomic(again, str(tmp_path / "d" / "f"), b"data")
     assert (tmp_path / "d" / "f").read_bytes() == b"data"
     assert os.listdir(tmp_path / "d") == ["f"]
+
+
+def test_a_unit_whose_every_read_failed_on_the_storage_raises():
+    from raying.errors import CredentialsError, StorageError
+    from raying.io.fetch import refuse_outage
+    from raying.storage import NotFoundError
+
+    down = StorageError("cannot reach the S3 endpoint http://x to read s3://b/k")
+    refused = CredentialsError("access to s3://b/k was refused")
+    with pytest.raises(StorageError, match="none of the 3 reads.*cannot reach"):
+        refuse_outage([down, down, down])
+    with pytest.raises(CredentialsError, match="none of the 2 reads.*refused"):
+        refuse_outage([refused, down])
+    # Bad input stays under the skip policy: missing files, one good read, a unit of one.
+    refuse_outage([NotFoundError("gone"), down, down])
+    refuse_outage([b"jpeg", down, down])
+    refuse_outage([down])
+    refuse_outage([])

@@ -112,6 +112,7 @@ def test_s3_outage_raises_instead_of_skipping_every_sample(image_folder, ray_loc
         pipe.close()
         # Parquet: the unreachable endpoint is a storage error, not "the file may be corrupt".
         server.start()
+        server.upload_folder(image_folder, "outage", "imgs")  # the restart lost the bucket
         dst = "s3://outage/packed"
         raying.pack(m, dst, dst_storage=server.storage_options, progress=False)
         pm = raying.Manifest.scan(dst, format="parquet", label="label",

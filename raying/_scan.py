@@ -26,11 +26,20 @@ def list_dataset(fs: pafs.FileSystem, path: str, uri: str) -> list[pafs.FileInfo
         raise StorageError(msg)
     if info.type == pafs.FileType.File:
         return [info]
-    files = _storage.list_files(fs, path, recursive=True)
+    # Names starting with "_" are kept here (a class folder may be "_other"); Parquet scans
+    # drop them (Spark's _temporary, _SUCCESS): see parquet_members.
+    files = _storage.list_files(fs, path, recursive=True, skip_prefixes=".")
     if not files:
         msg = f"{uri} is empty: no files to read; point raying at a folder of images or Parquet"
         raise DataError(msg)
     return files
+
+
+def parquet_members(root: str, infos: list[pafs.FileInfo], endings: tuple[str, ...]
+                    ) -> list[pafs.FileInfo]:
+    """The Parquet files of a listing, without Spark/Hive bookkeeping (``_``-prefixed names)."""
+    return [i for i in infos if i.path.lower().endswith(endings)
+            and not any(part.startswith("_") for part in _relative(root, i.path).split("/"))]
 
 
 def _relative(root: str, path: str) -> str:
@@ -121,6 +130,8 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
                f"label='<column>' or label=None for unlabelled data")
         raise DataError(msg)
     decoded = _decoded_shape(schema0, image_col, footers[0], fs, infos[0].path, uris[0])
+    if decoded is not None:
+        _check_decoded_shapes(fs, infos, uris, decoded, workers)
 
     file_idx, rg_idx, row_idx, sizes = [], [], [], []
     for k, fm in enumerate(footers):
@@ -152,21 +163,42 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
                files=rels, meta=meta)
 
 
+def image_type_ok(t: pa.DataType) -> bool:
+    """Encoded bytes (binary, large_binary), pre-decoded pixels (fixed_size_binary), or a
+    struct with a binary ``bytes`` field (the Hugging Face ``Image`` feature's layout)."""
+    if pa.types.is_struct(t):
+        k = t.get_field_index("bytes")
+        return k >= 0 and (pa.types.is_binary(t.field(k).type)
+                           or pa.types.is_large_binary(t.field(k).type))
+    return (pa.types.is_binary(t) or pa.types.is_large_binary(t)
+            or pa.types.is_fixed_size_binary(t))
+
+
 def _pick_image_column(schema: pa.Schema, wanted: str | None, where: str) -> str:
     if wanted is not None:
         if wanted not in schema.names:
             msg = f"{where} has no image column {wanted!r} (columns: {schema.names})"
             raise DataError(msg)
-        return wanted
-    if "image" in schema.names:
-        return "image"
-    binary = [f.name for f in schema if pa.types.is_binary(f.type)
-              or pa.types.is_large_binary(f.type) or pa.types.is_fixed_size_binary(f.type)]
-    if len(binary) == 1:
-        return binary[0]
-    msg = (f"{where}: cannot tell which column holds the images (binary columns: {binary}); "
-           f"pass image_column='<name>'")
-    raise DataError(msg)
+        name = wanted
+    elif "image" in schema.names:
+        name = "image"
+    else:
+        binary = [f.name for f in schema if image_type_ok(f.type)]
+        if len(binary) != 1:
+            msg = (f"{where}: cannot tell which column holds the images (binary columns: "
+                   f"{binary}); pass image_column='<name>'")
+            raise DataError(msg)
+        name = binary[0]
+    t = schema.field(name).type
+    if not image_type_ok(t):
+        hint = ("; it holds text (file paths?): scan the image folder itself instead"
+                if pa.types.is_string(t) or pa.types.is_large_string(t) else "")
+        msg = (f"{where}: image column {name!r} has type {t}; raying reads encoded image bytes "
+               f"(binary, large_binary), pre-decoded pixels (fixed_size_binary) or a struct "
+               f"with a binary 'bytes' field{hint}; pass image_column='<name>' for another "
+               f"column")
+        raise DataError(msg)
+    return name
 
 
 def _check_same_schema(a: pa.Schema, b: pa.Schema, uri_b: str, uri_a: str, image_col: str,
@@ -209,6 +241,27 @@ def _decoded_shape(schema: pa.Schema, image_col: str, fm: pq.FileMetaData, fs, p
                f"{field.type.byte_width} bytes of column {image_col!r}")
         raise DataError(msg)
     return shape
+
+
+def _check_decoded_shapes(fs, infos, uris, shape: list[int], workers: int) -> None:
+    """Every row of pre-decoded pixels must have the shape of the first (one reshape for all)."""
+    def one(k: int) -> None:
+        try:
+            t = pq.read_table(infos[k].path, columns=list(DECODED_SHAPE_COLUMNS), filesystem=fs)
+        except (pa.ArrowInvalid, OSError) as exc:
+            msg = f"{uris[k]}: cannot read columns {DECODED_SHAPE_COLUMNS} ({_short(exc)})"
+            raise DataError(msg) from None
+        for c, want in zip(DECODED_SHAPE_COLUMNS, shape, strict=True):
+            got = t.column(c).to_numpy(zero_copy_only=False)
+            bad = np.flatnonzero(got != want)
+            if len(bad):
+                msg = (f"{uris[k]}: row {int(bad[0])} has {c} {got[bad[0]]}, not {want} as the "
+                       f"first row: pre-decoded pixels must share one shape (h, w, c) = "
+                       f"{tuple(shape)}; re-pack with raying pack --decode-size")
+                raise DataError(msg)
+
+    with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(one, range(len(infos))))
 
 
 def _classes_from_metadata(schema: pa.Schema) -> list[str] | None:

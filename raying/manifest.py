@@ -70,7 +70,7 @@ class Manifest:
             storage: options for remote storage; see :class:`raying.config.StorageOptions`.
             image_column: Parquet column holding the image; default ``image`` or the only
                 binary column.
-            extensions: image file endings to include.
+            extensions: image file endings to include (case-insensitive, dot optional).
 
         Returns:
             The manifest. One listing of the storage, no Ray tasks.
@@ -81,9 +81,19 @@ class Manifest:
             msg = f"format must be one of {_FORMATS}, got {format!r}"
             raise ConfigError(msg)
         opts = StorageOptions.coerce(storage)
+        if "://" not in uri or uri.lower().startswith("file:"):
+            # One spelling per local folder (a relative root would also resolve against the
+            # reader's working directory, and the fingerprint would differ per spelling).
+            from raying._spec import _local_path
+
+            uri = _local_path(uri)
         fs, path = _storage.resolve(uri, opts)
         infos = _scan.list_dataset(fs, path, uri)
-        parquet = [i for i in infos if i.path.lower().endswith(PARQUET_EXTENSIONS)]
+        if len(infos) == 1 and infos[0].path.rstrip("/") == path.rstrip("/"):
+            # One file named by the URI: its folder is the root, the file its only member.
+            path = path.rstrip("/").rpartition("/")[0] or "/"
+            uri = uri.rstrip("/").rpartition("/")[0] or "/"
+        parquet = _scan.parquet_members(path, infos, PARQUET_EXTENSIONS)
         if format == "auto":
             format = "parquet" if parquet else "images"
         if format == "parquet":
@@ -96,7 +106,10 @@ class Manifest:
                 msg = f"for Parquet, label must be a column name or None, got {label!r}"
                 raise ConfigError(msg)
             return _scan.scan_parquet(cls, fs, path, uri, parquet, col, image_column, opts)
-        images = [i for i in infos if i.path.lower().endswith(tuple(extensions))]
+        if isinstance(extensions, str):
+            extensions = (extensions,)
+        endings = tuple("." + e.lower().lstrip(".") for e in extensions)  # ".JPG", "png" too
+        images = [i for i in infos if i.path.lower().endswith(endings)]
         if not images:
             seen = sorted({_ext(i.path) for i in infos})[:8]
             msg = (f"no images ({', '.join(extensions)}) found under {uri}"

@@ -342,6 +342,9 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
     first_ids, offsets = first_ids[sort], offsets[sort]
     k = np.searchsorted(first_ids, ids, side="right") - 1
     pos = offsets[k] + (ids - first_ids[k])
+    if chunks and pa.types.is_struct(chunks[0].type):  # {bytes, path}: Hugging Face Image
+        k = chunks[0].type.get_field_index("bytes")
+        chunks = [c.flatten()[k] for c in chunks]  # flatten keeps the struct's nulls
     values = pa.chunked_array(chunks) if chunks else pa.chunked_array([], pa.binary())
     if spec.decoded is not None:
         flat = values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)

@@ -62,11 +62,12 @@ def resolve(uri: str, storage: StorageOptions | dict | None = None
 
 
 def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | None = None,
-               recursive: bool = True) -> list[pafs.FileInfo]:
+               recursive: bool = True, skip_prefixes: str = "._") -> list[pafs.FileInfo]:
     """List the files under ``path`` in one listing call, sorted by path.
 
-    Files and directories whose names start with ``.`` or ``_`` (``.git``, ``_SUCCESS``, temp
-    files) are skipped. A path that is itself a file lists as that one file.
+    Files and directories whose names start with one of ``skip_prefixes`` (by default ``.``
+    or ``_``: ``.git``, ``_SUCCESS``, ``_temporary``, temp files) are skipped. A path that is
+    itself a file lists as that one file.
 
     Args:
         fs: the filesystem, from :func:`resolve`.
@@ -97,7 +98,8 @@ def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | No
         infos, base = [info], base.rpartition("/")[0]
     prefix = len(base.rstrip("/")) + 1
     out = [i for i in infos if i.type == pafs.FileType.File
-           and not any(part[:1] in (".", "_") for part in i.path[prefix:].split("/"))
+           and not any(part[:1] and part[:1] in skip_prefixes
+                       for part in i.path[prefix:].split("/"))
            and (exts is None or i.path.lower().endswith(exts))]
     out.sort(key=lambda i: i.path)
     return out

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raying import storage as _storage
-from raying.errors import DataError
+from raying.errors import DataError, StorageError
 from raying.io.cache import CacheStats, open_cache
 from raying.io.fetch import ACCOUNT_KEYS, fetch_missing
 from raying.io.options import IOConfig
@@ -67,16 +67,24 @@ def footer(fs: Any, path: str, stats: OpStats | None = None, *, cache: Any = Non
 
 
 def chunk_range(md: pq.FileMetaData, group: int, column: str) -> tuple[int, int]:
-    """(offset, length) of ``column``'s chunk in row group ``group``."""
+    """(offset, length) of ``column``'s chunk in row group ``group``.
+
+    A nested column (a struct such as the Hugging Face ``Image``'s ``{bytes, path}``) is
+    stored as one chunk per leaf, written side by side: the range spans them all.
+    """
     rg = md.row_group(group)
+    spans = []
     for i in range(rg.num_columns):
         c = rg.column(i)
-        if c.path_in_schema == column:
+        if c.path_in_schema == column or c.path_in_schema.startswith(column + "."):
             start = (c.dictionary_page_offset if c.has_dictionary_page
                      and c.dictionary_page_offset is not None else c.data_page_offset)
-            return int(start), int(c.total_compressed_size)
-    msg = f"Parquet column {column!r} not found (columns: {md.schema.names})"
-    raise DataError(msg)
+            spans.append((int(start), int(start) + int(c.total_compressed_size)))
+    if not spans:
+        msg = f"Parquet column {column!r} not found (columns: {md.schema.names})"
+        raise DataError(msg)
+    lo = min(a for a, _ in spans)
+    return lo, max(b for _, b in spans) - lo
 
 
 def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: IOConfig,
@@ -131,6 +139,8 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
         if isinstance(raw[i], BaseException):
             p, g = distinct[i]
             msg = f"{p}: cannot read row group {g} ({raw[i]})"
+            if isinstance(raw[i], StorageError) and not isinstance(raw[i], FileNotFoundError):
+                raise type(raw[i])(msg) from raw[i]  # the storage failed, not the file
             raise DataError(msg) from raw[i]
     arrays: dict[tuple[str, int], pa.Array] = {}
     for path in metas:

@@ -216,3 +216,32 @@ def test_parquet_pipeline_with_a_cache_delivers_the_same_epochs(packs, tmp_path,
     # process new since then finds both in the tier.
     assert second["io_requests"] == 0
     assert second["cache_hits_memory"] == second["cache_lookups"] > 0
+
+
+def test_hugging_face_image_structs_read_like_binary(packs, tmp_path, ray_local):
+    """A Parquet image column of structs {bytes, path} (the Hugging Face ``Image`` feature's
+    layout) reads as its bytes, plainly and through the planned, cached path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for f in sorted(packs["encoded"].glob("*.parquet")):
+        t = pq.read_table(f)
+        images = t.column("image").combine_chunks()
+        paths = t.column("path").combine_chunks()
+        struct = pa.StructArray.from_arrays([images, paths], names=["bytes", "path"])
+        t = t.set_column(t.schema.get_field_index("image"), "image", struct)
+        pq.write_table(t.drop_columns(["path"]), hf / f.name, row_group_size=8)
+    binary = raying.Manifest.scan(str(packs["encoded"]), format="parquet", label="label")
+    m = raying.Manifest.scan(str(hf), format="parquet", label="label")
+    assert len(m) == len(binary) == 60
+    tf = raying.ImageTransform(size=16)
+    want = _collect(raying.Pipeline(binary, transform=tf, config=raying.PipelineConfig(
+        block_rows=16, decoded_cache="off")), 0)
+    for io in (None, _io(tmp_path, "lru")):
+        cfg = raying.PipelineConfig(block_rows=16, decoded_cache="off", io=io)
+        pipe = raying.Pipeline(m, transform=tf, config=cfg)
+        ids, images, _ = _collect(pipe, 0)
+        pipe.close()
+        assert np.array_equal(ids, want[0]) and np.array_equal(images, want[1])

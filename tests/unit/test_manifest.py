@@ -143,3 +143,70 @@ def test_no_image_column_is_explained(tmp_path):
         raying.Manifest.scan(str(tmp_path), label="label")
     m = raying.Manifest.scan(str(tmp_path), label="label", image_column="y")
     assert m.meta["image_column"] == "y"
+
+
+def test_image_column_of_the_wrong_type_is_refused_at_scan(tmp_path):
+    for name, col, pattern in (("s", pa.array(["/x/0.jpg"] * 4), "type string.*file paths"),
+                               ("i", pa.array([1, 2, 3, 4]), "type int64")):
+        (tmp_path / name).mkdir()
+        pq.write_table(pa.table({"image": col, "label": [0] * 4}),
+                       tmp_path / name / "a.parquet")
+        with pytest.raises(raying.DataError, match=pattern):
+            raying.Manifest.scan(str(tmp_path / name), label="label")
+    hf = pa.array([{"bytes": b"\xff\xd8", "path": "0.jpg"}] * 4)
+    (tmp_path / "hf").mkdir()
+    pq.write_table(pa.table({"img": hf, "label": [0] * 4}), tmp_path / "hf" / "a.parquet")
+    assert raying.Manifest.scan(str(tmp_path / "hf"), label="label").meta["image_column"] == "img"
+
+
+def test_predecoded_rows_must_share_one_shape(tmp_path):
+    px = pa.array([bytes(4 * 16 * 3)] * 2, pa.binary(4 * 16 * 3))
+    pq.write_table(pa.table({"image": px, "height": [4, 16], "width": [16, 4],
+                             "channels": [3, 3]}), tmp_path / "a.parquet")
+    with pytest.raises(raying.DataError, match=r"row 1 has height 16, not 4.*--decode-size"):
+        raying.Manifest.scan(str(tmp_path), label=None)
+
+
+def test_one_spelling_per_local_root(folder, tmp_path, monkeypatch):
+    """Relative, trailing-slash and file:// spellings give one absolute root (and
+    fingerprint), so a saved manifest reads from any working directory."""
+    monkeypatch.chdir(folder.parent)
+    rel = raying.Manifest.scan(folder.name)
+    assert rel.root == str(folder)
+    for uri in (f"{folder}/", f"file://{folder}"):
+        assert raying.Manifest.scan(uri).fingerprint() == rel.fingerprint()
+    rel.save(str(tmp_path / "m.parquet"))
+    monkeypatch.chdir("/")
+    assert raying.Manifest.load(str(tmp_path / "m.parquet")).root == str(folder)
+
+
+def test_a_single_file_is_a_dataset_of_one(folder, tmp_path):
+    m = raying.Manifest.scan(str(folder))
+    one = m.path_of(0)[0]
+    single = raying.Manifest.scan(f"{folder}/{one}", label=None)
+    assert len(single) == 1 and single.root == f"{folder}/{one.split('/')[0]}"
+    assert single.path_of(0) == [one.split("/")[1]]
+    _parquet(tmp_path / "p.parquet", 6)
+    pm = raying.Manifest.scan(str(tmp_path / "p.parquet"), label=None)
+    assert len(pm) == 6 and pm.root == str(tmp_path) and pm.files == ["p.parquet"]
+
+
+def test_underscore_names_kept_for_images_dropped_for_parquet(folder, tmp_path):
+    import shutil
+
+    imgs = tmp_path / "imgs"
+    shutil.copytree(folder, imgs)
+    (imgs / "class_00").rename(imgs / "_other")
+    (imgs / "class_01" / "x.JPG").write_bytes((folder / raying.Manifest.scan(
+        str(folder)).path_of(0)[0]).read_bytes())
+    m = raying.Manifest.scan(str(imgs))
+    assert len(m) == 13 and m.classes == ["_other", "class_01", "class_02"]
+    jpegs = len([f for f in imgs.rglob("*") if f.suffix.lower() == ".jpg"])
+    assert 1 < jpegs < 13
+    for ext in ((".JPG",), ("jpg",), ".jpg"):  # endings match whatever their case or dot
+        assert len(raying.Manifest.scan(str(imgs), extensions=ext)) == jpegs
+    pq_root = tmp_path / "pq"
+    (pq_root / "_temporary").mkdir(parents=True)
+    _parquet(pq_root / "part-0.parquet", 5)
+    _parquet(pq_root / "_temporary" / "part-0.parquet", 5)  # a Spark job's leftovers
+    assert len(raying.Manifest.scan(str(pq_root), label=None)) == 5

@@ -9,6 +9,7 @@ from raying.errors import (
     DependencyError,
     RayingError,
     StorageError,
+    SupersededError,
 )
 from raying.manifest import Manifest
 from raying.pack import pack
@@ -36,6 +37,7 @@ __all__ = [
     "RayingError",
     "StorageError",
     "StorageOptions",
+    "SupersededError",
     "UniformSampler",
     "pack",
     "report",

@@ -23,6 +23,10 @@ class CredentialsError(StorageError, PermissionError):
     """The storage refused the request: credentials are missing or wrong."""
 
 
+class SupersededError(RayingError, RuntimeError):
+    """An iterator of a Pipeline was used after a newer iteration of it had started."""
+
+
 class DataError(RayingError, ValueError):
     """The dataset itself is unusable: empty, corrupt, or with a bad column."""
 

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from raying.errors import RayingError
+from raying.errors import RayingError, SupersededError
 from raying.plan import EpochPlan, ReadUnit
 from raying.reader import ReadSpec, iter_unit
 
@@ -88,6 +89,10 @@ class BlockStream:
         self._pending: collections.deque[ReadUnit] = collections.deque()
         self._pending_epoch: int | None = None
         self._next_epoch_plan: EpochPlan | None = None
+        # One iteration at a time: a newer one supersedes the last (whose prefetch thread may
+        # still be pulling); the lock keeps their steps on the shared state apart.
+        self._lock = threading.RLock()
+        self._generation = 0
 
     # -- submission ----------------------------------------------------------------------------
     def _submit(self, unit: ReadUnit) -> None:
@@ -134,33 +139,56 @@ class BlockStream:
         from ``start_unit`` on; a unit yields one block per ``block_rows`` rows, in order."""
         import ray
 
-        plan = self._start(epoch, start_unit, skip_rows)
+        with self._lock:
+            self._generation += 1
+            mine = self._generation
+            plan = self._start(epoch, start_unit, skip_rows)
         last = plan.units[-1].index if plan.units else -1
         index = start_unit
         while index <= last:
-            self._top_up()
-            key = (epoch, index)
-            ref = self._inflight.pop(key, None)
-            if ref is None:  # a unit the window has not reached (should not happen)
+            with self._lock:
+                self._check(mine)
                 self._top_up()
-                ref = self._inflight.pop(key)
+                key = (epoch, index)
+                ref = self._inflight.pop(key, None)
+                if ref is None:  # a unit the window has not reached (should not happen)
+                    self._top_up()
+                    ref = self._inflight.pop(key)
             for part in ref:
                 try:
                     block, account = ray.get(part)
                 except ray.exceptions.RayTaskError as exc:
-                    self.cancel()
+                    with self._lock:
+                        if self._generation == mine:
+                            self.cancel()
                     cause = getattr(exc, "cause", None)
                     if isinstance(cause, RayingError):
                         raise cause from None
                     raise
+                with self._lock:
+                    self._check(mine)
                 if on_account is not None:
                     on_account(account)
                 yield index, block, bool(account.get("final", True))
-            self._top_up()
+            with self._lock:
+                self._check(mine)
+                self._top_up()
             index += 1
+
+    def _check(self, mine: int) -> None:
+        if self._generation != mine:
+            msg = ("this iterator was superseded: a newer iteration of the same Pipeline "
+                   "(iter_batches, iter_torch_batches, to_tf, iter_blocks) has started, and a "
+                   "Pipeline streams one iteration at a time. Finish or drop the old iterator "
+                   "before starting the next, or build a second Pipeline to iterate both")
+            raise SupersededError(msg)
 
     def cancel(self) -> None:
         """Drop every submitted and pending unit (a different epoch or a resume was asked)."""
+        with self._lock:
+            self._cancel()
+
+    def _cancel(self) -> None:
         import ray
 
         for ref in self._inflight.values():
@@ -174,4 +202,6 @@ class BlockStream:
         self._next_epoch_plan = None
 
     def close(self) -> None:
-        self.cancel()
+        with self._lock:
+            self._generation += 1  # an iterator still running stops at its next step
+            self._cancel()

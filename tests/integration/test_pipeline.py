@@ -179,3 +179,21 @@ def test_dataset_for_ray_data(image_folder, ray_local):
         ids.extend(b["id"].tolist())
         assert tuple(b["image"].shape[1:]) == (32, 32, 3)
     assert sorted(ids) == list(range(60))
+
+
+def test_a_newer_iteration_supersedes_a_kept_iterator(image_folder, ray_local):
+    """Peeking at a batch and keeping the iterator (its prefetch thread still pulling) must
+    not cost the training epochs that follow any sample; the old iterator, used again, says
+    it was superseded."""
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=8))
+    peek = pipe.iter_batches(batch_size=4, epoch=0, prefetch_batches=4)
+    assert len(next(peek)["id"]) == 4
+    for epoch in (0, 1, 2):
+        ids = [i for b in pipe.iter_batches(batch_size=16, epoch=epoch) for i in b["id"]]
+        assert sorted(ids) == list(range(60)), f"epoch {epoch}"
+    with pytest.raises(raying.SupersededError, match="second Pipeline"):
+        for _ in peek:
+            pass
+    pipe.close()

@@ -58,7 +58,10 @@ class Reporter:
 
     def add(self, ids: Any, losses: Any) -> None:
         """Buffer one batch of reports; send if the buffer is due."""
-        i = to_numpy(ids, dtype=np.int64)
+        i = to_numpy(ids, dtype=None)
+        # Float ids travel as floats: the store rejects and counts non-integral ones (a cast
+        # here would truncate 1.5 to 1 and credit the loss to another sample).
+        i = i.astype(np.float64 if i.dtype.kind == "f" else np.int64, copy=False)
         v = to_numpy(losses, dtype=np.float64)
         if i.size != v.size:
             with self._lock:
@@ -74,11 +77,17 @@ class Reporter:
             self._ids.append(i)
             self._values.append(v)
             self._count += i.size
-            if self._since is None:
-                self._since = time.monotonic()
-            due = self._count >= self.flush_ids or time.monotonic() - self._since >= self.flush_s
+            now = time.monotonic()
+            first = self._since is None
+            since = now if self._since is None else self._since
+            self._since = since
+            due = self._count >= self.flush_ids or now - since >= self.flush_s
         if due:
             self.flush()
+        elif first:  # the flush_s promise holds even if no further report comes
+            timer = threading.Timer(self.flush_s, self.flush)
+            timer.daemon = True
+            timer.start()
 
     def flush(self) -> None:
         """Send what is buffered now (still without waiting for the store)."""

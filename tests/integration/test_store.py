@@ -178,3 +178,23 @@ def test_single_store_plan_matches_its_table_and_reaches_by_name():
     st.kill_store(handle)
     with pytest.raises(ConfigError, match="no priority store named 'missing'"):
         st.get_store("missing")
+
+
+def test_reporter_sends_on_its_timer_and_never_truncates_float_ids():
+    from raying.sampling.feedback import Reporter
+
+    handle = st.create_store("timer", 16, config={"tick_s": TICK_S})
+    try:
+        rep = Reporter(handle, flush_ids=1_000_000, flush_s=0.05)
+        rep.add(np.array([1.0, 2.0, 3.5]), np.array([4.0, 5.0, 6.0]))  # 3.5 is no id
+        deadline = time.monotonic() + 10
+        while rep.sends == 0 and time.monotonic() < deadline:  # no further add: the timer
+            time.sleep(0.02)
+        assert rep.sends == 1
+        st.flush(handle)
+        got = st.stats(handle)
+        assert got["rejected"].get("not_integer") == 1, got
+        pri = st.priorities(handle, np.array([1, 2, 3]))
+        assert pri[0] == 4.0 and pri[1] == 5.0 and pri[2] != 6.0, pri
+    finally:
+        st.kill_store(handle)

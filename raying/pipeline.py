@@ -89,7 +89,7 @@ class Pipeline:
     def plan(self, epoch: int) -> EpochPlan:
         """The explicit plan of ``epoch`` (units of ids; prioritized units are drawn later)."""
         self._bind()
-        return self.sampler.plan(self.manifest, int(epoch), block_rows=self.block_rows())
+        return self.sampler.plan(self.manifest, _epoch(epoch), block_rows=self.block_rows())
 
     def block_rows(self) -> int:
         """Rows per read task (and per block): ``config.block_rows``, or for a small epoch (under
@@ -197,6 +197,7 @@ class Pipeline:
 
     def iter_blocks(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """The epoch's blocks in plan order (host numpy; image uint8 NHWC)."""
+        epoch = _epoch(epoch)
         stream = self._block_stream()
         start_unit, skip, base = 0, 0, 0
         if self._resume is not None and self._resume[0] == epoch:
@@ -219,6 +220,7 @@ class Pipeline:
                      prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
                      drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
         """numpy batches: ``id``, ``label``, ``image`` (uint8 NHWC), ``weight``, ``prob``."""
+        epoch = _epoch(epoch)  # here, not in the prefetch thread
         self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
         assembler = BatchAssembler(batch_size, drop_last=drop_last)
 
@@ -248,6 +250,7 @@ class Pipeline:
         """
         from raying.config import DEFAULT_MEAN, DEFAULT_STD
 
+        epoch = _epoch(epoch)  # here, not in the prefetch thread
         self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
         conv = TorchConverter(device, normalize=normalize, mean=mean or DEFAULT_MEAN,
                               std=std or DEFAULT_STD, pin_memory=pin_memory)
@@ -273,7 +276,7 @@ class Pipeline:
         """A tf.data.Dataset of the same batch dicts (see :mod:`raying.tf`)."""
         from raying.tf import to_tf
 
-        return to_tf(self, batch_size=batch_size, epoch=epoch, normalize=normalize,
+        return to_tf(self, batch_size=batch_size, epoch=None if epoch is None else _epoch(epoch), normalize=normalize,
                      as_supervised=as_supervised, prefetch_batches=prefetch_batches,
                      drop_last=drop_last)
 
@@ -287,7 +290,7 @@ class Pipeline:
 
         ensure_ray()
         self._bind()
-        return build_dataset(self, int(epoch))
+        return build_dataset(self, _epoch(epoch))
 
     # -- feedback, stats, state ----------------------------------------------------------------
     @property
@@ -398,3 +401,11 @@ def _position(units: list[tuple[int, int, int, bool]], delivered: int,
         return (index + 1, 0) if last else (index, end)
     return start
 
+
+def _epoch(epoch: Any) -> int:
+    """An epoch number: a non-negative integer (numpy integers too), never a float or bool."""
+    if isinstance(epoch, (bool, np.bool_)) or not isinstance(epoch, (int, np.integer)) \
+            or epoch < 0:
+        msg = f"epoch must be a non-negative integer, got {epoch!r}"
+        raise ConfigError(msg)
+    return int(epoch)

@@ -197,3 +197,15 @@ def test_a_newer_iteration_supersedes_a_kept_iterator(image_folder, ray_local):
         for _ in peek:
             pass
     pipe.close()
+
+
+def test_epoch_must_be_a_non_negative_integer(image_folder, ray_local):
+    pipe = raying.Pipeline(raying.Manifest.scan(str(image_folder)),
+                           transform=raying.ImageTransform(size=16))
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(raying.ConfigError, match="epoch must be a non-negative integer"):
+            next(pipe.iter_batches(batch_size=8, epoch=bad))
+        with pytest.raises(raying.ConfigError, match="epoch must be a non-negative integer"):
+            next(pipe.iter_torch_batches(batch_size=8, epoch=bad))
+    assert sum(len(b["id"]) for b in pipe.iter_batches(batch_size=32, epoch=np.int64(1))) == 60
+    pipe.close()

@@ -82,7 +82,7 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The decision table: one line per setting, each with its reason and measurement."""
     lat, bw = store["latency_s"], store["bandwidth_bytes_per_s"]
-    long_read = not store["bandwidth_from"].startswith("parallel")
+    long_read = store["bandwidth_from"].startswith("one ")  # else a lower bound from small reads
     fast = store["whole_file_s"] < FAST_READ_S and (
         not long_read or bw >= FAST_BANDWIDTH_BYTES_PER_S)
     serial = store["parallel_speedup"] < SERIAL_SPEEDUP

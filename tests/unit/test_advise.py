@@ -91,3 +91,17 @@ def test_report_text_names_each_measurement():
                                                    report["measured"]["machine"])
     text = format_report(report)
     assert "first byte 30.00 ms" in text and "because" in text and "measured:" in text
+
+
+def test_parquet_sample_count_is_exact_for_files_of_different_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    from raying._advise_measure import measure_dataset
+
+    for name, n in (("a", 48), ("b", 16)):
+        pq.write_table(pa.table({"image": pa.array([b"x" * 100] * n)}),
+                       tmp_path / f"{name}.parquet")
+    got = measure_dataset(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path))
+    assert (got["samples"], got["samples_estimated"]) == (64, False)

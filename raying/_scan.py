@@ -42,6 +42,33 @@ def parquet_members(root: str, infos: list[pafs.FileInfo], endings: tuple[str, .
             and not any(part.startswith("_") for part in _relative(root, i.path).split("/"))]
 
 
+def use_classes(m: Any, classes: list[str] | None) -> Any:
+    """Relabel ``m`` by the given class names (see ``Manifest.scan(classes=...)``)."""
+    if classes is None:
+        return m
+    classes = [str(c) for c in classes]
+    if len(set(classes)) != len(classes):
+        msg = f"classes must be distinct names, got {classes}"
+        raise ConfigError(msg)
+    labels = m._cols["label"]
+    if m.classes is None:  # integer labels (or none): they must index the list
+        if len(labels) and labels.max() >= len(classes):
+            msg = (f"{m.root}: label {int(labels.max())} has no name in classes= "
+                   f"({len(classes)} names)")
+            raise DataError(msg)
+    else:
+        unknown = sorted(set(m.classes) - set(classes))
+        if unknown:
+            msg = (f"{m.root} has classes {unknown} that are not in classes={classes}; add "
+                   f"them, or scan without classes=")
+            raise DataError(msg)
+        index = np.array([classes.index(c) for c in m.classes], dtype=np.int64)
+        known = labels >= 0
+        m._cols["label"] = np.where(known, index[np.maximum(labels, 0)], labels)
+    m.classes = classes
+    return m
+
+
 def _relative(root: str, path: str) -> str:
     root = root.rstrip("/")
     if path == root:

@@ -56,7 +56,8 @@ class Manifest:
     def scan(cls, uri: str, format: str = "auto", label: LabelSpec = "folder",
              storage: StorageOptions | dict | None = None, *,
              image_column: str | None = None,
-             extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> Manifest:
+             extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
+             classes: list[str] | None = None) -> Manifest:
         """List a dataset once and give every sample an id.
 
         Args:
@@ -71,6 +72,11 @@ class Manifest:
             image_column: Parquet column holding the image; default ``image`` or the only
                 binary column.
             extensions: image file endings to include (case-insensitive, dot optional).
+            classes: the class names, in label order, to use instead of those found here:
+                scan a validation split with ``classes=train.classes`` so that its labels
+                mean what the training split's do (a class missing from it, or empty, would
+                otherwise shift every later label). A class found that is not in the list is
+                an error.
 
         Returns:
             The manifest. One listing of the storage, no Ray tasks.
@@ -105,7 +111,8 @@ class Manifest:
             if col is not None and not isinstance(col, str):
                 msg = f"for Parquet, label must be a column name or None, got {label!r}"
                 raise ConfigError(msg)
-            return _scan.scan_parquet(cls, fs, path, uri, parquet, col, image_column, opts)
+            m = _scan.scan_parquet(cls, fs, path, uri, parquet, col, image_column, opts)
+            return _scan.use_classes(m, classes)
         if isinstance(extensions, str):
             extensions = (extensions,)
         endings = tuple("." + e.lower().lstrip(".") for e in extensions)  # ".JPG", "png" too
@@ -116,7 +123,8 @@ class Manifest:
                    f"{'; found endings ' + ', '.join(seen) if seen else ' (it is empty)'}; "
                    f"check the URI or pass extensions=...")
             raise DataError(msg)
-        return _scan.scan_images(cls, path, uri, images, label, opts)
+        return _scan.use_classes(_scan.scan_images(cls, path, uri, images, label, opts),
+                                 classes)
 
     # -- persistence ---------------------------------------------------------------------------
     def save(self, uri: str, storage: StorageOptions | dict | None = None) -> None:

@@ -210,3 +210,29 @@ def test_underscore_names_kept_for_images_dropped_for_parquet(folder, tmp_path):
     _parquet(pq_root / "part-0.parquet", 5)
     _parquet(pq_root / "_temporary" / "part-0.parquet", 5)  # a Spark job's leftovers
     assert len(raying.Manifest.scan(str(pq_root), label=None)) == 5
+
+
+def test_validation_split_scanned_with_the_training_classes(folder, tmp_path):
+    import shutil
+
+    train = raying.Manifest.scan(str(folder))
+    val = tmp_path / "val"
+    shutil.copytree(folder, val)
+    shutil.rmtree(val / "class_01")  # a class with no validation images
+    alone = raying.Manifest.scan(str(val))
+    assert alone.classes == ["class_00", "class_02"]  # class_02 would be label 1 here
+    m = raying.Manifest.scan(str(val), classes=train.classes)
+    assert m.classes == train.classes
+    for p, lab in zip(m.path_of(np.arange(len(m))), m.labels, strict=True):
+        assert train.classes[lab] == p.split("/")[0]
+    with pytest.raises(raying.DataError, match=r"\['class_02'\] that are not in classes="):
+        raying.Manifest.scan(str(val), classes=["class_00", "class_01"])
+    # Parquet with string labels, and integer labels that must fit the list.
+    _parquet(tmp_path / "s.parquet", 4, label=pa.array(["b", "b", "d", "b"]))
+    ps = raying.Manifest.scan(str(tmp_path / "s.parquet"), label="label",
+                              classes=["a", "b", "c", "d"])
+    assert ps.labels.tolist() == [1, 1, 3, 1] and ps.classes == ["a", "b", "c", "d"]
+    (tmp_path / "i").mkdir()
+    _parquet(tmp_path / "i" / "x.parquet", 4, label=pa.array([0, 2, 1, 0]))
+    with pytest.raises(raying.DataError, match="label 2 has no name"):
+        raying.Manifest.scan(str(tmp_path / "i"), label="label", classes=["a", "b"])

@@ -45,13 +45,22 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 def load_config(path: str) -> dict[str, Any]:
     """A dict of argument values from a JSON or YAML file."""
-    text = Path(path).expanduser().read_text()
-    if path.endswith((".yaml", ".yml")):
-        import yaml
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as exc:
+        msg = f"config file {path}: cannot read it ({exc.strerror or exc}); check the path"
+        raise SystemExit(msg) from None
+    is_yaml = path.endswith((".yaml", ".yml"))
+    try:
+        if is_yaml:
+            import yaml
 
-        data = yaml.safe_load(text) or {}
-    else:
-        data = json.loads(text)
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as exc:  # noqa: BLE001 - json.JSONDecodeError, yaml.YAMLError
+        msg = f"config file {path} is not valid {'YAML' if is_yaml else 'JSON'}: {exc}"
+        raise SystemExit(msg) from None
     if not isinstance(data, dict):
         msg = f"config file {path} must hold a mapping of option names to values, got {type(data).__name__}"
         raise SystemExit(msg)

@@ -28,7 +28,7 @@ from raying.manifest import Manifest
 from raying.metrics import RunAccount
 from raying.pipeline_config import PipelineConfig, ensure_ray
 from raying.plan import EpochPlan, ManifestLookup, ReadUnit
-from raying.reader import ReadSpec
+from raying.reader import ReadSpec, dataset_key
 from raying.sampling.uniform import UniformSampler
 from raying.transforms import ImageTransform
 
@@ -120,7 +120,8 @@ class Pipeline:
                 decoded.claim(self.name)
             self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
                                              decoded_cache_dir=decoded.cache_dir(self.name),
-                                             cache_namespace=self.manifest.fingerprint())
+                                             cache_namespace=dataset_key(
+                self.manifest.fingerprint(), self.manifest.storage))
             self._spec_ready = True
         return self._spec
 

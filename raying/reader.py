@@ -42,6 +42,12 @@ class ReadSpec:
     decoded_cache_dir: str = ""
     cache_namespace: str = ""
 
+    @property
+    def dataset_key(self) -> str:
+        """The dataset's identity in cache keys: its URI and the S3 endpoint, if any (the same
+        bucket and prefix on two endpoints are two datasets)."""
+        return dataset_key(self.root, self.storage)
+
     @classmethod
     def of(cls, manifest: Any, transform: Any, seed: int, on_error: str, *,
            max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, io: Any = None) -> ReadSpec:
@@ -51,6 +57,12 @@ class ReadSpec:
                    decoded=tuple(decoded) if decoded else None, transform=transform,
                    seed=int(seed), on_error=on_error, max_pixels=int(max_pixels),
                    io=_io_fetch.IOConfig.coerce(io))  # issue 5
+
+
+def dataset_key(root: str, storage: StorageOptions | None) -> str:
+    """See :attr:`ReadSpec.dataset_key`."""
+    endpoint = storage.endpoint_url if storage is not None else None
+    return f"{root}@{endpoint}" if endpoint else root
 
 
 def empty_block(size: int) -> dict[str, np.ndarray]:

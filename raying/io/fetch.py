@@ -67,7 +67,7 @@ def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
         account = {"io_retries": retried[0]} if retried[0] else {}
     else:
         probs = getattr(unit, "probs", None)
-        datas, account = fetch_files(fs, paths, io=io, scores=probs, namespace=str(spec.root))
+        datas, account = fetch_files(fs, paths, io=io, scores=probs, namespace=spec.dataset_key)
     refuse_outage(datas)
     return datas, account
 

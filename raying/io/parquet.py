@@ -167,7 +167,7 @@ def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: 
     """The ``column`` chunk of each row group of a read unit, as one planned window.
 
     Args:
-        spec: the unit's ReadSpec (its ``root``, the dataset URI, is the cache namespace).
+        spec: the unit's ReadSpec (its ``dataset_key`` is the cache namespace).
         fs: the dataset's filesystem.
         paths: the path on ``fs`` of each row group's file.
         groups: (file index, row-group index, first id) rows, in read order.
@@ -196,7 +196,7 @@ def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: 
     stats, cstats = OpStats(), CacheStats()
     try:
         arrays = read_chunks(fs, items, column, io=io, scores=scores,
-                             namespace=str(spec.root), stats=stats, cache_stats=cstats)
+                             namespace=spec.dataset_key, stats=stats, cache_stats=cstats)
     except (pa.ArrowInvalid, OSError, DataError) as exc:
         for f in dict.fromkeys(files):  # find the file at fault and name it
             mine = [i for i, x in enumerate(files) if x == f]

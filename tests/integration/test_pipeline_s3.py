@@ -126,3 +126,31 @@ def test_s3_outage_raises_instead_of_skipping_every_sample(image_folder, ray_loc
                 pass
         assert "corrupt" not in str(info.value)
         pipe.close()
+
+
+def test_same_bucket_on_two_endpoints_never_shares_cache_entries(tmp_path, ray_local):
+    """s3://data/train on two endpoints are two datasets: one shared tier must not serve the
+    first endpoint's bytes for the second's keys."""
+    from raying.datagen import make_image_folder
+    from raying.io.options import CacheConfig, IOConfig
+    from tests.s3server import start_s3_server
+
+    io = IOConfig(cache=CacheConfig(disk_bytes=64 * 2**20, disk_dir=str(tmp_path / "disk")))
+    tf = raying.ImageTransform(size=16)
+    cfg = {"decoded_cache": "off", "block_rows": 16}
+    with start_s3_server() as one, start_s3_server() as two:
+        for k, server in enumerate((one, two)):
+            src = make_image_folder(tmp_path / f"src{k}", n=16, classes=2, size=(24, 24),
+                                    seed=100 + k)
+            server.upload_folder(src, "data", "train")
+        got = []
+        for server in (one, two):
+            m = raying.Manifest.scan("s3://data/train", storage=server.storage_options)
+            plain = _epoch(raying.Pipeline(m, transform=tf,
+                                           config=raying.PipelineConfig(**cfg)), 0)
+            pipe = raying.Pipeline(m, transform=tf, config=raying.PipelineConfig(**cfg, io=io))
+            cached = _epoch(pipe, 0)
+            pipe.close()
+            assert np.array_equal(plain[0], cached[0]) and np.array_equal(plain[2], cached[2])
+            got.append(cached[2])
+        assert not np.array_equal(got[0], got[1]), "the endpoints hold different images"

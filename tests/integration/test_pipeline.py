@@ -209,3 +209,31 @@ def test_epoch_must_be_a_non_negative_integer(image_folder, ray_local):
             next(pipe.iter_torch_batches(batch_size=8, epoch=bad))
     assert sum(len(b["id"]) for b in pipe.iter_batches(batch_size=32, epoch=np.int64(1))) == 60
     pipe.close()
+
+
+CLOSE_LOOP = r"""
+import sys, ray, raying
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+m = raying.Manifest.scan(sys.argv[1])
+for i in range(int(sys.argv[2])):
+    p = raying.Pipeline(m, transform=raying.ImageTransform(size=8),
+                        config=raying.PipelineConfig(block_rows=4, decoded_cache="off"))
+    for k, b in enumerate(p.iter_batches(batch_size=5, epoch=0)):
+        if k + 1 == 1 + i % 8:
+            break
+    p.close()
+print("survived")
+ray.shutdown()
+"""
+
+
+def test_breaking_and_closing_in_a_loop_never_aborts_the_driver(image_folder):
+    """Closing a pipeline with read tasks in flight must be safe: cancelling streaming tasks
+    as they complete aborted the driver inside Ray (3 of 6 runs of 300 loops; this test
+    failed 1 of 3 runs of 300 before the fix, so it runs 600)."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", CLOSE_LOOP, str(image_folder), "600"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "survived" in res.stdout, res.stderr[-2000:]

@@ -95,9 +95,48 @@ class DirTier(InflightClaims):
     # -- the index -----------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
         if self._conn is None or self._pid != os.getpid():  # a forked child opens its own
-            conn = sqlite3.connect(os.path.join(self.root, "index.sqlite"),
-                                   timeout=DEFAULT_CACHE_LOCK_TIMEOUT_S, isolation_level=None,
-                                   check_same_thread=False)
+            try:
+                conn = self._open_index()
+            except sqlite3.DatabaseError as exc:
+                if isinstance(exc, sqlite3.OperationalError):  # locked, no room: not damage
+                    raise
+                self._set_index_aside(exc)
+                conn = self._open_index()
+            self._conn, self._pid = conn, os.getpid()
+        return self._conn
+
+    def _set_index_aside(self, exc: BaseException) -> None:
+        """A damaged index (not a database, malformed) is moved aside; the tier starts empty.
+
+        Under the writers' flock, so that one process moves it and the others find the new
+        one. Entry files it listed become orphans, removed by :meth:`sweep_orphans`.
+        """
+        fd = self._lock_fd()
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            try:
+                self._open_index().close()  # another process may have replaced it already
+                return
+            except sqlite3.DatabaseError:
+                pass
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            index = os.path.join(self.root, "index.sqlite")
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(index + suffix):
+                    os.replace(index + suffix, f"{index}.damaged-{stamp}{suffix}")
+            logger.warning("raying cache tier %s: its index was damaged (%s); moved aside to "
+                           "index.sqlite.damaged-%s, the tier starts empty", self.root, exc,
+                           stamp)
+        finally:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def _open_index(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(os.path.join(self.root, "index.sqlite"),
+                               timeout=DEFAULT_CACHE_LOCK_TIMEOUT_S, isolation_level=None,
+                               check_same_thread=False)
+        try:
             _retry_locked(lambda: conn.execute("PRAGMA journal_mode=WAL"), self._lock_fd())
             conn.execute("PRAGMA synchronous=NORMAL")
             with _write(conn, self._lock_fd()):
@@ -107,8 +146,10 @@ class DirTier(InflightClaims):
                 for stmt in _SCHEMA.strip().split(";"):
                     if stmt.strip():
                         conn.execute(stmt)
-            self._conn, self._pid = conn, os.getpid()
-        return self._conn
+        except BaseException:
+            conn.close()
+            raise
+        return conn
 
     def _lock_fd(self) -> int | None:
         """A descriptor of the tier's lock file (this process's), or None without fcntl."""

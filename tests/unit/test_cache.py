@@ -372,3 +372,25 @@ def test_processes_and_threads_opening_a_new_tier_together(tmp_path):
         caches = list(ex.map(lambda _: open_cache(cfg, namespace="t"), range(8)))
     assert all(c is caches[0] for c in caches)
 
+
+
+def test_a_damaged_index_is_set_aside_and_the_tier_starts_empty(tmp_path, caplog):
+    root = tmp_path / "t"
+    tier = DirTier(str(root), 1_000_000, policy="lru")
+    keys = [f"k{i}" for i in range(5)]
+    tier.put_many(keys, [payload_of(k) for k in keys])
+    assert len(tier.get_many(keys)[0]) == 5
+    tier.close()
+    for name in ("index.sqlite-wal", "index.sqlite-shm"):
+        (root / name).unlink(missing_ok=True)
+    (root / "index.sqlite").write_bytes(b"this is not a database" * 100)
+    with caplog.at_level("WARNING"):
+        again = DirTier(str(root), 1_000_000, policy="lru")
+    assert "index was damaged" in caplog.text and str(root) in caplog.text
+    assert list(root.glob("index.sqlite.damaged-*"))
+    assert again.get_many(keys)[0] == {}, "nothing is served without an index"
+    again.put_many(keys[:2], [payload_of(k) for k in keys[:2]])
+    found = again.get_many(keys[:2])[0]
+    assert [bytes(found[k]) for k in (0, 1)] == [payload_of(k) for k in keys[:2]]
+    again.sweep_orphans(max_age_s=0)
+    assert again.used_bytes() == _dir_bytes(root) > 0  # the old entries are gone

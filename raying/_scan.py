@@ -46,6 +46,9 @@ def use_classes(m: Any, classes: list[str] | None) -> Any:
     """Relabel ``m`` by the given class names (see ``Manifest.scan(classes=...)``)."""
     if classes is None:
         return m
+    if isinstance(classes, (str, bytes)):
+        msg = f"classes must be a list of class names, got the string {classes!r}"
+        raise ConfigError(msg)
     classes = [str(c) for c in classes]
     if len(set(classes)) != len(classes):
         msg = f"classes must be distinct names, got {classes}"

@@ -140,6 +140,20 @@ class _Failure:
         self.exc = exc
 
 
+def _channel_stats(name: str, values: Any) -> tuple[float, float, float]:
+    """Per-channel mean or std: three finite numbers (one per RGB channel)."""
+    try:
+        out = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        out = ()
+    if len(out) != 3 or not all(np.isfinite(out)):
+        msg = (f"{name} must be 3 finite numbers, one per RGB channel on the 0-1 scale "
+               f"(e.g. ImageNet's {name} {DEFAULT_MEAN if name == 'mean' else DEFAULT_STD}), "
+               f"got {values!r}")
+        raise ConfigError(msg)
+    return out  # type: ignore[return-value]
+
+
 # -- torch ---------------------------------------------------------------------------------------
 def resolve_device(device: Any):
     """``"auto"`` -> the CUDA device of this process if there is one, else the CPU."""
@@ -170,6 +184,10 @@ class TorchConverter:
         self.dtype = dtype or torch.float32
         cuda = self.device.type == "cuda"
         self.pin = cuda if pin_memory is None else (pin_memory and cuda)
+        mean, std = _channel_stats("mean", mean), _channel_stats("std", std)
+        if not all(x > 0 for x in std):
+            msg = f"std must be 3 numbers > 0 (per RGB channel, on the 0-1 scale), got {std}"
+            raise ConfigError(msg)
         scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32)
         shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], dtype=torch.float32)
         self._scale = scale.view(1, 3, 1, 1).to(self.device)

@@ -77,6 +77,8 @@ class Pipeline:
         self._spec = ReadSpec.of(manifest, self.transform, getattr(self.sampler, "seed", 0),
                                  on_error, max_pixels=self.config.max_image_pixels,
                                  io=self.config.io)  # issue 5
+        if self._spec.io is not None and self._spec.io.cache is not None:
+            self._spec.io.cache.check_dirs()
 
     # -- plans ---------------------------------------------------------------------------------
     def _bind(self) -> None:

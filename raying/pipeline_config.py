@@ -7,6 +7,8 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
+
 from raying.config import (
     DEFAULT_BLOCK_ROWS,
     DEFAULT_MAX_IMAGE_PIXELS,
@@ -49,11 +51,22 @@ class PipelineConfig:
     io: Any = None  # issue 5: IOConfig | dict | None, passed to ReadSpec
 
     def __post_init__(self) -> None:
-        if self.block_rows < 1:
-            msg = f"PipelineConfig(block_rows=...) must be >= 1, got {self.block_rows!r}"
+        def whole(v: Any) -> bool:
+            return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+        if not whole(self.block_rows) or self.block_rows < 1:
+            msg = f"PipelineConfig(block_rows=...) must be an integer >= 1, got {self.block_rows!r}"
             raise ConfigError(msg)
-        if self.window is not None and self.window < 1:
-            msg = f"PipelineConfig(window=...) must be >= 1 or None, got {self.window!r}"
+        if self.window is not None and (not whole(self.window) or self.window < 1):
+            msg = f"PipelineConfig(window=...) must be an integer >= 1 or None, got {self.window!r}"
+            raise ConfigError(msg)
+        for name in ("keep_warm", "spread"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                msg = f"PipelineConfig({name}=...) must be True or False, got {getattr(self, name)!r}"
+                raise ConfigError(msg)
+        cpus = self.task_num_cpus
+        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
+            msg = f"PipelineConfig(task_num_cpus=...) must be a number > 0, got {cpus!r}"
             raise ConfigError(msg)
 
 

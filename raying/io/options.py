@@ -106,6 +106,31 @@ class CacheConfig:
         """Whether any tier has a capacity."""
         return bool(self.memory_bytes or self.disk_bytes)
 
+    def check_dirs(self) -> None:
+        """On this node: every tier's directory exists (or is made now) and is writable.
+
+        Pipelines call it when they are built, so that a bad path is a ConfigError there and
+        not a NotADirectoryError in a worker at the first batch.
+        """
+        for field, path, capacity in (("memory_dir", self.memory_dir, self.memory_bytes),
+                                      ("disk_dir", self.disk_dir, self.disk_bytes)):
+            if not capacity or not path:
+                continue
+            if os.path.exists(path) and not os.path.isdir(path):
+                msg = (f"CacheConfig({field}={path!r}) is a file, not a directory; point it at "
+                       f"a local directory (made if missing)")
+                raise ConfigError(msg)
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                msg = (f"CacheConfig({field}={path!r}): cannot create it "
+                       f"({exc.strerror or exc}); point it at a writable local directory")
+                raise ConfigError(msg) from None
+            if not os.access(path, os.W_OK | os.X_OK):
+                msg = (f"CacheConfig({field}={path!r}) is not writable by this user; point it "
+                       f"at a writable local directory")
+                raise ConfigError(msg)
+
 
 @dataclasses.dataclass(frozen=True)
 class IOConfig:

@@ -117,7 +117,8 @@ class Pipeline:
             from raying.io import decoded
 
             budget = decoded.plan_budget(self.config.decoded_cache, self.manifest,
-                                         size_of=self._header_sizes)
+                                         size_of=lambda ids: decoded.header_sizes(
+                                             self.manifest, ids))
             if budget:
                 decoded.claim(self.name)
             self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
@@ -126,43 +127,6 @@ class Pipeline:
                 self.manifest.fingerprint(), self.manifest.storage))
             self._spec_ready = True
         return self._spec
-
-    def _header_sizes(self, ids: np.ndarray) -> list[tuple[int, int] | None]:
-        """(h, w) of some samples from their headers (to size the decoded cache)."""
-        from raying import storage
-        from raying.decode import image_size
-        from raying.errors import DecodeError
-
-        fs, root = storage.resolve(self.manifest.root, self.manifest.storage)
-        if self.manifest.format == "parquet":
-            datas = self._parquet_probe(fs, root, ids)
-        else:
-            paths = [f"{root.rstrip('/')}/{p}" for p in self.manifest.column("path")[ids]]
-            datas = storage.read_many(fs, paths)
-        out: list[tuple[int, int] | None] = []
-        for data in datas:
-            try:
-                out.append(None if isinstance(data, BaseException) else image_size(data))
-            except DecodeError:
-                out.append(None)
-        return out
-
-    def _parquet_probe(self, fs, root: str, ids: np.ndarray) -> list[Any]:
-        """A few encoded values: the first rows of up to 4 row groups among ``ids``."""
-        import pyarrow.parquet as pq
-
-        m = self.manifest
-        col = m.meta.get("image_column") or "image"
-        groups = sorted({(int(m.column("file")[i]), int(m.column("row_group")[i])) for i in ids})
-        out: list[Any] = []
-        for f, g in groups[:: max(1, len(groups) // 4)][:4]:
-            path = f"{root.rstrip('/')}/{m.files[f]}" if m.files[f] != root else root
-            try:
-                table = pq.ParquetFile(path, filesystem=fs).read_row_group(g, columns=[col])
-            except (OSError, ValueError):
-                continue
-            out.extend(v for v in table.column(col).to_pylist()[:4] if v is not None)
-        return out
 
     def _block_stream(self):
         if self._stream is None:

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raying import storage as _storage
+from raying._views import Rows, binary_views
 from raying.config import DEFAULT_MAX_IMAGE_PIXELS, StorageOptions
 from raying.errors import CredentialsError, DataError, DecodeError, StorageError
 from raying.io import decoded as _decoded
@@ -265,21 +266,6 @@ def _transform_encoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: l
     return res.images, ok, errors
 
 
-class _Rows:
-    """Rows ``pos`` of a (N, h, w, c) array as a sequence of views: no gather copy."""
-
-    def __init__(self, array: np.ndarray, pos: np.ndarray) -> None:
-        self.array, self.pos = array, pos
-
-    def __len__(self) -> int:
-        return len(self.pos)
-
-    def __getitem__(self, key):
-        if isinstance(key, slice):
-            return _Rows(self.array, self.pos[key])
-        return self.array[self.pos[key]]
-
-
 def _transform_decoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, pixels: Any,
                        out: np.ndarray | None = None):
     images = spec.transform.apply_decoded(pixels, ids, seed=spec.seed, epoch=unit.epoch,
@@ -363,8 +349,8 @@ def _read_parquet_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.nd
         h, w, c = spec.decoded
         buf = np.frombuffer(flat.buffers()[1], dtype=np.uint8)
         buf = buf[flat.offset * h * w * c:(flat.offset + len(flat)) * h * w * c]
-        return _Rows(buf.reshape(len(flat), h, w, c), pos), None, nbytes
-    return _binary_views(values, pos), _row_locations(spec, unit, ids), nbytes
+        return Rows(buf.reshape(len(flat), h, w, c), pos), None, nbytes
+    return binary_views(values, pos), _row_locations(spec, unit, ids), nbytes
 
 
 def _file_path(spec: ReadSpec, root: str, f: int) -> str:
@@ -388,28 +374,6 @@ def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseExcepti
 def _group_rows(sel: np.ndarray, pf: pq.ParquetFile):
     for _, g, start in sel:
         yield int(start), pf.metadata.row_group(int(g)).num_rows
-
-
-def _binary_views(values: pa.ChunkedArray, pos: np.ndarray) -> list[Any]:
-    """Zero-copy memoryviews of the values at ``pos`` (None for nulls)."""
-    bounds = np.cumsum([0] + [len(c) for c in values.chunks])
-    out: list[Any] = [None] * len(pos)
-    views = []
-    for c in values.chunks:
-        off_type = np.int64 if pa.types.is_large_binary(c.type) else np.int32
-        bufs = c.buffers()
-        offs = np.frombuffer(bufs[1], dtype=off_type)[c.offset:c.offset + len(c) + 1]
-        data = memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
-        valid = None if c.null_count == 0 else np.asarray(c.is_valid())
-        views.append((offs, data, valid))
-    which = np.searchsorted(bounds, pos, side="right") - 1
-    for i, (p, w) in enumerate(zip(pos, which, strict=True)):
-        offs, data, valid = views[w]
-        r = int(p - bounds[w])
-        if valid is not None and not valid[r]:
-            continue
-        out[i] = data[int(offs[r]):int(offs[r + 1])]
-    return out
 
 
 def _row_locations(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray) -> list[str]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -220,3 +222,29 @@ def simulated_hit_ratio(trace: list[TraceUnit], sizes: np.ndarray, capacity: int
         else:
             heapq.heappush(heap, (-nxt[pos], i))
     return hits / max(len(seq), 1)
+
+
+def bound_study(sizes: np.ndarray, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Part 4: what ranking by rate can reach over LRU, across difficulty spreads (simulated)."""
+    total = int(sizes.sum())
+    n = len(sizes)
+    out = []
+    for sigma in args.sigmas:
+        hits: dict[tuple[float, str], list[float]] = {}
+        for seed in range(args.seeds):
+            trace = make_trace(n, epochs=args.epochs, sigma=sigma, seed=seed)
+            rates = trace_rates(n, sigma=sigma, seed=seed)
+            for capacity in (0.10, 0.15, 0.20):
+                for policy in ("lru", "rates"):
+                    hits.setdefault((capacity, policy), []).append(simulated_hit_ratio(
+                        trace, sizes, int(capacity * total), policy, rates))
+        row: dict[str, Any] = {"sigma": sigma, "seeds": args.seeds}
+        for capacity in (0.10, 0.15, 0.20):
+            lru = statistics.mean(hits[capacity, "lru"])
+            best = statistics.mean(hits[capacity, "rates"])
+            row[f"{capacity:.0%}"] = {"lru": round(lru, 4), "known_rates": round(best, 4),
+                                      "ratio": round(best / lru, 2)}
+        out.append(row)
+        print(f"  sigma {sigma:g}: known rates / LRU at 10% x{row['10%']['ratio']}, "
+              f"15% x{row['15%']['ratio']}, 20% x{row['20%']['ratio']}")
+    return out

@@ -194,3 +194,43 @@ def transform_arrays(spec: Any, unit: Any, ids: np.ndarray, arrays: list[Any],
     images = spec.transform.apply_decoded(good, ids[ok], seed=spec.seed, epoch=unit.epoch,
                                           out=out)
     return images, ok, errors
+
+
+def header_sizes(manifest: Any, ids: np.ndarray) -> list[tuple[int, int] | None]:
+    """(h, w) of some samples from their headers (to size the decoded cache)."""
+    from raying import storage
+    from raying.decode import image_size
+
+    fs, root = storage.resolve(manifest.root, manifest.storage)
+    if manifest.format == "parquet":
+        datas = _parquet_probe(manifest, fs, root, ids)
+    else:
+        paths = [f"{root.rstrip('/')}/{p}" for p in manifest.column("path")[ids]]
+        datas = storage.read_many(fs, paths)
+    out: list[tuple[int, int] | None] = []
+    for data in datas:
+        try:
+            out.append(None if isinstance(data, BaseException) else image_size(data))
+        except DecodeError:
+            out.append(None)
+    return out
+
+
+def _parquet_probe(m: Any, fs: Any, root: str, ids: np.ndarray) -> list[Any]:
+    """A few encoded values: the first rows of up to 4 row groups among ``ids``."""
+    import pyarrow.parquet as pq
+
+    col = m.meta.get("image_column") or "image"
+    groups = sorted({(int(m.column("file")[i]), int(m.column("row_group")[i])) for i in ids})
+    out: list[Any] = []
+    for f, g in groups[:: max(1, len(groups) // 4)][:4]:
+        path = f"{root.rstrip('/')}/{m.files[f]}" if m.files[f] != root else root
+        try:
+            table = pq.ParquetFile(path, filesystem=fs).read_row_group(g, columns=[col])
+        except (OSError, ValueError):
+            continue
+        for v in table.column(col).to_pylist()[:4]:
+            v = v.get("bytes") if isinstance(v, dict) else v  # {bytes, path} structs
+            if v is not None:
+                out.append(v)
+    return out

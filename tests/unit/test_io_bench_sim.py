@@ -62,7 +62,7 @@ def test_bound_sweep_peaks_between_uniform_and_concentrated():
     """
     import argparse
 
-    from raying.bench.io_bench import bound_study
+    from raying.bench._io_data import bound_study
 
     sizes = np.random.default_rng(0).integers(1_500, 2_500, 2_000)
     args = argparse.Namespace(sigmas=[0.05, 1.0, 3.0], seeds=1, epochs=3)

@@ -87,7 +87,33 @@ def test_threads_missing_the_same_files_fetch_each_once(tmp_path, background):
     assert _claimed(tmp_path) == 0  # every claim released
 
 
-def _other_process(paths: list[str], mem: str, q) -> None:
+class _GatedHandler(slow.SlowFileSystemHandler):
+    """Reads wait until ``gate`` exists: the owner holds its claims until the waiter waits."""
+
+    def __init__(self, base, tier, gate: str) -> None:
+        super().__init__(base, tier)
+        self.gate = gate
+
+    def __reduce__(self):
+        return (_GatedHandler, (self.base, self.tier, self.gate))
+
+    def request(self, nbytes: int = 0, *, count: int = 1) -> None:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        super().request(nbytes, count=count)
+
+
+def _other_process(paths: list[str], mem: str, q, gate: str) -> None:
+    from raying.io._inflight import SingleFlight
+
+    wait_shared = SingleFlight.wait_shared
+
+    def announced(self, *args, **kwargs):  # the owner's reads start once we wait
+        Path(gate).touch()
+        return wait_shared(self, *args, **kwargs)
+
+    SingleFlight.wait_shared = announced  # type: ignore[method-assign]
     fs = slow.slow_filesystem(pafs.LocalFileSystem(), (LATENCY_S, None))
     io = IOConfig(cache=CacheConfig(memory_bytes=10**6, memory_dir=mem), concurrency=2)
     datas, account = fetch.fetch_files(fs, paths, io=io, scores=[0.5] * len(paths),
@@ -97,14 +123,18 @@ def _other_process(paths: list[str], mem: str, q) -> None:
 
 def test_a_process_waits_for_another_process_fetching_the_same_files(tmp_path):
     paths = _files(tmp_path / "src", 4)
-    fs = slow.slow_filesystem(pafs.LocalFileSystem(), (LATENCY_S, None))
+    gate = str(tmp_path / "waiting")
+    # the owner's reads wait for the other process to wait on its claims (a spawned process
+    # takes seconds to start on a loaded machine: it must not find the entries already cached)
+    fs = pafs.PyFileSystem(_GatedHandler(pafs.LocalFileSystem(),
+                                         slow.coerce_tier((LATENCY_S, None)), gate))
     io = _io(tmp_path)
     a: dict = {}
     ta = _fetch_in_thread(fs, paths, io, a)
     _wait_for_claims(tmp_path, 4)
     ctx = multiprocessing.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_other_process, args=(paths, str(tmp_path / "mem"), q))
+    p = ctx.Process(target=_other_process, args=(paths, str(tmp_path / "mem"), q, gate))
     p.start()
     datas, account, counters = q.get(timeout=120)
     p.join(30)

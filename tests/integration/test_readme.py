@@ -29,6 +29,11 @@ def test_readme_example_runs(index, tmp_path):
     code = _blocks()[index]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    try:  # a hang, not slowness, should fail this: 66 s here, 80 s with both cores busy
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-3000:]
+        pytest.fail(f"README example {index} ran past 600 s; its stderr ended with:\n"
+                    f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}")
     assert proc.returncode == 0, proc.stderr[-3000:]

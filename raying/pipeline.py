@@ -72,6 +72,7 @@ class Pipeline:
         self._cursor: dict[str, Any] = {"epoch": 0, "units": [], "delivered": 0, "base": 0}
         self._resume: tuple[int, int, int, int] | None = None
         self._bound = False
+        self._closed = False
         self._lookup: ManifestLookup | None = None
         self._spec_ready = False
         self._spec = ReadSpec.of(manifest, self.transform, getattr(self.sampler, "seed", 0),
@@ -82,6 +83,11 @@ class Pipeline:
 
     # -- plans ---------------------------------------------------------------------------------
     def _bind(self) -> None:
+        if self._closed:
+            msg = (f"Pipeline {self.name!r} is closed: its reads stopped and its sampler let go "
+                   f"of its priority store; build a new Pipeline (load_state_dict(...) of "
+                   f"this one's state_dict() continues where it stood)")
+            raise ConfigError(msg)
         if not self._bound:
             if getattr(self.sampler, "lazy", False):
                 ensure_ray()
@@ -339,6 +345,7 @@ class Pipeline:
 
             decoded.release(self.name)  # this node's copy; other nodes' go with their tmpfs
         self._bound = False
+        self._closed = True
 
     def __enter__(self) -> Pipeline:
         return self

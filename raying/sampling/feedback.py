@@ -22,7 +22,12 @@ def to_numpy(values: Any, *, dtype: Any) -> np.ndarray:
         values = values.detach()
         if values.device.type != "cpu":
             values = values.cpu()
-        values = values.numpy()
+        try:
+            values = values.numpy()
+        except TypeError:  # bfloat16, float8: no numpy dtype
+            if not values.is_floating_point():
+                raise
+            values = values.float().numpy()
     elif hasattr(values, "numpy") and not isinstance(values, np.ndarray):  # tf eager tensors
         values = values.numpy()
     return np.asarray(values, dtype=dtype).reshape(-1)
@@ -59,10 +64,19 @@ class Reporter:
     def add(self, ids: Any, losses: Any) -> None:
         """Buffer one batch of reports; send if the buffer is due."""
         i = to_numpy(ids, dtype=None)
+        if i.dtype.kind not in "iuf":  # bools would count as id 1, strings fail in numpy
+            msg = (f"raying.report: ids must be integers, got dtype {i.dtype}; pass the int64 "
+                   f"ids of the batch (batch['id'])")
+            raise ConfigError(msg)
+        try:
+            v = to_numpy(losses, dtype=np.float64)
+        except (TypeError, ValueError):
+            msg = (f"raying.report: losses must be real numbers, got "
+                   f"{type(losses).__name__}; pass the per-sample losses (reduction='none')")
+            raise ConfigError(msg) from None
         # Float ids travel as floats: the store rejects and counts non-integral ones (a cast
         # here would truncate 1.5 to 1 and credit the loss to another sample).
         i = i.astype(np.float64 if i.dtype.kind == "f" else np.int64, copy=False)
-        v = to_numpy(losses, dtype=np.float64)
         if i.size != v.size:
             with self._lock:
                 self.rejected_length += max(i.size, v.size)

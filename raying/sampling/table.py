@@ -23,6 +23,11 @@ from raying.sampling._validate import (
 _STATE_VERSION = 1
 
 
+# The largest p**alpha a leaf holds: sums of n leaves, and of their squares (the effective
+# sample size), stay finite for any n below 1e100.
+MAX_LEAF = 1e100
+
+
 class PriorityTable:
     """Per-sample priorities that decide which samples are drawn next, in pure numpy.
 
@@ -180,11 +185,16 @@ class PriorityTable:
         return self._cap
 
     def _leaf_values(self, raw: np.ndarray) -> np.ndarray:
+        """``min(p**alpha, MAX_LEAF)``: a diverging loss (1e200, or 1e30 at alpha 8) must not
+        make the tree's sums (or sums of squares) infinite, which breaks every later draw."""
         v = np.minimum(raw, self._cap) if math.isfinite(self._cap) else raw
         alpha = self.config.alpha
         if alpha == 1.0:
-            return np.array(v, dtype=np.float64, copy=True)
-        return np.power(v, alpha)
+            out = np.array(v, dtype=np.float64, copy=True)
+        else:
+            with np.errstate(over="ignore"):
+                out = np.power(v, alpha)
+        return np.minimum(out, MAX_LEAF, out=out)
 
     # --- reads --------------------------------------------------------------------------------
 

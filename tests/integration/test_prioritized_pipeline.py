@@ -142,3 +142,35 @@ def test_bad_feedback_is_rejected_counted_and_changes_nothing(manifest, ray_loca
     assert rejected["out_of_range"] == 2
     assert rejected["length_mismatch"] >= 2
     pipe.close()
+
+
+def test_a_closed_pipeline_refuses_use_instead_of_starting_an_empty_store(manifest, ray_local):
+    import ray
+
+    from raying.errors import ConfigError
+
+    s = raying.PrioritizedSampler(alpha=1.0, seed=3, samples_per_epoch=64)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
+                           config=raying.PipelineConfig(block_rows=32))
+    assert sum(len(b["id"]) for b in pipe.iter_batches(batch_size=32, epoch=0)) == 64
+    pipe.report(np.arange(4), np.full(4, 5.0))
+    store = pipe.store_name
+    state = pipe.state_dict()
+    pipe.close()
+    stores = lambda: [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)  # noqa: E731
+                      if a["name"] == store]
+    assert stores() == []
+    for use in (lambda: pipe.report(np.arange(4), np.ones(4)),
+                lambda: next(iter(pipe.iter_batches(batch_size=32, epoch=1))),
+                lambda: pipe.dataset(1)):
+        with pytest.raises(ConfigError, match="is closed"):
+            use()
+    assert stores() == []  # no empty store started behind the user's back
+    pipe.close()  # closing twice is fine
+    again = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16),
+                            sampler=raying.PrioritizedSampler(alpha=1.0, seed=3,
+                                                              samples_per_epoch=64),
+                            config=raying.PipelineConfig(block_rows=32))
+    again.load_state_dict(state)
+    assert again.priorities()[:4].tolist() == [5.0] * 4
+    again.close()

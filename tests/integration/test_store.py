@@ -198,3 +198,24 @@ def test_reporter_sends_on_its_timer_and_never_truncates_float_ids():
         assert pri[0] == 4.0 and pri[1] == 5.0 and pri[2] != 6.0, pri
     finally:
         st.kill_store(handle)
+
+
+def test_reporter_takes_bfloat16_losses_and_refuses_bool_or_text_ids():
+    import torch
+
+    from raying.sampling.feedback import Reporter
+
+    handle = st.create_store("dtypes", 8, config={"tick_s": TICK_S})
+    try:
+        rep = Reporter(handle, flush_ids=1)
+        rep.add(torch.tensor([1, 2]), torch.tensor([3.0, 0.5], dtype=torch.bfloat16))
+        st.flush(handle)
+        assert st.priorities(handle, np.array([1, 2])).tolist() == [3.0, 0.5]
+        for ids in (torch.tensor([True, False]), np.array([True]), ["a", "b"]):
+            with pytest.raises(ConfigError, match="ids must be integers"):
+                rep.add(ids, [1.0] * len(ids))
+        with pytest.raises(ConfigError, match="losses must be real numbers"):
+            rep.add([1], ["high"])
+        assert st.stats(handle)["updates_received"] == 2  # nothing of the refused reached it
+    finally:
+        st.kill_store(handle)

@@ -431,3 +431,22 @@ def test_snapshot_format_round_trips_the_table_state():
         return table_state
 
     run_state_roundtrip(make, advance, observe, through=through)
+
+
+@pytest.mark.parametrize(("alpha", "losses"), [(2.0, [1e200]), (1.0, [1e308, 1e308]),
+                                               (8.0, [3e38, 3e38, 3e38])])
+def test_diverging_losses_keep_the_distribution_finite(alpha, losses):
+    n = 256
+    table = PriorityTable(n, alpha=alpha, uniform_mix=0.1, seed=0)
+    table.update(np.arange(n), np.ones(n))
+    hot = np.arange(len(losses))
+    table.update(hot, np.array(losses))
+    assert np.isfinite(table.total()) and np.isfinite(table.ess())
+    probs = table.probabilities()
+    assert np.all(np.isfinite(probs)) and abs(probs.sum() - 1.0) < 1e-9
+    ids, p = table.sample(4096)
+    assert ids.min() >= 0 and ids.max() < n and np.all(np.isfinite(p))
+    # the diverging rows hold (nearly) all the priority mass: 1 - uniform_mix of the draws
+    share = np.isin(ids, hot).mean()
+    assert abs(share - (0.9 + 0.1 * len(hot) / n)) < 0.03
+    assert np.all(np.isfinite(table.importance_weights(ids, 0.5)))

@@ -257,7 +257,11 @@ class DirTier(InflightClaims):
                 write_entry(self._path(d), payloads[cands[d][0]], crc)
                 written.append(d)
             except OSError as exc:
-                logger.warning("raying cache %s: could not write an entry (%s)", self.name, exc)
+                if os.path.isdir(self._data):
+                    logger.warning("raying cache %s: could not write an entry (%s)", self.name,
+                                   exc)
+                else:  # the tier was removed (a closed pipeline's decoded pixels): drop it
+                    logger.debug("raying cache %s: removed, entry dropped", self.name)
         with self._lock:
             conn = self._db()
             with _write(conn, self._lock_fd()):

@@ -84,8 +84,10 @@ def write_entry(path: str, payload: bytes | memoryview, crc: int) -> None:
     try:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileNotFoundError:  # the fan-out folder was removed under us
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+        except FileNotFoundError:  # the fan-out folder was removed under us (not the tier:
+            # a tier removed on purpose, e.g. a closed pipeline's decoded pixels, stays gone)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.dirname(path))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             head = HEADER.pack(MAGIC, crc, len(payload))

@@ -89,14 +89,33 @@ def cache_dir(pipeline_name: str) -> str:
     return f"{DEFAULT_DECODED_CACHE_DIR}/{pipeline_name}"
 
 
-def release(pipeline_name: str) -> None:
-    """Remove the pipeline's decoded pixels from this node's memory."""
-    shutil.rmtree(cache_dir(pipeline_name), ignore_errors=True)
-
-
 _OWNER = ".owner"
 # A directory without an owner file this old is a leftover (removed at the next start).
 DEFAULT_ORPHAN_AGE_S = 600
+# Pipelines released on this node: read tasks still running (keep_warm, the window in flight)
+# must not re-create their directory after close.
+_RELEASED = ".released"
+
+
+def _tombstone(pipeline_name: str) -> str:
+    return os.path.join(DEFAULT_DECODED_CACHE_DIR, _RELEASED, pipeline_name)
+
+
+def release(pipeline_name: str) -> None:
+    """Remove the pipeline's decoded pixels from this node's memory; its read tasks still in
+    flight stop using the cache (see :func:`load_arrays`)."""
+    try:
+        os.makedirs(os.path.dirname(_tombstone(pipeline_name)), exist_ok=True)
+        with open(_tombstone(pipeline_name), "w"):
+            pass
+    except OSError:
+        pass
+    shutil.rmtree(cache_dir(pipeline_name), ignore_errors=True)
+
+
+def released(directory: str) -> bool:
+    """Whether the pipeline that owns the decoded-cache ``directory`` was closed."""
+    return os.path.exists(_tombstone(os.path.basename(directory.rstrip("/"))))
 
 
 def claim(pipeline_name: str) -> None:
@@ -111,6 +130,9 @@ def claim(pipeline_name: str) -> None:
     if os.path.isdir(root):
         for entry in os.listdir(root):
             path = os.path.join(root, entry)
+            if entry == _RELEASED:
+                _sweep_tombstones(path)
+                continue
             try:
                 with open(os.path.join(path, _OWNER)) as fh:
                     owner_host, pid = fh.read().split()
@@ -127,6 +149,20 @@ def claim(pipeline_name: str) -> None:
     with open(os.path.join(path, _OWNER), "w") as fh:
         fh.write(f"{host} {os.getpid()}")
     atexit.register(release, pipeline_name)
+
+
+def _sweep_tombstones(path: str) -> None:
+    now = time.time()
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        try:
+            if now - os.path.getmtime(os.path.join(path, name)) > DEFAULT_ORPHAN_AGE_S:
+                os.unlink(os.path.join(path, name))
+        except OSError:
+            pass
 
 
 def _cache(spec: Any):
@@ -152,9 +188,9 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
     """
     from raying.decode import decode_image
 
-    cache = _cache(spec)
+    cache = None if released(spec.decoded_cache_dir) else _cache(spec)
     keys = [str(int(i)) for i in ids]
-    arrays: list[Any] = list(cache.get_arrays(keys))
+    arrays: list[Any] = list(cache.get_arrays(keys)) if cache is not None else [None] * len(ids)
     miss = [k for k, a in enumerate(arrays) if a is None]
     account = {"cache_decoded_hits": len(ids) - len(miss),
                "cache_decoded_lookups": len(ids)}
@@ -180,7 +216,7 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
             arrays[k] = arr
             fresh_keys.append(keys[k])
             fresh.append(arr)
-        if fresh:
+        if fresh and cache is not None and not released(spec.decoded_cache_dir):
             cache.put_arrays(fresh_keys, fresh)
     return arrays, account, nbytes
 

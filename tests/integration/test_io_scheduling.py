@@ -145,6 +145,26 @@ def test_decoded_cache_serves_later_epochs_with_the_same_pixels(manifest, ray_lo
     assert not os.path.exists(directory), "close() frees the node's decoded pixels"
 
 
+def test_reads_in_flight_at_close_do_not_bring_the_decoded_pixels_back(manifest, ray_local):
+    import os
+    import time
+
+    tf = raying.ImageTransform(size=32)
+    for stop_after in (None, 1):  # a whole epoch (the next one's reads start: keep_warm), a break
+        pipe = raying.Pipeline(manifest, transform=tf,
+                               config=raying.PipelineConfig(block_rows=8, decoded_cache=64 << 20,
+                                                            keep_warm=True))
+        directory = pipe._ready_spec().decoded_cache_dir
+        for k, _ in enumerate(pipe.iter_batches(batch_size=8, epoch=0)):
+            if stop_after is not None and k + 1 >= stop_after:
+                break
+        pipe.close()
+        deadline = time.monotonic() + 6.0  # the dropped read tasks finish meanwhile
+        while time.monotonic() < deadline:
+            assert not os.path.exists(directory), (stop_after, os.listdir(directory))
+            time.sleep(0.05)
+
+
 # --- Parquet through the planner and the cache ---------------------------------------------------
 
 

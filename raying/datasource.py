@@ -19,13 +19,25 @@ def _account_actor_cls():
 
     @ray.remote(num_cpus=0)
     class _Accounts:
-        """Collects the accounts of read tasks run by Ray Data (skips, rows, bytes)."""
+        """Collects the accounts of read tasks run by Ray Data (skips, rows, bytes), logs the
+        samples set aside (once each) and gives them priority 0 in the store, if any."""
 
-        def __init__(self) -> None:
+        def __init__(self, store: Any = None) -> None:
             self.account = RunAccount()
+            self.store = store
 
         def add(self, account: dict[str, Any]) -> None:
-            self.account.add(account)
+            fresh = self.account.add(account)
+            if fresh:
+                self.account.end_epoch(int(account.get("epoch", 0)))
+                if self.store is not None:
+                    import numpy as np
+
+                    from raying.sampling.store import flush, update_async
+
+                    update_async(self.store, np.asarray(fresh, dtype=np.int64),
+                                 np.zeros(len(fresh)))
+                    flush(self.store)  # landed before the read task yields its block
 
         def summary(self) -> dict[str, Any]:
             return self.account.summary()
@@ -44,8 +56,8 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
     lookup: ManifestLookup = ray.get(lookup_ref)
     unit, paths = lookup.complete(unit)
     for block, account in iter_unit(spec, unit, paths, block_rows=block_rows):
-        if accounts is not None:
-            accounts.add.remote(account)
+        if accounts is not None:  # landed before the block is seen: stats() are complete
+            ray.get(accounts.add.remote(account))
         if len(block["id"]) == 0:
             block = empty_block(spec.transform.size)
         yield BlockAccessor.batch_to_block(block)
@@ -61,7 +73,7 @@ def build_dataset(pipe: Any, epoch: int):
     refs = getattr(pipe, "_dataset_refs", None)
     if refs is None:  # once per pipeline: the spec and the per-id lookup
         refs = (ray.put(pipe._ready_spec()), ray.put(ManifestLookup(pipe.manifest)),
-                _account_actor_cls().remote())
+                _account_actor_cls().remote(getattr(pipe.sampler, "handle", None)))
         pipe._dataset_refs = refs
     spec_ref, lookup_ref, accounts = refs
     size = pipe.transform.size

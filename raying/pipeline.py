@@ -10,6 +10,7 @@ What is in flight for ``pipe.iter_torch_batches(epoch=e)``::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import Iterator
@@ -294,9 +295,23 @@ class Pipeline:
         waiting for a batch. ``sampling=False`` skips the round trip to the priority store.
         """
         out = self.account.summary()
+        reads = self._dataset_reads()  # epochs read through dataset(), e.g. by Ray Train
+        if reads is not None:
+            _merge_dataset_account(out, reads)
         if sampling:
             out["sampling"] = {**self.sampler.stats(), **self.account.health()}
         return out
+
+    def _dataset_reads(self) -> dict[str, Any] | None:
+        refs = getattr(self, "_dataset_refs", None)
+        if refs is None:
+            return getattr(self, "_dataset_final", None)
+        from raying.datasource import dataset_account
+
+        try:
+            return dataset_account(self)
+        except Exception as exc:  # noqa: BLE001 - Ray gone (shut down): say so, keep the rest
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
     def state_dict(self) -> dict[str, Any]:
         """Where this pipeline stands: epoch, position in its plan, sampler state."""
@@ -337,6 +352,13 @@ class Pipeline:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+        if getattr(self, "_dataset_refs", None) is not None:  # keep the final account for stats
+            self._dataset_final = self._dataset_reads()
+            with contextlib.suppress(Exception):
+                import ray
+
+                ray.kill(self._dataset_refs[2])
+            self._dataset_refs = None
         close = getattr(self.sampler, "close", None)
         if close is not None:
             close(release_store=release_store)
@@ -383,3 +405,21 @@ def _epoch(epoch: Any) -> int:
         msg = f"epoch must be a non-negative integer, got {epoch!r}"
         raise ConfigError(msg)
     return int(epoch)
+
+
+def _merge_dataset_account(out: dict[str, Any], reads: dict[str, Any]) -> None:
+    """Add the reads Ray Data ran for ``pipe.dataset(e)`` (e.g. in Ray Train workers) to
+    ``out``: their summary under ``"dataset"``, their skipped samples in ``"skipped"``."""
+    if "error" in reads:
+        out["dataset"] = reads
+        return
+    out["dataset"] = {k: v for k, v in reads.items()
+                      if k not in ("throughput_rows_per_s", "stall_s", "stall_share")}
+    seen = {s["id"] for s in out["skipped"]}
+    for s in reads["skipped"]:
+        if s["id"] not in seen:
+            seen.add(s["id"])
+            out["skipped"].append(s)
+            out["skipped_count"] += 1
+            out["skipped_by_reason"][s["reason"]] = out["skipped_by_reason"].get(
+                s["reason"], 0) + 1

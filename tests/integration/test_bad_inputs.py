@@ -81,3 +81,34 @@ def test_parquet_null_and_corrupt_image_bytes(tmp_path, ray_local):
     with pytest.raises(raying.DecodeError, match=r"part-0.parquet#rg\d/row\d"):
         list(strict.iter_batches(batch_size=8, epoch=0))
     strict.close()
+
+
+def test_dataset_path_reports_and_sets_aside_bad_files(corpus, ray_local):
+    """Epochs read through ``pipe.dataset(e)`` (Ray Train's path) report their skipped files in
+    ``pipe.stats()`` like the iterators do, and a prioritized store stops favouring them."""
+    m = raying.Manifest.scan(str(corpus.root))
+    paths = m.path_of(np.arange(len(m)))
+    bad = {i for i, p in enumerate(paths) if not corpus.case(p).good}
+    cfg = raying.PipelineConfig(block_rows=8, max_image_pixels=corpus.max_pixels)
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16), config=cfg)
+    ids = [i for b in pipe.dataset(0).iter_batches(batch_size=8) for i in b["id"].tolist()]
+    assert sorted(ids) == sorted(set(range(len(m))) - bad)
+    st = pipe.stats()
+    assert {s["id"] for s in st["skipped"]} == bad and st["skipped_count"] == len(bad)
+    assert st["dataset"]["rows_read"] == len(m)
+    pipe.close()
+    assert {s["id"] for s in pipe.stats(sampling=False)["skipped"]} == bad  # kept after close
+
+    sampler = raying.PrioritizedSampler(alpha=1.0, uniform_mix=0.1, seed=0,
+                                        samples_per_epoch=4 * len(m))
+    prio = raying.Pipeline(m, transform=raying.ImageTransform(size=16), sampler=sampler,
+                           config=cfg)
+    prio.report(np.arange(len(m)), np.full(len(m), 2.0))
+    got = [i for b in prio.dataset(0).iter_batches(batch_size=8) for i in b["id"].tolist()]
+    assert not set(got) & bad
+    skipped = {s["id"] for s in prio.stats()["skipped"]}
+    assert skipped and skipped <= bad
+    pri = prio.priorities()
+    assert np.all(pri[sorted(skipped)] == 0.0), pri[sorted(skipped)]
+    assert np.all(pri[sorted(set(got))] == 2.0)
+    prio.close()

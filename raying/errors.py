@@ -41,24 +41,36 @@ class DecodeError(DataError):
     """
 
     def __init__(self, reason: str, detail: str = "", *, path: str | None = None,
-                 sample_id: int | None = None) -> None:
+                 sample_id: int | None = None, root: str | None = None,
+                 fix: str | None = None) -> None:
         self.reason = reason
         self.detail = detail
         self.path = path
         self.sample_id = sample_id
-        where = f"{path}: " if path else ""
+        self.root = root
+        self.fix = fix
+        full = f"{root.rstrip('/')}/{path}" if root and path else path
+        where = f"{full}: " if full else ""
         ident = f" (id {sample_id})" if sample_id is not None else ""
         text = f"{where}{reason}{ident}"
         if detail:
             text += f": {detail}"
+        if fix:
+            text += f"; {fix}"
         super().__init__(text)
 
     def __reduce__(self):
-        return (_rebuild_decode_error, (self.reason, self.detail, self.path, self.sample_id))
+        return (_rebuild_decode_error, (self.reason, self.detail, self.path, self.sample_id,
+                                        self.root, self.fix))
 
 
-def _rebuild_decode_error(reason, detail, path, sample_id):
-    return DecodeError(reason, detail, path=path, sample_id=sample_id)
+def _rebuild_decode_error(reason, detail, path, sample_id, root=None, fix=None):
+    return DecodeError(reason, detail, path=path, sample_id=sample_id, root=root, fix=fix)
+
+
+RAISE_FIX = ("replace or remove the sample (then Manifest.scan again), or build the Pipeline "
+             "with on_error='skip' to set bad samples aside (listed in "
+             "pipe.stats()['skipped'])")
 
 
 def require(module: str, *, pip: str | None = None, purpose: str = ""):

@@ -23,7 +23,7 @@ from raying.config import (
     DEFAULT_INFLIGHT_TASKS_PER_CPU,
     DEFAULT_PREFETCH_BATCHES,
 )
-from raying.errors import ConfigError
+from raying.errors import ConfigError, DataError
 from raying.iterators import BatchAssembler, TorchConverter, prefetch
 from raying.manifest import Manifest
 from raying.metrics import RunAccount
@@ -181,14 +181,33 @@ class Pipeline:
         self._cursor = {"epoch": int(epoch), "units": units, "delivered": base, "base": base,
                         "start": (start_unit, skip)}
         offset = {start_unit: skip}  # rows of each unit already accounted for
+        seen = {"rows_in": 0, "rows_out": 0, "skipped": []}
+
+        def on_account(account: dict[str, Any]) -> None:
+            seen["rows_in"] += account["rows_in"]
+            seen["rows_out"] += account["rows_out"]
+            if len(seen["skipped"]) < 3:
+                seen["skipped"].extend(account.get("skipped", ())[:3])
+            self._on_account(account)
+
         for index, block, last in stream.iter_epoch(int(epoch), start_unit=start_unit,
-                                                    skip_rows=skip, on_account=self._on_account):
+                                                    skip_rows=skip, on_account=on_account):
             begin = offset.get(index, 0)
             offset[index] = begin + len(block["id"])
             units.append((index, begin, begin + len(block["id"]), last))
             self.account.observe_block(int(epoch), block)
             yield block
         self.account.end_epoch(int(epoch))
+        # (a tiny epoch, e.g. a resumed tail, may draw only a few bad samples by chance)
+        if (seen["rows_in"] >= min(len(self.manifest), 8) and not seen["rows_out"]
+                and seen["skipped"]):
+            shown = "; ".join(f"{path or sid}: {reason}" for sid, path, reason, _ in
+                              seen["skipped"][:3])
+            msg = (f"every one of the {seen['rows_in']} samples read in epoch {epoch} of "
+                   f"{self.manifest.root} was set aside as bad ({shown}); nothing to train on. "
+                   f"Check that the URI, format and image column are the intended ones; the "
+                   f"list is in pipe.stats()['skipped']")
+            raise DataError(msg)
 
     def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
                      prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from raying import storage as _storage
 from raying._views import Rows, binary_views
 from raying.config import DEFAULT_MAX_IMAGE_PIXELS, StorageOptions
-from raying.errors import CredentialsError, DataError, DecodeError, StorageError
+from raying.errors import RAISE_FIX, CredentialsError, DataError, DecodeError, StorageError
 from raying.io import decoded as _decoded
 from raying.io import fetch as _io_fetch  # issue 5: planned, cached reads (raying/io/fetch.py)
 from raying.io.options import IOConfig
@@ -211,7 +211,9 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
             images, ok, errors = _transform_encoded(spec, unit, ids[part], datas[part],
                                                     where[part], out)
         if errors and spec.on_error == "raise":
-            raise errors[0]
+            e = errors[0]
+            raise DecodeError(e.reason, e.detail, path=e.path, sample_id=e.sample_id,
+                              root=spec.root, fix=RAISE_FIX)
         block = {"id": ids[part][ok], "label": labels[part][ok], "image": images,
                  "weight": weights[part][ok], "prob": probs[part][ok]}
         if skip:

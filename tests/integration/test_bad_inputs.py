@@ -45,6 +45,8 @@ def test_raise_names_the_file(corpus, ray_local):
             pass
     err = info.value
     assert err.path and err.path in str(err)
+    assert f"{m.root.rstrip('/')}/{err.path}" in str(err)  # the whole path, not the relative one
+    assert "on_error='skip'" in str(err) and "replace or remove" in str(err)  # and the fix
     assert not corpus.case(err.path).good
     assert err.reason == corpus.case(err.path).reason
     pipe.close()
@@ -112,3 +114,19 @@ def test_dataset_path_reports_and_sets_aside_bad_files(corpus, ray_local):
     assert np.all(pri[sorted(skipped)] == 0.0), pri[sorted(skipped)]
     assert np.all(pri[sorted(set(got))] == 2.0)
     prio.close()
+
+
+def test_an_epoch_where_every_sample_is_bad_is_an_error_not_an_empty_epoch(tmp_path, ray_local):
+    for k in range(10):
+        (tmp_path / "cls").mkdir(exist_ok=True)
+        (tmp_path / "cls" / f"{k}.jpg").write_bytes(b"not a jpeg " * k)
+    m = raying.Manifest.scan(str(tmp_path))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=4))
+    with pytest.raises(raying.DataError, match="every one of the 10 samples") as info:
+        list(pipe.iter_batches(batch_size=4, epoch=0))
+    import re
+
+    assert re.search(r"cls/\d\.jpg: (empty|not_an_image)", str(info.value)) and "pipe.stats()['skipped']" in str(info.value)
+    assert pipe.stats()["skipped_count"] == 10
+    pipe.close()

@@ -102,7 +102,43 @@ def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | No
                        for part in i.path[prefix:].split("/"))
            and (exts is None or i.path.lower().endswith(exts))]
     out.sort(key=lambda i: i.path)
+    if isinstance(fs, pafs.LocalFileSystem) and out:
+        out = _drop_symlink_loops(out, base)
     return out
+
+
+def _drop_symlink_loops(infos: list[pafs.FileInfo], base: str) -> list[pafs.FileInfo]:
+    """Files under a folder that a symlink loop leads back into (``cat/back -> ..``): the
+    listing follows links until the OS refuses, listing the same files under ever longer
+    paths. A folder whose real path is that of one of its ancestors is such a repeat."""
+    real: dict[str, str] = {}
+
+    def resolve(d: str) -> str:
+        r = real.get(d)
+        if r is None:
+            r = real[d] = os.path.realpath(d)
+        return r
+
+    top = base.rstrip("/")
+    looped: dict[str, str] = {}
+    for d in sorted({os.path.dirname(i.path) for i in infos}):
+        chain = [d]  # d and its folders up to the root
+        while len(chain[-1]) > len(top) and os.path.dirname(chain[-1]) != chain[-1]:
+            chain.append(os.path.dirname(chain[-1]))
+        seen: dict[str, str] = {}
+        for folder in reversed(chain):  # from the root down: a repeat means a loop above d
+            r = resolve(folder)
+            if r in seen:
+                looped[d] = f"{folder} is {seen[r]}"
+                break
+            seen[r] = folder
+    if not looped:
+        return infos
+    keep = [i for i in infos if os.path.dirname(i.path) not in looped]
+    logger.warning("raying: left out %d files listed under %d folders that a symlink loop "
+                   "leads back into (e.g. %s again); remove or fix the link",
+                   len(infos) - len(keep), len(looped), next(iter(looped.values())))
+    return keep
 
 
 def read_bytes(fs: pafs.FileSystem, path: str, *, retries: int = DEFAULT_READ_RETRIES,

@@ -568,3 +568,20 @@ def test_a_unit_whose_every_read_failed_on_the_storage_raises():
     refuse_outage([b"jpeg", down, down])
     refuse_outage([down])
     refuse_outage([])
+
+
+def test_a_symlink_loop_lists_each_file_once_and_says_so(tmp_path, caplog):
+    root = tmp_path / "root"
+    (root / "cat").mkdir(parents=True)
+    (root / "cat" / "a.jpg").write_bytes(b"x")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.jpg").write_bytes(b"y")
+    (root / "cat" / "back").symlink_to(root)          # a loop: cat/back/cat/back/...
+    (root / "dog").symlink_to(tmp_path / "elsewhere")  # a linked class folder: kept
+    (tmp_path / "elsewhere" / "again").symlink_to(tmp_path / "elsewhere" / "b.jpg")  # a copy
+    fs, path = storage.resolve(str(root))
+    with caplog.at_level(logging.WARNING, logger="raying.storage"):
+        infos = storage.list_files(fs, path)
+    rel = [i.path[len(str(root)) + 1:] for i in infos]
+    assert rel == ["cat/a.jpg", "dog/again", "dog/b.jpg"], rel
+    assert "symlink loop" in caplog.text and "root/cat/back is " in caplog.text

@@ -299,6 +299,7 @@ class Pipeline:
 
     def priorities(self) -> np.ndarray | None:
         """Every id's current priority (prioritized sampling), or None (uniform)."""
+        self._bind()  # a prioritized pipeline not started yet starts its store here
         handle = getattr(self.sampler, "handle", None)
         if handle is None:
             return None

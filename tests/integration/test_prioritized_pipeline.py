@@ -171,6 +171,7 @@ def test_a_closed_pipeline_refuses_use_instead_of_starting_an_empty_store(manife
                             sampler=raying.PrioritizedSampler(alpha=1.0, seed=3,
                                                               samples_per_epoch=64),
                             config=raying.PipelineConfig(block_rows=32))
+    assert again.priorities() is not None  # a prioritized pipeline's, before it starts
     again.load_state_dict(state)
     assert again.priorities()[:4].tolist() == [5.0] * 4
     again.close()

@@ -41,6 +41,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--region", help="S3 region")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as indented JSON")
+    p.set_defaults(_needs_data=True)  # checked by parse_args, before Ray starts
 
 
 def load_config(path: str) -> dict[str, Any]:
@@ -80,7 +81,11 @@ def parse_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
             p.error(f"config file {known.config}: unknown keys {unknown}; expected some of "
                     f"{sorted(dests)}")
         p.set_defaults(**values)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if getattr(args, "_needs_data", False) and not args.data and not args.smoke_test:
+        # here, not after Ray has started (seconds later)
+        p.error("--data URI is required (or --smoke-test for generated data)")
+    return args
 
 
 def smoke_data(n: int = SMOKE_IMAGES) -> str:

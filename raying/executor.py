@@ -89,6 +89,7 @@ class BlockStream:
         self._pending: collections.deque[ReadUnit] = collections.deque()
         self._pending_epoch: int | None = None
         self._next_epoch_plan: EpochPlan | None = None
+        self._consuming: int | None = None  # the epoch being iterated: warm up only the next
         # One iteration at a time: a newer one supersedes the last (whose prefetch thread may
         # still be pulling); the lock keeps their steps on the shared state apart.
         self._lock = threading.RLock()
@@ -104,7 +105,8 @@ class BlockStream:
     def _top_up(self) -> None:
         while len(self._inflight) < self._window:
             if not self._pending:
-                if not self._keep_warm or self._pending_epoch is None:
+                if (not self._keep_warm or self._pending_epoch is None
+                        or self._pending_epoch != self._consuming):  # one epoch ahead at most
                     return
                 nxt = self._pending_epoch + 1
                 plan = self._make_plan(nxt)
@@ -119,9 +121,11 @@ class BlockStream:
         reuse = (self._pending_epoch == epoch and self._next_epoch_plan is not None
                  and self._next_epoch_plan.epoch == epoch and start_unit == 0 and skip_rows == 0)
         keys = list(self._inflight)
+        self._consuming = epoch
         if reuse and keys and keys[0] == (epoch, 0):
             return self._next_epoch_plan  # type: ignore[return-value]  # warm: already running
         self.cancel()
+        self._consuming = epoch
         plan = self._make_plan(epoch)
         units = [u for u in plan.units if u.index >= start_unit]
         if units and skip_rows:

@@ -237,3 +237,17 @@ def test_breaking_and_closing_in_a_loop_never_aborts_the_driver(image_folder):
     res = subprocess.run([sys.executable, "-c", CLOSE_LOOP, str(image_folder), "600"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "survived" in res.stdout, res.stderr[-2000:]
+
+
+def test_keep_warm_reads_one_epoch_ahead_not_more(image_folder, ray_local):
+    """Epochs of one read unit and a window of 4: only the next epoch starts early (it used to
+    submit epochs 1-3 with epoch 0, decoding three epochs nobody had asked for)."""
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=64, window=4,
+                                                        keep_warm=True, decoded_cache="off"))
+    for epoch in (0, 1, 2):
+        ids = [i for b in pipe.iter_batches(batch_size=64, epoch=epoch) for i in b["id"]]
+        assert sorted(ids) == list(range(60))
+        assert {e for e, _ in pipe._stream._inflight} == {epoch + 1}, list(pipe._stream._inflight)
+    pipe.close()

@@ -54,8 +54,10 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str) -> dict[str, Any]:
         known = parquet[:PROBE_FOOTERS]
 
         def footer(info: pafs.FileInfo) -> pq.FileMetaData:
-            with _storage.open_input(fs, info.path) as fh:
-                return pq.read_metadata(fh)
+            from raying._scan import _read_footer
+
+            rel = info.path[len(path.rstrip("/")) + 1:] if info.path != path else ""
+            return _read_footer(fs, info.path, f"{uri.rstrip('/')}/{rel}" if rel else uri)
 
         with ThreadPoolExecutor(min(8, len(known))) as pool:
             metas = list(pool.map(footer, known))

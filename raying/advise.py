@@ -158,8 +158,9 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
         line("cache", f"memory {_mb(mem_cap)}" + (f" + disk {_mb(disk_cap)}" if disk_cap
                                                      else "") + ", policy priority",
              f"every read from this storage costs {lat * 1e3:.1f} ms + transfer; {fits}; the "
-             f"priority policy keeps what PrioritizedSampler draws most (use lru with "
-             f"uniform sampling)",
+             f"priority policy keeps what PrioritizedSampler draws most, and under uniform "
+             f"sampling a fixed subset (hits = capacity share, where LRU over a permutation "
+             f"hits almost never)",
              f"{io_m}; {_mb(mach['memory_available_bytes'])} memory available, "
              f"{_mb(mach['disk_free_bytes'])} disk free")
     # 4. read concurrency
@@ -168,8 +169,9 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
         conc, why = 1, "local page-cache reads are fastest one after the other"
     elif serial:
         conc, why = 2, (f"16 parallel reads were only {store['parallel_speedup']:.1f}x faster "
-                        f"than serial: the device serves one request at a time (a disk head); "
-                        f"2 in flight keep it busy without extra seeks")
+                        f"than serial: the storage served one request at a time here (a disk "
+                        f"head, or a throttled endpoint); 2 in flight keep it busy without "
+                        f"extra seeks")
     elif long_read:
         conc = fill_concurrency(lat, bw, req)
         why = (f"latency x bandwidth = {_kb(lat * bw)} must be in flight to fill the link; "

@@ -105,3 +105,19 @@ def test_parquet_sample_count_is_exact_for_files_of_different_rows(tmp_path):
                        tmp_path / f"{name}.parquet")
     got = measure_dataset(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path))
     assert (got["samples"], got["samples_estimated"]) == (64, False)
+
+
+def test_an_unreadable_parquet_footer_is_a_data_error_naming_the_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+    import pytest
+
+    from raying._advise_measure import measure_dataset
+    from raying.errors import DataError
+
+    pq.write_table(pa.table({"image": pa.array([b"x"], pa.binary()), "label": [0]}),
+                   tmp_path / "a.parquet")
+    (tmp_path / "b.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match=r"b\.parquet is not a readable Parquet file.*remove it"):
+        measure_dataset(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path))

@@ -122,7 +122,8 @@ def _missing_message(fs, scheme, path, uri, options) -> str:
             endpoint = getattr(options, "endpoint_url", None) or "AWS S3"
             return (f"{uri} does not exist: bucket {bucket!r} does not exist at {endpoint}; "
                     "check the bucket name and the endpoint")
-    return f"{uri} does not exist"
+        return f"{uri} does not exist; check the key or prefix (the bucket exists)"
+    return f"{uri} does not exist; check the path"
 
 
 def _is_arrow_error(exc: BaseException) -> bool:

@@ -105,7 +105,8 @@ def test_write_atomic_exists_and_missing(dataset_uri, s3_endpoint):
     assert storage.exists(fs, target)
     assert storage.read_bytes(fs, target) == b"payload"
     with pytest.raises(NotFoundError, match=rf"^s3://{BUCKET}/sets/small/nope.jpg does not "
-                                            "exist$"):
+                                            r"exist; check the key or prefix \(the bucket "
+                                            r"exists\)$"):
         storage.read_bytes(fs, f"{path}/nope.jpg")
     with pytest.raises(NotFoundError, match=r"s3://no-such-bucket/x does not exist: bucket "
                                             r"'no-such-bucket' does not exist at http://127"):

@@ -341,7 +341,8 @@ def test_helpers_for_direct_pyarrow_callers(tree):
     storage.make_dirs(fs, f"{root}/new/deeper")
     assert os.path.isdir(f"{root}/new/deeper")
     err = storage.storage_error(FileNotFoundError(2, "gone"), "s3://bucket/key")
-    assert isinstance(err, NotFoundError) and str(err) == "s3://bucket/key does not exist"
+    assert isinstance(err, NotFoundError)
+    assert str(err) == "s3://bucket/key does not exist; check the path"
     refused = OSError("AWS Error ACCESS_DENIED during HeadObject operation")
     assert storage.is_credentials_error(refused)
     assert not storage.is_credentials_error(OSError("AWS Error NETWORK_CONNECTION"))

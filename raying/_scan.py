@@ -155,10 +155,14 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     image_col = _pick_image_column(schema0, image_col, uris[0])
     for fm, u in zip(footers[1:], uris[1:], strict=True):
         _check_same_schema(schema0, fm.schema.to_arrow_schema(), u, uris[0], image_col, label_col)
+    hive = None
     if label_col is not None and label_col not in schema0.names:
-        msg = (f"{uris[0]} has no label column {label_col!r} (columns: {schema0.names}); pass "
-               f"label='<column>' or label=None for unlabelled data")
-        raise DataError(msg)
+        hive = _hive_values(rels, label_col)  # label=cat/part-0.parquet (pandas partition_cols)
+        if hive is None:
+            msg = (f"{uris[0]} has no label column {label_col!r} (columns: {schema0.names}) "
+                   f"and is not under a hive partition folder {label_col}=<value>/; pass "
+                   f"label='<column or partition key>' or label=None for unlabelled data")
+            raise DataError(msg)
     decoded = _decoded_shape(schema0, image_col, footers[0], fs, infos[0].path, uris[0])
     if decoded is not None:
         _check_decoded_shapes(fs, infos, uris, decoded, workers)
@@ -184,6 +188,10 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     classes = _classes_from_metadata(schema0)
     if label_col is None:
         cols["label"] = np.full(len(cols["file"]), -1, dtype=np.int64)
+    elif hive is not None:
+        file_labels, found = _hive_labels(hive)
+        cols["label"] = file_labels[cols["file"]]
+        classes = found if found is not None else classes
     else:
         labels, found = _read_labels(fs, infos, uris, label_col, workers)
         cols["label"] = labels
@@ -191,6 +199,29 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     meta = {"image_column": image_col, "label_column": label_col, "decoded": decoded}
     return cls(root=uri, fmt="parquet", columns=cols, classes=classes, storage=opts,
                files=rels, meta=meta)
+
+
+def _hive_values(rels: list[str], key: str) -> list[str] | None:
+    """The value of the hive partition folder ``key=value`` of each file, or None if a file
+    is not under one."""
+    from urllib.parse import unquote
+
+    out = []
+    for rel in rels:
+        parts = [p for p in rel.split("/")[:-1] if p.startswith(f"{key}=")]
+        if not parts:
+            return None
+        out.append(unquote(parts[-1][len(key) + 1:]))
+    return out
+
+
+def _hive_labels(values: list[str]) -> tuple[np.ndarray, list[str] | None]:
+    """Per-file labels from partition values: integers as class ids, else sorted names."""
+    if all(v.lstrip("-").isdigit() for v in values):
+        return np.asarray([int(v) for v in values], dtype=np.int64), None
+    classes = sorted(set(values))
+    index = {c: i for i, c in enumerate(classes)}
+    return np.asarray([index[v] for v in values], dtype=np.int64), classes
 
 
 def image_type_ok(t: pa.DataType) -> bool:

@@ -236,3 +236,27 @@ def test_validation_split_scanned_with_the_training_classes(folder, tmp_path):
     _parquet(tmp_path / "i" / "x.parquet", 4, label=pa.array([0, 2, 1, 0]))
     with pytest.raises(raying.DataError, match="label 2 has no name"):
         raying.Manifest.scan(str(tmp_path / "i"), label="label", classes=["a", "b"])
+
+
+def test_hive_partition_folders_give_the_labels(tmp_path):
+    """pandas ``to_parquet(partition_cols=["label"])`` moves the label into ``label=<v>/``
+    folders; the scan reads it from there (names sorted into classes, integers kept)."""
+    names = ["cat", "dog", "eel"]
+    for key, values in (("label", names), ("cls", ["0", "1", "2"])):
+        root = tmp_path / key
+        for v in values:
+            for part in range(2):
+                d = root / f"{key}={v}"
+                d.mkdir(parents=True, exist_ok=True)
+                ks = [values.index(v) + 3 * (2 * j + part) for j in range(2)]
+                pq.write_table(pa.table({"image": pa.array([b"x%d" % k for k in ks], pa.binary()),
+                                         "k": ks}), d / f"part-{part}.parquet")
+        m = raying.Manifest.scan(str(root), format="parquet", label=key)
+        files = [root / f for f in m.files]
+        k = np.concatenate([pq.read_table(f).column("k").to_numpy() for f in files])
+        assert len(m) == len(k) == 12
+        np.testing.assert_array_equal(m.labels, k % 3)  # each row's own partition value
+        if key == "label":
+            assert m.classes == names
+    with pytest.raises(raying.DataError, match="hive partition folder species=<value>/"):
+        raying.Manifest.scan(str(tmp_path / "label"), format="parquet", label="species")

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,27 @@ MAX_LEDGER_IDS = 1_000_000
 # Variables that hold credentials: their presence is reported, their values never.
 CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 CREDENTIAL_FILE_ENV = ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_PROFILE")
+
+
+def run(main: Callable[[], int | None]) -> int:
+    """A job's entry point: raying's own errors (a missing path, bad data, refused
+    credentials) are one line on stderr and exit code 2, not a traceback."""
+    from raying.errors import RayingError
+
+    try:
+        return int(main() or 0)
+    except RayingError as exc:
+        print(f"{Path(sys.argv[0]).name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def positive(text: str) -> int:
+    """argparse type: an integer of 1 or more."""
+    value = int(text)
+    if value < 1:
+        msg = f"{value}: must be 1 or more"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -82,6 +103,12 @@ def parse_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
                     f"{sorted(dests)}")
         p.set_defaults(**values)
     args = p.parse_args(argv)
+    for action in p._actions:  # values from --config skip argparse's type conversion
+        value = getattr(args, action.dest, None)
+        if action.type is positive and value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            p.error(f"argument {action.option_strings[0]}: {value!r}: must be an integer of "
+                    f"1 or more")
     if getattr(args, "_needs_data", False) and not args.data and not args.smoke_test:
         # here, not after Ray has started (seconds later)
         p.error("--data URI is required (or --smoke-test for generated data)")

@@ -37,8 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help="JSON or YAML file of option values")
     p.add_argument("--smoke-test", action="store_true", help="`raying bench --quick`")
     p.add_argument("--quick", action="store_true", help="tiny sizes: checks every peer runs")
-    p.add_argument("--images", type=int, help="images in W1")
-    p.add_argument("--rounds", type=int, help="interleaved rounds (median)")
+    p.add_argument("--images", type=_common.positive, help="images in W1")
+    p.add_argument("--rounds", type=_common.positive, help="interleaved rounds (median)")
     p.add_argument("--workloads", help="comma list, e.g. W1,W3")
     p.add_argument("--peers", help="comma list of peers")
     p.add_argument("--data", help="where generated workloads are cached")
@@ -94,4 +94,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

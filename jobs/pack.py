@@ -30,9 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _common.add_common_args(p)
     p.add_argument("--dst", metavar="URI", help="output folder (default: a temp dir)")
-    p.add_argument("--decode-size", type=int, help="store pre-decoded uint8 SxS pixels")
-    p.add_argument("--shard-rows", type=int, help="rows per Parquet file")
-    p.add_argument("--row-group-rows", type=int, help="rows per row group")
+    p.add_argument("--decode-size", type=_common.positive, help="store pre-decoded uint8 SxS pixels")
+    p.add_argument("--shard-rows", type=_common.positive, help="rows per Parquet file")
+    p.add_argument("--row-group-rows", type=_common.positive, help="rows per row group")
     p.add_argument("--on-error", choices=["skip", "raise"], default="skip")
     p.add_argument("--verify", action="store_true", help="fully decode every image first")
     p.add_argument("--overwrite", action="store_true",
@@ -77,4 +77,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

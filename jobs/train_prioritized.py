@@ -45,15 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON or YAML file of option values (keys as the long options, e.g. "
                         "uniform_mix); options given on the command line win")
     p.add_argument("--smoke-test", action="store_true", help="tiny data and run, seconds on CPU")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per arm: first_seed, +1, ...")
+    p.add_argument("--seeds", type=_common.positive, default=3, help="seeds per arm: first_seed, +1, ...")
     p.add_argument("--first-seed", type=int, default=0)
-    p.add_argument("--max-steps", type=int, default=1200, help="steps per run")
+    p.add_argument("--max-steps", type=_common.positive, default=1200, help="steps per run")
     p.add_argument("--target", type=float, default=0.9,
                    help="balanced validation accuracy whose first crossing is counted")
-    p.add_argument("--eval-every", type=int, default=20, help="steps between evaluations")
+    p.add_argument("--eval-every", type=_common.positive, default=20, help="steps between evaluations")
     p.add_argument("--stop-at-target", type=int, default=None,
                    help="stop a run this many steps after it reached the target")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=_common.positive, default=64)
     p.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
     p.add_argument("--schedule", default="cosine", choices=["cosine", "constant"],
                    help="learning-rate schedule over --max-steps")
@@ -61,11 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beta", type=float, default=0.0, help="importance-weight exponent")
     p.add_argument("--uniform-mix", type=float, default=0.1, help="uniform share of draws")
     p.add_argument("--arms", default="uniform,prioritized", help="comma list of arms to run")
-    p.add_argument("--common-per-class", type=int, default=None,
+    p.add_argument("--common-per-class", type=_common.positive, default=None,
                    help="training images per common class (default: the demo's)")
-    p.add_argument("--rare-per-class", type=int, default=None,
+    p.add_argument("--rare-per-class", type=_common.positive, default=None,
                    help="training images per rare class (default: the demo's)")
-    p.add_argument("--val-per-class", type=int, default=None, help="validation images per class")
+    p.add_argument("--val-per-class", type=_common.positive, default=None, help="validation images per class")
     p.add_argument("--data", metavar="DIR",
                    help="cache folder of the generated data (default ~/.cache/raying/demo-data; "
                         "a temp folder with --smoke-test)")
@@ -194,4 +194,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

@@ -38,14 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=__doc__[__doc__.index("Examples:"):],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _common.add_common_args(p)
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--size", type=int, help="training crop size (pixels)")
-    p.add_argument("--block-rows", type=int, help="images per read task")
+    p.add_argument("--epochs", type=_common.positive)
+    p.add_argument("--batch-size", type=_common.positive)
+    p.add_argument("--size", type=_common.positive, help="training crop size (pixels)")
+    p.add_argument("--block-rows", type=_common.positive, help="images per read task")
     p.add_argument("--lr", type=float)
     p.add_argument("--sampler", choices=["prioritized", "uniform"], default="prioritized")
     p.add_argument("--beta", type=float, default=0.5, help="importance-weight exponent")
-    p.add_argument("--samples-per-epoch", type=int, help="draws per epoch (prioritized)")
+    p.add_argument("--samples-per-epoch", type=_common.positive, help="draws per epoch (prioritized)")
     p.add_argument("--name", help="names the pipeline's actors (priority store)")
     p.add_argument("--snapshot-uri", help="where the priority store writes its snapshots")
     return p
@@ -127,4 +127,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

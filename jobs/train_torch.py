@@ -53,12 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=__doc__[__doc__.index("Examples:"):],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _common.add_common_args(p)
-    p.add_argument("--epochs", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--size", type=int, help="training crop size (pixels)")
-    p.add_argument("--block-rows", type=int, help="images per read task")
+    p.add_argument("--epochs", type=_common.positive)
+    p.add_argument("--batch-size", type=_common.positive)
+    p.add_argument("--size", type=_common.positive, help="training crop size (pixels)")
+    p.add_argument("--block-rows", type=_common.positive, help="images per read task")
     p.add_argument("--lr", type=float)
-    p.add_argument("--num-workers", type=int, help="Train workers (one per GPU)")
+    p.add_argument("--num-workers", type=_common.positive, help="Train workers (one per GPU)")
     p.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
     p.add_argument("--cpus-per-worker", type=float)
     p.add_argument("--trainer-resource", metavar="NAME",
@@ -269,4 +269,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_common.run(main))

@@ -12,7 +12,13 @@ from raying.errors import ConfigError
 
 def _read_env_file(path: str) -> dict[str, str]:
     out = {}
-    for n, line in enumerate(Path(path).expanduser().read_text().splitlines(), 1):
+    try:
+        text = Path(path).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not text"
+        msg = f"--env-file {path}: cannot read it ({why}); give a file of KEY=VALUE lines"
+        raise ConfigError(msg) from None
+    for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -24,7 +30,21 @@ def _read_env_file(path: str) -> dict[str, str]:
     return out
 
 
-def _print_started(cluster: LocalCluster) -> None:
+def _resources(text: str) -> dict[str, float]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and v >= 0 for k, v in value.items()):
+        msg = (f"--resources {text!r}: expected a JSON object of names to non-negative "
+               f"amounts, e.g. '{{\"trainer\": 1}}'")
+        raise ConfigError(msg)
+    return value
+
+
+def _print_started(cluster: LocalCluster, state_dir: str | None = None) -> None:
     print(f"head:       {cluster.address}  (ray.init(address=...) needs the env below)")
     print(f"dashboard:  {cluster.dashboard_url}  (127.0.0.1 only; token auth on)")
     print(f"token file: {cluster.token_file}  (mode 0600; never paste it into a job)")
@@ -33,19 +53,23 @@ def _print_started(cluster: LocalCluster) -> None:
     print("from Python:")
     print(f"  JobSubmissionClient({cluster.dashboard_url!r}, headers={{'Authorization': "
           f"'Bearer ' + open({cluster.token_file!r}).read().strip()}})")
-    print("stop it:     raying cluster stop")
+    where = f" --state-dir {state_dir}" if state_dir else ""
+    print(f"stop it:     raying cluster stop{where}")
 
 
 def main(ns: Any) -> int:
     """`raying cluster start|stop|status` (see raying.cli)."""
     state_dir = getattr(ns, "state_dir", None) or DEFAULT_STATE_DIR
+    if Path(state_dir).expanduser().exists() and not Path(state_dir).expanduser().is_dir():
+        msg = f"--state-dir {state_dir} is a file; give a folder (it holds the head's state)"
+        raise ConfigError(msg)
     if ns.action == "start":
         env = _read_env_file(ns.env_file) if getattr(ns, "env_file", None) else None
-        resources = json.loads(ns.resources) if getattr(ns, "resources", None) else None
+        resources = _resources(ns.resources) if getattr(ns, "resources", None) else None
         cluster = start(port=ns.port, dashboard_port=ns.dashboard_port, num_cpus=ns.num_cpus,
                         resources=resources, token_file=ns.token_file, state_dir=state_dir,
                         env=env)
-        _print_started(cluster)
+        _print_started(cluster, getattr(ns, "state_dir", None))
         return 0
     if ns.action == "stop":
         cluster = load(state_dir)

@@ -185,10 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = add("cluster", "Start, check or stop a local Ray head with token authentication.")
     c.add_argument("action", choices=["start", "stop", "status"])
-    c.add_argument("--port", type=int, default=6380, help="GCS port (0: a free one)")
-    c.add_argument("--dashboard-port", type=int, default=8265,
+    c.add_argument("--port", type=_port, default=6380, help="GCS port (0: a free one)")
+    c.add_argument("--dashboard-port", type=_port, default=8265,
                    help="job API / dashboard port on 127.0.0.1 (0: a free one)")
-    c.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of the head")
+    c.add_argument("--num-cpus", type=_count, default=None, help="logical CPUs of the head")
     c.add_argument("--resources", default=None, metavar="JSON",
                    help='custom resources, e.g. \'{"trainer": 1}\'')
     c.add_argument("--token-file", default=None,
@@ -200,6 +200,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "jobs, kept out of job submissions (see docs/secrets.md)")
     c.set_defaults(func=_lazy("raying._cluster_cli", "main"))
     return p
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        msg = f"{value} is not a port: use 1-65535 (0: a free one)"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        msg = f"{value}: must be 0 or more"
+        raise argparse.ArgumentTypeError(msg)
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:

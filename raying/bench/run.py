@@ -259,7 +259,12 @@ def main(ns: argparse.Namespace) -> int:
     def say(text: str) -> None:
         print(text, file=sys.stderr if quiet else sys.stdout, flush=True)
 
-    os.makedirs(cfg.out, exist_ok=True)
+    for flag, folder in (("--out", cfg.out), ("--data", cfg.data)):
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as exc:
+            msg = f"{flag} {folder}: cannot create that folder ({exc.strerror}); give a folder"
+            raise ConfigError(msg) from None
     logs = os.path.join(cfg.out, "logs")
     os.makedirs(logs, exist_ok=True)
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")

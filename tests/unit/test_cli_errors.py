@@ -1,0 +1,96 @@
+"""Command-line mistakes are one line naming the option and the fix (exit 2), before Ray
+starts: `raying cluster`, `raying bench`, and the jobs' arguments and entry point."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from raying import cli
+
+JOBS = Path(__file__).resolve().parents[2] / "jobs"
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--resources", "notjson"], "--resources 'notjson': expected a JSON object"),
+    (["--resources", '{"gpu": -1}'], "non-negative amounts"),
+    (["--env-file", "/nonexistent/secrets.env"], "--env-file /nonexistent/secrets.env: cannot "
+                                                 "read it"),
+    (["--port", "-1"], "argument --port: -1 is not a port"),
+    (["--dashboard-port", "99999"], "argument --dashboard-port: 99999 is not a port"),
+    (["--num-cpus", "-2"], "argument --num-cpus: -2: must be 0 or more"),
+])
+def test_cluster_start_refuses_bad_values_in_one_line(args, says, capsys, tmp_path):
+    with pytest.raises(SystemExit) if "argument" in says else contextlib.nullcontext():
+        assert cli.main(["cluster", "start", "--state-dir", str(tmp_path / "s"), *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+    assert not (tmp_path / "s" / "cluster.json").exists()  # nothing was started
+
+
+def test_cluster_state_dir_that_is_a_file(capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    assert cli.main(["cluster", "status", "--state-dir", str(tmp_path / "f")]) == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
+
+
+def test_bench_out_or_data_that_is_a_file(capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    for flag in ("--out", "--data"):
+        other = "--data" if flag == "--out" else "--out"
+        rc = cli.main(["bench", "--quick", "--workloads", "W1", "--peers", "L", flag,
+                       str(tmp_path / "f"), other, str(tmp_path / "d")])
+        assert rc == 2
+        assert f"{flag} {tmp_path / 'f'}: cannot create that folder" in capsys.readouterr().err
+
+
+def _common():
+    sys.path.insert(0, str(JOBS))
+    try:
+        import _common as mod
+    finally:
+        sys.path.remove(str(JOBS))
+    return mod
+
+
+def test_job_numbers_must_be_positive_from_the_command_line_and_config(tmp_path, capsys):
+    import argparse
+
+    common = _common()
+
+    def parser() -> argparse.ArgumentParser:  # a fresh one: --config sets its defaults
+        p = argparse.ArgumentParser(prog="job")
+        common.add_common_args(p)
+        p.add_argument("--epochs", type=common.positive)
+        return p
+
+    with pytest.raises(SystemExit):
+        common.parse_args(parser(), ["--smoke-test", "--epochs", "0"])
+    assert "argument --epochs: 0: must be 1 or more" in capsys.readouterr().err
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"epochs": -3}')
+    with pytest.raises(SystemExit):
+        common.parse_args(parser(), ["--smoke-test", "--config", str(cfg)])
+    assert "--epochs: -3: must be an integer of 1 or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # neither data nor a smoke test: said before Ray starts
+        common.parse_args(parser(), [])
+    assert "--data URI is required" in capsys.readouterr().err
+    assert common.parse_args(parser(), ["--smoke-test", "--epochs", "2"]).epochs == 2
+
+
+def test_job_entry_point_turns_raying_errors_into_one_line(capsys):
+    from raying.errors import StorageError
+
+    common = _common()
+
+    def main() -> int:
+        raise StorageError("/x does not exist; check the path")
+
+    assert common.run(main) == 2
+    err = capsys.readouterr().err
+    assert "error: StorageError: /x does not exist; check the path" in err
+    assert "Traceback" not in err
+    assert common.run(lambda: 0) == 0

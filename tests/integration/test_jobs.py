@@ -138,10 +138,11 @@ def test_config_file_sets_defaults_the_command_line_overrides(tmp_path):
     import train_torch
 
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("epochs: 5\nbatch-size: 8\nsampler: prioritized\n")
+    cfg.write_text("epochs: 5\nbatch-size: 8\nsampler: prioritized\ndata: /some/where\n")
     args = _common.parse_args(train_torch.build_parser(),
                               ["--config", str(cfg), "--epochs", "3"])
     assert (args.epochs, args.batch_size, args.sampler) == (3, 8, "prioritized")
+    assert args.data == "/some/where"
     cfg.write_text('{"epoch": 5}')
     with pytest.raises(SystemExit):
         _common.parse_args(train_torch.build_parser(), ["--config", str(cfg)])

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from raying.cli import positive_int
+
 # The line a job prints last; tests and log scrapers find the run's summary by it.
 SUMMARY_PREFIX = "RAYING_SUMMARY "
 # Smoke-test dataset: small enough for seconds on one CPU, big enough for several blocks.
@@ -38,13 +40,7 @@ def run(main: Callable[[], int | None]) -> int:
         return 2
 
 
-def positive(text: str) -> int:
-    """argparse type: an integer of 1 or more."""
-    value = int(text)
-    if value < 1:
-        msg = f"{value}: must be 1 or more"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+positive = positive_int  # argparse type: an integer of 1 or more
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

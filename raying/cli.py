@@ -202,20 +202,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _port(text: str) -> int:
+def _bounded(text: str, low: int, high: int | None, fix: str) -> int:
     value = int(text)
-    if not 0 <= value <= 65535:
-        msg = f"{value} is not a port: use 1-65535 (0: a free one)"
+    if value < low or (high is not None and value > high):
+        msg = f"{value}: {fix}"
         raise argparse.ArgumentTypeError(msg)
     return value
+
+
+def _port(text: str) -> int:
+    return _bounded(text, 0, 65535, "not a port: use 1-65535 (0: a free one)")
 
 
 def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        msg = f"{value}: must be 0 or more"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+    return _bounded(text, 0, None, "must be 0 or more")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of 1 or more (also the jobs' sizes and counts)."""
+    return _bounded(text, 1, None, "must be 1 or more")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,8 +19,8 @@ JOBS = Path(__file__).resolve().parents[2] / "jobs"
     (["--resources", '{"gpu": -1}'], "non-negative amounts"),
     (["--env-file", "/nonexistent/secrets.env"], "--env-file /nonexistent/secrets.env: cannot "
                                                  "read it"),
-    (["--port", "-1"], "argument --port: -1 is not a port"),
-    (["--dashboard-port", "99999"], "argument --dashboard-port: 99999 is not a port"),
+    (["--port", "-1"], "argument --port: -1: not a port"),
+    (["--dashboard-port", "99999"], "argument --dashboard-port: 99999: not a port"),
     (["--num-cpus", "-2"], "argument --num-cpus: -2: must be 0 or more"),
 ])
 def test_cluster_start_refuses_bad_values_in_one_line(args, says, capsys, tmp_path):

@@ -74,6 +74,8 @@ class Pipeline:
         self._resume: tuple[int, int, int, int] | None = None
         self._bound = False
         self._closed = False
+        self._dataset_refs: Any = None  # (spec, lookup, accounts actor) once dataset() ran
+        self._dataset_final: dict[str, Any] | None = None  # its account, kept by close()
         self._lookup: ManifestLookup | None = None
         self._spec_ready = False
         self._spec = ReadSpec.of(manifest, self.transform, getattr(self.sampler, "seed", 0),
@@ -181,13 +183,14 @@ class Pipeline:
         self._cursor = {"epoch": int(epoch), "units": units, "delivered": base, "base": base,
                         "start": (start_unit, skip)}
         offset = {start_unit: skip}  # rows of each unit already accounted for
-        seen = {"rows_in": 0, "rows_out": 0, "skipped": []}
+        rows = [0, 0]  # read, delivered by the read tasks of this iteration
+        first_skips: list[Any] = []
 
         def on_account(account: dict[str, Any]) -> None:
-            seen["rows_in"] += account["rows_in"]
-            seen["rows_out"] += account["rows_out"]
-            if len(seen["skipped"]) < 3:
-                seen["skipped"].extend(account.get("skipped", ())[:3])
+            rows[0] += account["rows_in"]
+            rows[1] += account["rows_out"]
+            if len(first_skips) < 3:
+                first_skips.extend(account.get("skipped", ())[:3])
             self._on_account(account)
 
         for index, block, last in stream.iter_epoch(int(epoch), start_unit=start_unit,
@@ -199,11 +202,10 @@ class Pipeline:
             yield block
         self.account.end_epoch(int(epoch))
         # (a tiny epoch, e.g. a resumed tail, may draw only a few bad samples by chance)
-        if (seen["rows_in"] >= min(len(self.manifest), 8) and not seen["rows_out"]
-                and seen["skipped"]):
+        if rows[0] >= min(len(self.manifest), 8) and not rows[1] and first_skips:
             shown = "; ".join(f"{path or sid}: {reason}" for sid, path, reason, _ in
-                              seen["skipped"][:3])
-            msg = (f"every one of the {seen['rows_in']} samples read in epoch {epoch} of "
+                              first_skips[:3])
+            msg = (f"every one of the {rows[0]} samples read in epoch {epoch} of "
                    f"{self.manifest.root} was set aside as bad ({shown}); nothing to train on. "
                    f"Check that the URI, format and image column are the intended ones; the "
                    f"list is in pipe.stats()['skipped']")
@@ -323,9 +325,8 @@ class Pipeline:
         return out
 
     def _dataset_reads(self) -> dict[str, Any] | None:
-        refs = getattr(self, "_dataset_refs", None)
-        if refs is None:
-            return getattr(self, "_dataset_final", None)
+        if self._dataset_refs is None:
+            return self._dataset_final
         from raying.datasource import dataset_account
 
         try:
@@ -372,7 +373,7 @@ class Pipeline:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-        if getattr(self, "_dataset_refs", None) is not None:  # keep the final account for stats
+        if self._dataset_refs is not None:  # keep the final account for stats
             self._dataset_final = self._dataset_reads()
             with contextlib.suppress(Exception):
                 import ray

@@ -70,6 +70,9 @@ DEFAULT_STD = (0.229, 0.224, 0.225)
 # --- priority store ----------------------------------------------------------------------------
 DEFAULT_STORE_TICK_S = _env_float("RAYING_STORE_TICK_S", 0.02)
 DEFAULT_PLAN_CHUNK_IDS = _env_int("RAYING_PLAN_CHUNK_IDS", 4096)
+# The largest p**alpha a leaf of a priority table holds: sums of n leaves, and of their
+# squares (the effective sample size), stay finite for any n below 1e100.
+MAX_PRIORITY_LEAF = 1e100
 DEFAULT_SNAPSHOT_EVERY_UPDATES = _env_int("RAYING_SNAPSHOT_EVERY_UPDATES", 200_000)
 DEFAULT_SNAPSHOT_INTERVAL_S = _env_float("RAYING_SNAPSHOT_INTERVAL_S", 30.0)
 DEFAULT_STORE_SHARD_ROWS = _env_int("RAYING_STORE_SHARD_ROWS", 10_000_000)

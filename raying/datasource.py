@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -120,4 +121,42 @@ def dataset_account(pipe: Any) -> dict[str, Any] | None:
     return ray.get(refs[2].summary.remote())
 
 
+def release_dataset(pipe: Any) -> None:
+    """Stop ``pipe``'s account actor (``Pipeline.close``), keeping its final account."""
+    if pipe._dataset_refs is None:
+        return
+    pipe._dataset_final = dataset_reads(pipe)
+    with contextlib.suppress(Exception):
+        import ray
 
+        ray.kill(pipe._dataset_refs[2])
+    pipe._dataset_refs = None
+
+
+def dataset_reads(pipe: Any) -> dict[str, Any] | None:
+    """The account of ``pipe``'s dataset() reads: live, or as ``close()`` kept it; on error
+    (Ray shut down) ``{"error": ...}``."""
+    if pipe._dataset_refs is None:
+        return pipe._dataset_final
+    try:
+        return dataset_account(pipe)
+    except Exception as exc:  # noqa: BLE001 - Ray gone (shut down): say so, keep the rest
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def merge_dataset_account(out: dict[str, Any], reads: dict[str, Any]) -> None:
+    """Add the reads Ray Data ran for ``pipe.dataset(e)`` (e.g. in Ray Train workers) to
+    ``out``: their summary under ``"dataset"``, their skipped samples in ``"skipped"``."""
+    if "error" in reads:
+        out["dataset"] = reads
+        return
+    out["dataset"] = {k: v for k, v in reads.items()
+                      if k not in ("throughput_rows_per_s", "stall_s", "stall_share")}
+    seen = {s["id"] for s in out["skipped"]}
+    for s in reads["skipped"]:
+        if s["id"] not in seen:
+            seen.add(s["id"])
+            out["skipped"].append(s)
+            out["skipped_count"] += 1
+            out["skipped_by_reason"][s["reason"]] = out["skipped_by_reason"].get(
+                s["reason"], 0) + 1

@@ -172,3 +172,35 @@ def _io_summary(totals: dict[str, float]) -> dict[str, Any]:
         out["cache_decoded_hits"] = int(totals.get("cache_decoded_hits", 0))
         out["decoded_cache_hit_ratio"] = out["cache_decoded_hits"] / out["cache_decoded_lookups"]
     return out
+
+
+class EpochTally:
+    """Rows read and delivered by one iteration's read tasks, passing each account on."""
+
+    def __init__(self, on_account: Any) -> None:
+        self.rows_in = 0
+        self.rows_out = 0
+        self.first_skips: list[Any] = []
+        self._next = on_account
+
+    def add(self, account: dict[str, Any]) -> None:
+        self.rows_in += account["rows_in"]
+        self.rows_out += account["rows_out"]
+        if len(self.first_skips) < 3:
+            self.first_skips.extend(account.get("skipped", ())[:3])
+        self._next(account)
+
+    def refuse_all_bad(self, n: int, root: str, epoch: int) -> None:
+        """Raise DataError if every sample read was set aside as bad (a wrong URI, format or
+        column, not bad luck; a tiny epoch, e.g. a resumed tail, is let pass)."""
+        if self.rows_in < min(n, 8) or self.rows_out or not self.first_skips:
+            return
+        from raying.errors import DataError
+
+        shown = "; ".join(f"{path or sid}: {reason}" for sid, path, reason, _ in
+                          self.first_skips[:3])
+        msg = (f"every one of the {self.rows_in} samples read in epoch {epoch} of {root} was "
+               f"set aside as bad ({shown}); nothing to train on. Check that the URI, format "
+               f"and image column are the intended ones; the list is in "
+               f"pipe.stats()['skipped']")
+        raise DataError(msg)

@@ -10,7 +10,6 @@ What is in flight for ``pipe.iter_torch_batches(epoch=e)``::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import uuid
 from collections.abc import Iterator
@@ -23,10 +22,16 @@ from raying.config import (
     DEFAULT_INFLIGHT_TASKS_PER_CPU,
     DEFAULT_PREFETCH_BATCHES,
 )
-from raying.errors import ConfigError, DataError
+from raying.datasource import (
+    build_dataset,
+    dataset_reads,
+    merge_dataset_account,
+    release_dataset,
+)
+from raying.errors import ConfigError
 from raying.iterators import BatchAssembler, TorchConverter, prefetch
 from raying.manifest import Manifest
-from raying.metrics import RunAccount
+from raying.metrics import EpochTally, RunAccount
 from raying.pipeline_config import PipelineConfig, ensure_ray
 from raying.plan import EpochPlan, ManifestLookup, ReadUnit
 from raying.reader import ReadSpec, dataset_key
@@ -183,33 +188,16 @@ class Pipeline:
         self._cursor = {"epoch": int(epoch), "units": units, "delivered": base, "base": base,
                         "start": (start_unit, skip)}
         offset = {start_unit: skip}  # rows of each unit already accounted for
-        rows = [0, 0]  # read, delivered by the read tasks of this iteration
-        first_skips: list[Any] = []
-
-        def on_account(account: dict[str, Any]) -> None:
-            rows[0] += account["rows_in"]
-            rows[1] += account["rows_out"]
-            if len(first_skips) < 3:
-                first_skips.extend(account.get("skipped", ())[:3])
-            self._on_account(account)
-
+        tally = EpochTally(self._on_account)
         for index, block, last in stream.iter_epoch(int(epoch), start_unit=start_unit,
-                                                    skip_rows=skip, on_account=on_account):
+                                                    skip_rows=skip, on_account=tally.add):
             begin = offset.get(index, 0)
             offset[index] = begin + len(block["id"])
             units.append((index, begin, begin + len(block["id"]), last))
             self.account.observe_block(int(epoch), block)
             yield block
         self.account.end_epoch(int(epoch))
-        # (a tiny epoch, e.g. a resumed tail, may draw only a few bad samples by chance)
-        if rows[0] >= min(len(self.manifest), 8) and not rows[1] and first_skips:
-            shown = "; ".join(f"{path or sid}: {reason}" for sid, path, reason, _ in
-                              first_skips[:3])
-            msg = (f"every one of the {rows[0]} samples read in epoch {epoch} of "
-                   f"{self.manifest.root} was set aside as bad ({shown}); nothing to train on. "
-                   f"Check that the URI, format and image column are the intended ones; the "
-                   f"list is in pipe.stats()['skipped']")
-            raise DataError(msg)
+        tally.refuse_all_bad(len(self.manifest), self.manifest.root, int(epoch))
 
     def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
                      prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
@@ -281,8 +269,6 @@ class Pipeline:
         Use it where Ray Data is the interface, e.g. ``TorchTrainer(datasets={"train": ds})``
         and ``ray.train.get_dataset_shard("train").iter_torch_batches(...)`` in the workers.
         """
-        from raying.datasource import build_dataset
-
         ensure_ray()
         self._bind()
         return build_dataset(self, _epoch(epoch))
@@ -317,22 +303,12 @@ class Pipeline:
         waiting for a batch. ``sampling=False`` skips the round trip to the priority store.
         """
         out = self.account.summary()
-        reads = self._dataset_reads()  # epochs read through dataset(), e.g. by Ray Train
+        reads = dataset_reads(self)  # epochs read through dataset(), e.g. by Ray Train
         if reads is not None:
-            _merge_dataset_account(out, reads)
+            merge_dataset_account(out, reads)
         if sampling:
             out["sampling"] = {**self.sampler.stats(), **self.account.health()}
         return out
-
-    def _dataset_reads(self) -> dict[str, Any] | None:
-        if self._dataset_refs is None:
-            return self._dataset_final
-        from raying.datasource import dataset_account
-
-        try:
-            return dataset_account(self)
-        except Exception as exc:  # noqa: BLE001 - Ray gone (shut down): say so, keep the rest
-            return {"error": f"{type(exc).__name__}: {exc}"}
 
     def state_dict(self) -> dict[str, Any]:
         """Where this pipeline stands: epoch, position in its plan, sampler state."""
@@ -373,13 +349,7 @@ class Pipeline:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-        if self._dataset_refs is not None:  # keep the final account for stats
-            self._dataset_final = self._dataset_reads()
-            with contextlib.suppress(Exception):
-                import ray
-
-                ray.kill(self._dataset_refs[2])
-            self._dataset_refs = None
+        release_dataset(self)  # the dataset() reads' account actor; its account is kept
         close = getattr(self.sampler, "close", None)
         if close is not None:
             close(release_store=release_store)
@@ -427,20 +397,3 @@ def _epoch(epoch: Any) -> int:
         raise ConfigError(msg)
     return int(epoch)
 
-
-def _merge_dataset_account(out: dict[str, Any], reads: dict[str, Any]) -> None:
-    """Add the reads Ray Data ran for ``pipe.dataset(e)`` (e.g. in Ray Train workers) to
-    ``out``: their summary under ``"dataset"``, their skipped samples in ``"skipped"``."""
-    if "error" in reads:
-        out["dataset"] = reads
-        return
-    out["dataset"] = {k: v for k, v in reads.items()
-                      if k not in ("throughput_rows_per_s", "stall_s", "stall_share")}
-    seen = {s["id"] for s in out["skipped"]}
-    for s in reads["skipped"]:
-        if s["id"] not in seen:
-            seen.add(s["id"])
-            out["skipped"].append(s)
-            out["skipped_count"] += 1
-            out["skipped_by_reason"][s["reason"]] = out["skipped_by_reason"].get(
-                s["reason"], 0) + 1

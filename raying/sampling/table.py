@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from raying.config import MAX_PRIORITY_LEAF
 from raying.errors import ConfigError
 from raying.sampling._sumtree import LeafMinima, SumTree
 from raying.sampling._validate import (
@@ -21,11 +22,6 @@ from raying.sampling._validate import (
 )
 
 _STATE_VERSION = 1
-
-
-# The largest p**alpha a leaf holds: sums of n leaves, and of their squares (the effective
-# sample size), stay finite for any n below 1e100.
-MAX_LEAF = 1e100
 
 
 class PriorityTable:
@@ -185,8 +181,7 @@ class PriorityTable:
         return self._cap
 
     def _leaf_values(self, raw: np.ndarray) -> np.ndarray:
-        """``min(p**alpha, MAX_LEAF)``: a diverging loss (1e200, or 1e30 at alpha 8) must not
-        make the tree's sums (or sums of squares) infinite, which breaks every later draw."""
+        """``min(p**alpha, MAX_PRIORITY_LEAF)``: a diverging loss keeps the sums finite."""
         v = np.minimum(raw, self._cap) if math.isfinite(self._cap) else raw
         alpha = self.config.alpha
         if alpha == 1.0:
@@ -194,7 +189,7 @@ class PriorityTable:
         else:
             with np.errstate(over="ignore"):
                 out = np.power(v, alpha)
-        return np.minimum(out, MAX_LEAF, out=out)
+        return np.minimum(out, MAX_PRIORITY_LEAF, out=out)
 
     # --- reads --------------------------------------------------------------------------------
 

@@ -124,8 +124,7 @@ class BlockStream:
         self._consuming = epoch
         if reuse and keys and keys[0] == (epoch, 0):
             return self._next_epoch_plan  # type: ignore[return-value]  # warm: already running
-        self.cancel()
-        self._consuming = epoch
+        self.cancel()  # (keeps _consuming)
         plan = self._make_plan(epoch)
         units = [u for u in plan.units if u.index >= start_unit]
         if units and skip_rows:

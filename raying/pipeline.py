@@ -396,4 +396,3 @@ def _epoch(epoch: Any) -> int:
         msg = f"epoch must be a non-negative integer, got {epoch!r}"
         raise ConfigError(msg)
     return int(epoch)
-

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from raying.cli import positive_int
+from raying.tools.cli import positive_int
 
 # The line a job prints last; tests and log scrapers find the run's summary by it.
 SUMMARY_PREFIX = "RAYING_SUMMARY "
@@ -113,7 +113,7 @@ def parse_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
 
 def smoke_data(n: int = SMOKE_IMAGES) -> str:
     """Generate the smoke-test image folder (deterministic) in a temp dir; returns its path."""
-    from raying.datagen import make_image_folder
+    from raying.tools.datagen import make_image_folder
 
     root = Path(tempfile.gettempdir()) / f"raying-smoke-{n}-{os.getuid()}"
     done = root / ".complete"

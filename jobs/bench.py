@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         msg = ("raying.bench.run is not in this raying install; update raying (the benchmark "
                "ships with it) and submit again")
         raise SystemExit(msg)
-    from raying.cli import main as cli_main
+    from raying.tools.cli import main as cli_main
 
     out = args.out or tempfile.mkdtemp(prefix="raying-bench-")
     argv = bench_argv(args, out)

@@ -43,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Pack, scan the result back, and return the summary."""
     import raying
-    from raying.config import DEFAULT_PACK_ROW_GROUP_ROWS, DEFAULT_PACK_SHARD_ROWS
-    from raying.pipeline import ensure_ray
+    from raying.engine.ray_setup import ensure_ray
+    from raying.options import DEFAULT_PACK_ROW_GROUP_ROWS, DEFAULT_PACK_SHARD_ROWS
 
     ensure_ray()
     t0 = time.perf_counter()

@@ -94,7 +94,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def save_chart(results: dict[str, list[dict[str, Any]]], target: float, path: Path) -> None:
     """Steps to target per seed (bars) and rare-class accuracy per seed."""
-    from raying._demo_report import COLOURS, _plt
+    from raying.tools.demo_report import COLOURS, _plt
 
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -123,10 +123,10 @@ def save_chart(results: dict[str, list[dict[str, Any]]], target: float, path: Pa
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     import raying
-    from raying import _demo_report as report
-    from raying._demo_model import ArmConfig, load_eval_set, train_arm
-    from raying.demo_data import DemoDataSpec, ensure_demo_data
-    from raying.pipeline import ensure_ray
+    from raying.engine.ray_setup import ensure_ray
+    from raying.tools import demo_report as report
+    from raying.tools.demo_data import DemoDataSpec, ensure_demo_data
+    from raying.tools.demo_model import ArmConfig, load_eval_set, train_arm
 
     t0 = time.perf_counter()
     sizes = {k: getattr(args, k) for k in ("common_per_class", "rare_per_class",

@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import keras
 
     import raying
-    import raying.keras as rk
-    from raying.pipeline import ensure_ray
+    import raying.loader.keras as rk
+    from raying.engine.ray_setup import ensure_ray
     from raying.sampling import store as st
 
     for key, value in (SMOKE if args.smoke_test else NORMAL).items():

@@ -126,7 +126,7 @@ def train_loop(config: dict[str, Any]) -> None:
     import torch.nn.functional as F
 
     import raying
-    from raying.config import DEFAULT_MEAN, DEFAULT_STD
+    from raying.options import DEFAULT_MEAN, DEFAULT_STD
     from raying.sampling import feedback
     from raying.sampling import store as st
 
@@ -184,7 +184,7 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     from ray.train.torch import TorchTrainer
 
     import raying
-    from raying.pipeline import ensure_ray
+    from raying.engine.ray_setup import ensure_ray
     from raying.sampling import store as st
 
     args = resolve(args)
@@ -230,7 +230,7 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     fit_s = time.perf_counter() - t_fit
     records = ray.get(ledger.all.remote())
     coverage = _common.epoch_coverage(records, len(m))
-    from raying.datasource import dataset_account
+    from raying.engine.datasource import dataset_account
 
     reads = dataset_account(pipe) or {}
     summary = {

@@ -1,6 +1,6 @@
 """raying: a Ray Data loader for deep-learning training that learns which samples matter."""
 
-from raying.config import StorageOptions
+from raying.dataset.manifest import Manifest
 from raying.errors import (
     ConfigError,
     CredentialsError,
@@ -11,14 +11,14 @@ from raying.errors import (
     StorageError,
     SupersededError,
 )
-from raying.manifest import Manifest
-from raying.pack import pack
-from raying.pipeline import Pipeline, PipelineConfig
+from raying.image.transform import ImageTransform
+from raying.loader.pipeline import Pipeline, PipelineConfig
+from raying.options import StorageOptions
 from raying.sampling.feedback import report
 from raying.sampling.prioritized import PrioritizedSampler
 from raying.sampling.table import PriorityTable
 from raying.sampling.uniform import UniformSampler
-from raying.transforms import ImageTransform
+from raying.tools.pack import pack
 
 __version__ = "0.1.0"
 

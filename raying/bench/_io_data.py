@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raying.config import DEFAULT_PLAN_CHUNK_IDS
+from raying.options import DEFAULT_PLAN_CHUNK_IDS
 
 BLOCK_ROWS = 256
 ROW_GROUP_ROWS = 256
@@ -80,7 +80,7 @@ def write_parquet(paths: np.ndarray, labels: np.ndarray, dst: Path) -> Path:
 
 def dataset(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The generated image folder (cached): paths, sizes, labels in id order."""
-    from raying.datagen import make_image_folder
+    from raying.tools.datagen import make_image_folder
 
     root = Path(args.data) / f"images-{args.images}-{args.side}"
     if not (root / ".complete").exists():

@@ -15,7 +15,7 @@ import cv2
 import numpy as np
 import simplejpeg
 
-from raying.transforms import ImageTransform
+from raying.image.transform import ImageTransform
 
 SHAPES = {"256x256": (256, 256), "500x375": (375, 500), "1024x768": (768, 1024)}
 DEFAULT_SHAPES = ("256x256", "500x375")
@@ -23,7 +23,7 @@ DEFAULT_SHAPES = ("256x256", "500x375")
 
 def _images(shape: tuple[int, int], n: int, seed: int, subsampling: str,
             source: str = "synth") -> list[bytes]:
-    """JPEGs (quality 90): raying.datagen's synthetic images, or crops of a real photo."""
+    """JPEGs (quality 90): raying.tools.datagen's synthetic images, or crops of a real photo."""
     rng = np.random.default_rng(seed)
     h, w = shape
     if source == "photo":  # matplotlib's sample photo, resampled differently for each image
@@ -44,7 +44,7 @@ def _images(shape: tuple[int, int], n: int, seed: int, subsampling: str,
                                               else img, quality=90, colorspace="RGB",
                                               colorsubsampling=subsampling))
         return out
-    from raying.datagen import synth_image
+    from raying.tools.datagen import synth_image
 
     return [simplejpeg.encode_jpeg(synth_image(rng, i % 10, 10, h, w), quality=90,
                                    colorspace="RGB", colorsubsampling=subsampling)
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=7, help="repetitions (median)")
     parser.add_argument("--subsampling", default="420", help="JPEG chroma subsampling")
     parser.add_argument("--source", choices=("synth", "photo"), default="synth",
-                        help="raying.datagen images, or crops of matplotlib's sample photo")
+                        help="raying.tools.datagen images, or crops of matplotlib's sample photo")
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                         help=f"comma-separated, from {sorted(SHAPES)}")
     parser.add_argument("--json", default=None, help="write the results here")

@@ -42,7 +42,7 @@ def first_touches(pipe, n: int, epochs: int, batch_size: int, report: bool,
 
 def main(argv: list[str] | None = None) -> None:
     import raying
-    from raying.pipeline_config import ensure_ray
+    from raying.engine.ray_setup import ensure_ray
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("data", help="an image folder, e.g. the bench's W1 data")

@@ -1,6 +1,6 @@
 """I/O scheduling benchmark (issue 5): read planner and tiered cache vs direct reads, slow tier.
 
-All in this process, on a simulated tier (``raying.io.slow``; default 5 ms per request and
+All in this process, on a simulated tier (``raying.storage.slow``; default 5 ms per request and
 50 MB/s, shared by every thread):
 
 1. **Images, prioritized, 3 epochs.** One trace of read units drawn from a ``PriorityTable``
@@ -9,7 +9,7 @@ All in this process, on a simulated tier (``raying.io.slow``; default 5 ms per r
    ``--sigma``, times 20% noise): the first epoch starts uniform, later ones concentrate.
    Every configuration replays it with 2 units in flight (the read tasks a 2-CPU machine
    runs): ``direct`` is raying's read path without ``io`` (``storage.read_many``); the others
-   go through ``raying.io.fetch.fetch_files`` with no cache, LRU or priority memory tiers,
+   go through ``raying.read.fetch.fetch_files`` with no cache, LRU or priority memory tiers,
    and memory + disk tiers (cold, then warm as a restarted job finds them). Figures: the
    read stage's samples/s (decode is the same work for all), requests, read amplification,
    hit ratios, and the floor a cold cache cannot beat (first touches / draws).
@@ -43,7 +43,6 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 
-from raying import storage as _storage
 from raying.bench._io_data import (
     BLOCK_ROWS,
     TraceUnit,
@@ -54,11 +53,12 @@ from raying.bench._io_data import (
     trace_rates,
     write_parquet,
 )
-from raying.io import slow
-from raying.io.cache import open_cache
-from raying.io.fetch import fetch_files, summarize
-from raying.io.options import CacheConfig, IOConfig
-from raying.io.planner import OpStats, Prefetcher, read_amplification
+from raying.options import CacheConfig, IOConfig
+from raying.read.cache.tiered import open_cache
+from raying.read.fetch import fetch_files, summarize
+from raying.read.planner import OpStats, Prefetcher, read_amplification
+from raying.storage import files as _storage
+from raying.storage import slow
 
 # ImageNet-like files (~85 KB at 512 px): the slow tier, not this process's CPU, is the limit.
 DEFAULT_IMAGES = 2000
@@ -241,9 +241,9 @@ def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespa
 
 def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Part 3: read amplification of uniform and prioritized Parquet epochs."""
-    from raying.io.parquet import read_chunks
-    from raying.manifest import Manifest
-    from raying.reader import ReadSpec, _read_parquet_rows
+    from raying.dataset.manifest import Manifest
+    from raying.read.parquet import read_chunks
+    from raying.read.task import ReadSpec, _read_parquet_rows
     from raying.sampling.uniform import UniformSampler
 
     m = Manifest.scan(str(root), format="parquet", label="label")
@@ -267,7 +267,7 @@ def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict
                 ids = np.asarray(unit.ids)
                 pos = np.searchsorted(starts, ids, side="right") - 1
                 if path_name.startswith("reader"):
-                    from raying.plan import ReadUnit
+                    from raying.sampling.plan import ReadUnit
 
                     groups = np.unique(pos)
                     ru = ReadUnit(epoch=0, index=0, draw=len(ids), ids=ids,

@@ -181,7 +181,7 @@ def profile(data: str, *, epochs: int = 3, batch_size: int = 256, decoded_cache:
     import ray
 
     import raying
-    from raying.io.decoded import DEFAULT_DECODED_CACHE_DIR
+    from raying.read.decoded_cache import DEFAULT_DECODED_CACHE_DIR
 
     kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False,
                               "num_cpus": cores or len(os.sched_getaffinity(0))}

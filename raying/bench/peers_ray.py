@@ -178,7 +178,7 @@ class RayingPeer:
     """raying.Pipeline with default settings (uniform), prioritized with live updates on W5."""
 
     def start(self, cores: int) -> dict[str, Any]:
-        from raying.pipeline_config import default_object_store_bytes
+        from raying.engine.ray_setup import default_object_store_bytes
 
         return _start_ray(cores, default_object_store_bytes(cores))
 

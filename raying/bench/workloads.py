@@ -1,6 +1,6 @@
 """The bench's workloads W1-W5: generated once, cached on disk, listed the same way for all peers.
 
-- W1: JPEG folder, 256x256 (``raying.datagen.make_image_folder``: ~20 KB files that decode
+- W1: JPEG folder, 256x256 (``raying.tools.datagen.make_image_folder``: ~20 KB files that decode
   like photos), 10 classes, one subfolder per class.
 - W2: JPEG folder, 500x375 (width x height), like ImageNet's typical image.
 - W3: W1 packed by ``raying.pack`` as Parquet of the JPEG bytes (``binary``).
@@ -145,7 +145,7 @@ def _folder_bytes(path: Path) -> int:
 
 def _image_folder(data: Path, n: int, shape: tuple[int, int],
                   say: Callable[[str], None]) -> Path:
-    from raying.datagen import make_image_folder
+    from raying.tools.datagen import make_image_folder
 
     h, w = shape
     dst = data / f"jpeg-{w}x{h}-n{n}-c{DEFAULT_CLASSES}-s{DATA_SEED}"

@@ -1,4 +1,7 @@
-"""Loss-driven sampling: the priority table (numpy) and the priority store (a Ray actor)."""
+"""Sampling: the plan of every epoch (read units of ids), the samplers that make it (uniform,
+prioritized), the priority table (numpy sum tree) and its store (a Ray actor), and loss
+feedback. Imports ``dataset``-free numpy code, ``storage`` (snapshots), ``errors`` and
+``options``; Ray only in the store."""
 
 from raying.sampling.table import PriorityTable, TableConfig
 

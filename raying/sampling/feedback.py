@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from raying.config import DEFAULT_REPORT_FLUSH_IDS, DEFAULT_REPORT_FLUSH_S
 from raying.errors import ConfigError
+from raying.options import DEFAULT_REPORT_FLUSH_IDS, DEFAULT_REPORT_FLUSH_S
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 
-from raying.config import DEFAULT_PLAN_CHUNK_IDS
 from raying.errors import ConfigError
-from raying.plan import EpochPlan, ReadUnit
+from raying.options import DEFAULT_PLAN_CHUNK_IDS
+from raying.sampling.plan import EpochPlan, ReadUnit
 
 # A buffered plan is dropped (and a fresh one drawn) once this process has sent reports since
 # it was drawn, or once it is this old (reports from other processes, e.g. Train workers).

@@ -12,11 +12,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import ray
 
-from raying.config import StorageOptions
 from raying.errors import ConfigError, RayingError
-from raying.sampling._store_actor import StoreActor, StoreConfig
-from raying.sampling._validate import REJECT_REASONS, check_updates, importance_weights
+from raying.options import StorageOptions
+from raying.sampling.store_actor import StoreActor, StoreConfig
 from raying.sampling.table import TableConfig
+from raying.sampling.weights import REJECT_REASONS, check_updates, importance_weights
 
 # How long a call that waits for the store (a plan, stats, a snapshot) may take.
 DEFAULT_STORE_CALL_TIMEOUT_S = 60.0
@@ -130,7 +130,7 @@ def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | 
         ...                  config={"snapshot_uri": "s3://bucket/prio"})
         >>> update_async(h, ids, losses); plan = sample_plan(h, 4096)
     """
-    from raying import storage
+    from raying.storage import files as storage
 
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         msg = f"n must be an integer >= 1 (the number of samples), got {n!r}"

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from raying.config import MAX_PRIORITY_LEAF
 from raying.errors import ConfigError
-from raying.sampling._sumtree import LeafMinima, SumTree
-from raying.sampling._validate import (
+from raying.options import MAX_PRIORITY_LEAF
+from raying.sampling.sumtree import LeafMinima, SumTree
+from raying.sampling.weights import (
     DEFAULT_AGE_RATE,
     REJECT_REASONS,
     TableConfig,

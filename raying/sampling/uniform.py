@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from raying.config import DEFAULT_PARQUET_WINDOW_ROW_GROUPS
 from raying.errors import ConfigError
-from raying.plan import EpochPlan, ReadUnit, chunk_units, row_group_units
+from raying.options import DEFAULT_PARQUET_WINDOW_ROW_GROUPS
+from raying.sampling.plan import EpochPlan, ReadUnit, chunk_units, row_group_units
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import raying
-from raying.config import StorageOptions
-from raying.datagen import make_image_folder
+from raying.options import StorageOptions
+from raying.tools.datagen import make_image_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 # An HDD-like tier, one request at a time, makes an epoch last long enough to kill things in.
@@ -67,7 +67,7 @@ def ray_fresh():
 
 @pytest.mark.parametrize("cached", [False, True], ids=["direct", "tiered-cache"])
 def test_uniform_epoch_survives_five_worker_kills(folder, ray_fresh, tmp_path, cached):
-    from raying.io.options import CacheConfig, IOConfig
+    from raying.options import CacheConfig, IOConfig
 
     m = _slow_manifest(folder)
     # With the cache, killed workers also leave claims on the files they were fetching
@@ -96,8 +96,8 @@ def test_uniform_epoch_survives_five_worker_kills(folder, ray_fresh, tmp_path, c
     assert len(killed) == 5, f"only {len(killed)} kills landed; make the epoch longer"
     assert len(ids) == 400 and sorted(ids) == list(range(400)), "each id exactly once"
     if cached:  # a second epoch is served by the tier; no live claim is left behind
-        from raying.io._dirtier import DirTier
-        from raying.io._inflight import _alive
+        from raying.read.cache.dirtier import DirTier
+        from raying.read.cache.inflight import _alive
 
         again = [i for b in pipe.iter_batches(batch_size=32, epoch=1) for i in b["id"].tolist()]
         assert sorted(again) == list(range(400))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raying.datagen import make_image_folder
+from raying.tools.datagen import make_image_folder
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raying import cli
-from raying.advise import advise, format_report
-from raying.datagen import encode, make_image_folder, synth_image
+from raying.tools import cli
+from raying.tools.advise import advise, format_report
+from raying.tools.datagen import encode, make_image_folder, synth_image
 
 
 @pytest.fixture(scope="module")

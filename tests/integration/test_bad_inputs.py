@@ -56,7 +56,7 @@ def test_parquet_null_and_corrupt_image_bytes(tmp_path, ray_local):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raying.datagen import encode, synth_image
+    from raying.tools.datagen import encode, synth_image
 
     rng = np.random.default_rng(0)
     good = [encode(synth_image(rng, i % 2, 2, 24, 24), "jpg") for i in range(20)]

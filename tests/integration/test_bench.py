@@ -114,7 +114,7 @@ def quick_bench(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     out, data = root / "out", root / "data"
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "raying.cli", "bench", "--quick", "--out",
+    res = subprocess.run([sys.executable, "-m", "raying.tools.cli", "bench", "--quick", "--out",
                           str(out), "--data", str(data)], capture_output=True, text=True,
                          timeout=1500)
     print(f"quick bench: {time.monotonic() - t0:.0f} s\n{res.stdout[-6000:]}\n{res.stderr[-3000:]}")

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "artifacts"
 CHARTS = ("accuracy.png", "priorities.png", "throughput.png", "stall.png")
-# The arms' colours in every chart (raying._demo_report.COLOURS).
+# The arms' colours in every chart (raying.tools.demo_report.COLOURS).
 UNIFORM_RGB, PRIORITIZED_RGB = (0x4C, 0x72, 0xB0), (0xDD, 0x84, 0x52)
 
 
@@ -24,7 +24,7 @@ def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("raying-report")
     data = tmp_path_factory.mktemp("demo-data")
     proc = subprocess.run(
-        [sys.executable, "-m", "raying.cli", "demo", "--quick", "--out", str(out),
+        [sys.executable, "-m", "raying.tools.cli", "demo", "--quick", "--out", str(out),
          "--data", str(data)],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"raying demo --quick failed:\n{proc.stderr[-4000:]}"

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 import raying
-from raying.io import fetch
-from raying.io.options import CacheConfig, IOConfig
-from raying.plan import ManifestLookup, chunk_units
-from raying.reader import ReadSpec, run_unit
+from raying.options import CacheConfig, IOConfig
+from raying.read import fetch
+from raying.read.task import ReadSpec, run_unit
+from raying.sampling.plan import ManifestLookup, chunk_units
 
 
 @pytest.fixture(scope="module")
@@ -213,7 +213,7 @@ def test_parquet_with_io_names_the_corrupt_file(packs, tmp_path):
     import pyarrow.parquet as pq
 
     from raying.errors import DataError
-    from raying.io.parquet import chunk_range
+    from raying.read.parquet import chunk_range
 
     src = tmp_path / "bad"
     shutil.copytree(packs["encoded"], src)

@@ -1,6 +1,6 @@
 """Ray Jobs on a real local head with token auth: the smoke job, refusals, and secret hygiene.
 
-The head is started by this module (``raying.cluster.start``: ``ray start --head`` in its own
+The head is started by this module (``raying.tools.cluster.start``: ``ray start --head`` in its own
 session, own temp dir, free ports) and stopped at the end; nothing attaches to another cluster.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from raying import cluster as rc
-from raying._cluster_cli import _read_env_file as read_env_file
+from raying.tools import cluster as rc
+from raying.tools.cluster_cli import _read_env_file as read_env_file
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "jobs"))

@@ -22,7 +22,7 @@ def _model(classes: int, size: int):
 
 
 def test_fit_reports_per_sample_losses_to_the_store(image_folder, ray_local):
-    import raying.keras as rk
+    import raying.loader.keras as rk
     from raying.sampling import store as st
 
     m = raying.Manifest.scan(str(image_folder))
@@ -56,7 +56,7 @@ def test_fit_reports_per_sample_losses_to_the_store(image_folder, ray_local):
 def test_per_sample_losses_are_the_unreduced_compiled_loss():
     import tensorflow as tf
 
-    import raying.keras as rk
+    import raying.loader.keras as rk
 
     got = []
     n = 24
@@ -79,7 +79,7 @@ def test_per_sample_losses_are_the_unreduced_compiled_loss():
 
 
 def test_jit_compile_is_refused():
-    import raying.keras as rk
+    import raying.loader.keras as rk
 
     model = rk.FeedbackModel(_model(3, 8), lambda ids, losses: None)
     with pytest.raises(raying.ConfigError, match="jit_compile=True"):

@@ -141,8 +141,8 @@ def test_torch_batch_contract(image_folder, ray_local):
     raw = next(iter(pipe.iter_torch_batches(batch_size=16, epoch=0, device="cpu",
                                             normalize=False)))
     assert raw["image"].dtype == torch.uint8 and tuple(raw["image"].shape) == (16, 32, 32, 3)
-    mean = torch.tensor(raying.config.DEFAULT_MEAN).view(1, 3, 1, 1)
-    std = torch.tensor(raying.config.DEFAULT_STD).view(1, 3, 1, 1)
+    mean = torch.tensor(raying.options.DEFAULT_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(raying.options.DEFAULT_STD).view(1, 3, 1, 1)
     back = (b["image"] * std + mean) * 255.0
     assert torch.equal(raw["id"], b["id"])
     assert (back - raw["image"].permute(0, 3, 1, 2).float()).abs().max() < 1e-3

@@ -42,7 +42,7 @@ def test_s3_and_local_give_identical_ids_labels_pixels(s3_images, s3_endpoint, i
 
 def test_s3_endpoint_from_environment(s3_images, s3_endpoint, monkeypatch, ray_local):
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    raying.storage.clear_cache()
+    raying.storage.files.clear_cache()
     m = raying.Manifest.scan(s3_images)
     assert len(m) == 60
 
@@ -54,8 +54,8 @@ def test_s3_missing_prefix_is_a_clear_error(s3_images, s3_endpoint, ray_local):
 
 def test_s3_parquet_through_the_cache_matches_local(s3_server, s3_endpoint, image_folder,
                                                     tmp_path_factory, ray_local):
-    from raying.io.fetch import ACCOUNT_KEYS
-    from raying.io.options import CacheConfig, IOConfig
+    from raying.options import CacheConfig, IOConfig
+    from raying.read.fetch import ACCOUNT_KEYS
 
     packed = tmp_path_factory.mktemp("s3-packed")
     raying.pack(str(image_folder), str(packed), shard_rows=25, row_group_rows=8,
@@ -131,8 +131,8 @@ def test_s3_outage_raises_instead_of_skipping_every_sample(image_folder, ray_loc
 def test_same_bucket_on_two_endpoints_never_shares_cache_entries(tmp_path, ray_local):
     """s3://data/train on two endpoints are two datasets: one shared tier must not serve the
     first endpoint's bytes for the second's keys."""
-    from raying.datagen import make_image_folder
-    from raying.io.options import CacheConfig, IOConfig
+    from raying.options import CacheConfig, IOConfig
+    from raying.tools.datagen import make_image_folder
     from tests.s3server import start_s3_server
 
     io = IOConfig(cache=CacheConfig(disk_bytes=64 * 2**20, disk_dir=str(tmp_path / "disk")))

@@ -62,7 +62,7 @@ def test_resume_delivers_each_id_exactly_once(manifest, ray_local):
 
 
 def test_state_from_another_dataset_is_refused(manifest, image_folder, tmp_path, ray_local):
-    from raying.datagen import make_image_folder
+    from raying.tools.datagen import make_image_folder
 
     other = raying.Manifest.scan(str(make_image_folder(tmp_path, n=6, classes=2, size=(8, 8))))
     state = _make(manifest)().state_dict()

@@ -1,4 +1,4 @@
-"""raying.storage against a live S3 endpoint (a moto server on 127.0.0.1 over HTTP), and against
+"""raying.storage.files against a live S3 endpoint (a moto server on 127.0.0.1 over HTTP), and against
 a live HDFS when RAYING_TEST_HDFS_URI is set."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import uuid
 
 import pytest
 
-from raying import storage
 from raying.errors import CredentialsError, StorageError
-from raying.io.slow import io_counters
-from raying.storage import NotFoundError, StorageSpec
+from raying.storage import files as storage
+from raying.storage.files import NotFoundError, StorageSpec
+from raying.storage.slow import io_counters
 from tests.s3server import free_port, start_s3_server
 
 CANARY = "CANARY-secret-0a9b8c7d6e5f4a3b2c1d"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raying.advise import format_report, recommend
+from raying.tools.advise import format_report, recommend
 
 GIB = 1024**3
 
@@ -98,7 +98,7 @@ def test_parquet_sample_count_is_exact_for_files_of_different_rows(tmp_path):
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
-    from raying._advise_measure import measure_dataset
+    from raying.tools.advise_measure import measure_dataset
 
     for name, n in (("a", 48), ("b", 16)):
         pq.write_table(pa.table({"image": pa.array([b"x" * 100] * n)}),
@@ -113,8 +113,8 @@ def test_an_unreadable_parquet_footer_is_a_data_error_naming_the_file(tmp_path):
     import pyarrow.parquet as pq
     import pytest
 
-    from raying._advise_measure import measure_dataset
     from raying.errors import DataError
+    from raying.tools.advise_measure import measure_dataset
 
     pq.write_table(pa.table({"image": pa.array([b"x"], pa.binary()), "label": [0]}),
                    tmp_path / "a.parquet")

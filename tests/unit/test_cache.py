@@ -1,4 +1,4 @@
-"""Unit tests of the tiered cache (raying.io.cache): bounds, policies, corruption, processes."""
+"""Unit tests of the tiered cache (raying.read.cache.tiered): bounds, policies, corruption, processes."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import pyarrow.fs as pafs
 import pytest
 
 from raying.errors import ConfigError
-from raying.io import fetch, slow
-from raying.io.cache import (
+from raying.options import CacheConfig, IOConfig
+from raying.read import fetch
+from raying.read.cache.tiered import (
     CacheStats,
     DirTier,
     TieredCache,
@@ -27,8 +28,8 @@ from raying.io.cache import (
     encode_array,
     open_cache,
 )
-from raying.io.cache import entry_bytes as eb
-from raying.io.options import CacheConfig, IOConfig
+from raying.read.cache.tiered import entry_bytes as eb
+from raying.storage import slow
 
 
 def _dir_bytes(root: Path) -> int:
@@ -221,7 +222,7 @@ def test_a_corrupt_entry_is_detected_and_dropped(tmp_path, damage):
 
 
 def test_a_large_entry_is_checksummed_once_until_its_file_changes(tmp_path):
-    from raying.io import _entry
+    from raying.read.cache import entry as _entry
 
     tier = DirTier(str(tmp_path), 10**7)
     big = payload_of("big", _entry.MMAP_MIN_BYTES * 2)  # read through mmap

@@ -15,8 +15,8 @@ import pyarrow.fs as pafs
 import pytest
 
 from raying.bench._io_data import make_trace
-from raying.io import fetch
-from raying.io.options import CacheConfig, IOConfig
+from raying.options import CacheConfig, IOConfig
+from raying.read import fetch
 
 N = 2000
 SEEDS = (0, 1, 2)

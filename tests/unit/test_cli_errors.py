@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from raying import cli
+from raying.tools import cli
 
 JOBS = Path(__file__).resolve().parents[2] / "jobs"
 

@@ -9,7 +9,7 @@ import pytest
 
 import raying
 from raying.errors import ConfigError
-from raying.io.options import CacheConfig
+from raying.options import CacheConfig
 
 
 @pytest.mark.parametrize(("field", "value", "pattern"), [
@@ -36,7 +36,7 @@ def test_pipeline_config_accepts_numpy_integers():
     ("abc", (1, 1, 1), "mean must be 3 finite"),
 ])
 def test_normalization_stats(mean, std, pattern):
-    from raying.iterators import TorchConverter
+    from raying.loader.batches import TorchConverter
 
     with pytest.raises(ConfigError, match=pattern):
         TorchConverter("cpu", normalize=True, mean=mean, std=std)
@@ -60,8 +60,8 @@ def test_cache_directories_checked_where_the_pipeline_is_built(tmp_path):
 
 
 def test_pipeline_refuses_a_cache_dir_that_is_a_file(tmp_path):
-    from raying.datagen import make_image_folder
-    from raying.io.options import IOConfig
+    from raying.options import IOConfig
+    from raying.tools.datagen import make_image_folder
 
     root = make_image_folder(tmp_path / "imgs", n=4, classes=2, size=(8, 8))
     (tmp_path / "f").write_text("x")
@@ -73,7 +73,7 @@ def test_pipeline_refuses_a_cache_dir_that_is_a_file(tmp_path):
 
 
 def test_classes_must_be_a_list_not_a_string(tmp_path):
-    from raying.datagen import make_image_folder
+    from raying.tools.datagen import make_image_folder
 
     root = make_image_folder(tmp_path / "imgs", n=4, classes=2, size=(8, 8))
     with pytest.raises(ConfigError, match="list of class names, got the string"):

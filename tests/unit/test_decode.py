@@ -1,4 +1,4 @@
-"""Tests of raying.decode: the bad-input corpus, EXIF orientation, limits, conversions."""
+"""Tests of raying.image.decode: the bad-input corpus, EXIF orientation, limits, conversions."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import simplejpeg
 from PIL import Image, ImageFile, ImageOps
 
-from raying import _exif
-from raying.config import DEFAULT_MAX_IMAGE_PIXELS
-from raying.decode import DECODE_ERROR_REASONS, decode_image, image_size
 from raying.errors import ConfigError, DecodeError
+from raying.image import exif as _exif
+from raying.image.decode import DECODE_ERROR_REASONS, decode_image, image_size
+from raying.options import DEFAULT_MAX_IMAGE_PIXELS
 from tests.corpus.images import BOMB_SIDE, make_image_corpus, quadrant_mean
 
 

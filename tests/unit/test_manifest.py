@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import raying
-from raying.datagen import make_image_folder
+from raying.tools.datagen import make_image_folder
 
 
 @pytest.fixture(scope="module")

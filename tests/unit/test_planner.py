@@ -12,10 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from raying.errors import ConfigError
-from raying.io import fetch, parquet, planner, slow, tiers
-from raying.io.options import CacheConfig, IOConfig
-from raying.io.planner import Piece, ReadOp
-from raying.storage import NotFoundError
+from raying.options import CacheConfig, IOConfig
+from raying.read import fetch, parquet, planner
+from raying.read.planner import Piece, ReadOp
+from raying.storage import slow, tiers
+from raying.storage.files import NotFoundError
 
 
 def _slots(ops):

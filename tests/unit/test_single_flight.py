@@ -1,4 +1,4 @@
-"""Single flight in the cache (raying.io._inflight): a file being fetched is not fetched twice.
+"""Single flight in the cache (raying.read.cache.inflight): a file being fetched is not fetched twice.
 
 Two readers (threads of one process, or processes of a node) that miss the same files at the
 same time: the second waits for the first's read instead of going to slow storage again.
@@ -18,10 +18,11 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from raying.io import fetch, slow
-from raying.io._dirtier import DirTier
-from raying.io.cache import open_cache
-from raying.io.options import DEFAULT_CACHE_INFLIGHT_S, CacheConfig, IOConfig
+from raying.options import DEFAULT_CACHE_INFLIGHT_S, CacheConfig, IOConfig
+from raying.read import fetch
+from raying.read.cache.dirtier import DirTier
+from raying.read.cache.tiered import open_cache
+from raying.storage import slow
 
 LATENCY_S = 0.3  # per request of the owner's reads: the waiter arrives while they run
 
@@ -105,7 +106,7 @@ class _GatedHandler(slow.SlowFileSystemHandler):
 
 
 def _other_process(paths: list[str], mem: str, q, gate: str) -> None:
-    from raying.io._inflight import SingleFlight
+    from raying.read.cache.inflight import SingleFlight
 
     wait_shared = SingleFlight.wait_shared
 
@@ -168,7 +169,7 @@ def test_claims_of_a_dead_owner_are_void(tmp_path):
 
 
 def tier_digest(cache, path: str) -> str:
-    from raying.io._entry import digest_of
+    from raying.read.cache.entry import digest_of
 
     return digest_of(cache._keys([path])[0])
 
@@ -227,8 +228,8 @@ def test_local_files_take_no_claims(tmp_path, monkeypatch):
 
 
 def _read_parquet_in_process(path: str, mem: str, q) -> None:
-    from raying.io.parquet import read_chunks
-    from raying.io.planner import OpStats
+    from raying.read.parquet import read_chunks
+    from raying.read.planner import OpStats
 
     stats = OpStats()
     io = IOConfig(cache=CacheConfig(memory_bytes=10**6, memory_dir=mem,
@@ -265,8 +266,8 @@ def test_threads_reading_the_same_row_groups_fetch_each_chunk_once(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from raying.io.parquet import footer, read_chunks
-    from raying.io.planner import OpStats
+    from raying.read.parquet import footer, read_chunks
+    from raying.read.planner import OpStats
 
     path = str(tmp_path / "part.parquet")
     pq.write_table(pa.table({"id": list(range(40)), "other": [b"z" * 500] * 40,

@@ -1,4 +1,4 @@
-"""Unit tests of raying.storage (URIs, options, redaction, local I/O), the HDFS checks and the
+"""Unit tests of raying.storage.files (URIs, options, redaction, local I/O), the HDFS checks and the
 slow-storage simulator; no network, no Ray."""
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ import time
 import pyarrow.fs as pafs
 import pytest
 
-from raying import _hdfs, _s3, storage
-from raying._storage_errors import storage_error
 from raying.errors import ConfigError, CredentialsError, DependencyError, StorageError
-from raying.io import slow
-from raying.storage import NotFoundError, StorageSpec
+from raying.storage import files as storage
+from raying.storage import hdfs as _hdfs
+from raying.storage import s3 as _s3
+from raying.storage import slow
+from raying.storage.errors import storage_error
+from raying.storage.files import NotFoundError, StorageSpec
 
 CANARY = "CANARY-secret-5f1e2d3c4b5a69788796"
 CANARY_KEY_ID = "AKIACANARYKEYID12345"
@@ -397,7 +399,7 @@ def test_transient_errors_are_retried_with_backoff(tree):
 
 def test_retries_give_up_with_the_uri_and_the_count(tree, caplog):
     fs = pafs.PyFileSystem(_Flaky(10, NETWORK_ERROR))
-    with caplog.at_level(logging.DEBUG, logger="raying.storage"):
+    with caplog.at_level(logging.DEBUG, logger="raying.storage.files"):
         with pytest.raises(StorageError, match=r"cannot read .*1.jpg \(after 3 attempts\)"):
             storage.read_bytes(fs, f"{tree}/cats/1.jpg", retries=3, backoff=0.001)
     assert len([r for r in caplog.records if "retrying" in r.message]) == 2
@@ -555,8 +557,8 @@ def test_slow_filesystem_pickles_and_writes(tmp_path):
 
 def test_a_unit_whose_every_read_failed_on_the_storage_raises():
     from raying.errors import CredentialsError, StorageError
-    from raying.io.fetch import refuse_outage
-    from raying.storage import NotFoundError
+    from raying.read.fetch import refuse_outage
+    from raying.storage.files import NotFoundError
 
     down = StorageError("cannot reach the S3 endpoint http://x to read s3://b/k")
     refused = CredentialsError("access to s3://b/k was refused")
@@ -581,7 +583,7 @@ def test_a_symlink_loop_lists_each_file_once_and_says_so(tmp_path, caplog):
     (root / "dog").symlink_to(tmp_path / "elsewhere")  # a linked class folder: kept
     (tmp_path / "elsewhere" / "again").symlink_to(tmp_path / "elsewhere" / "b.jpg")  # a copy
     fs, path = storage.resolve(str(root))
-    with caplog.at_level(logging.WARNING, logger="raying.storage"):
+    with caplog.at_level(logging.WARNING, logger="raying.storage.files"):
         infos = storage.list_files(fs, path)
     rel = [i.path[len(str(root)) + 1:] for i in infos]
     assert rel == ["cat/a.jpg", "dog/again", "dog/b.jpg"], rel

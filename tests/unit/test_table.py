@@ -73,7 +73,7 @@ def test_chi2_sf_matches_closed_forms():
 @pytest.fixture(params=["shortcut", "tree", "mixed"])
 def descent(request, monkeypatch):
     """Sample through each path: a CDF search over the top levels, the pure tree, or both."""
-    import raying.sampling._sumtree as sumtree
+    import raying.sampling.sumtree as sumtree
 
     nodes = {"shortcut": sumtree._SHORTCUT_NODES, "tree": 1, "mixed": 16}[request.param]
     monkeypatch.setattr(sumtree, "_SHORTCUT_NODES", nodes)
@@ -386,7 +386,7 @@ def test_load_refuses_a_state_with_other_settings():
 
 
 def test_coalesce_last_max_and_ema():
-    from raying.sampling._store_actor import coalesce
+    from raying.sampling.store_actor import coalesce
 
     ids = np.array([5, 2, 5, 5, 2, 9])
     values = np.array([1.0, 8.0, 3.0, 2.0, 4.0, 6.0])
@@ -411,7 +411,7 @@ def test_coalesce_last_max_and_ema():
 
 
 def test_snapshot_format_round_trips_the_table_state():
-    from raying.sampling._store_actor import decode_snapshot, encode_snapshot
+    from raying.sampling.store_actor import decode_snapshot, encode_snapshot
 
     def make():
         return PriorityTable(300, alpha=0.5, uniform_mix=0.1, cap_quantile=0.9, seed=4)

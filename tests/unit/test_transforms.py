@@ -1,4 +1,4 @@
-"""Tests of raying.transforms: crop semantics, counter-based randomness, the batch hot path."""
+"""Tests of raying.image.transform: crop semantics, counter-based randomness, the batch hot path."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 import simplejpeg
 from PIL import Image
 
-from raying import _rng
-from raying.decode import decode_image
 from raying.errors import ConfigError, DecodeError
-from raying.transforms import ImageTransform, TransformResult
+from raying.image import rng as _rng
+from raying.image.decode import decode_image
+from raying.image.transform import ImageTransform, TransformResult
 from tests.corpus.images import make_image_corpus
 
 
@@ -72,7 +72,7 @@ def test_transform_pickles_and_hashes():
 
 
 def test_cv2_goes_single_threaded_on_first_batch_only(monkeypatch):
-    import raying.transforms as transforms_module
+    import raying.image.transform as transforms_module
 
     calls = []
     monkeypatch.setattr(transforms_module, "_cv2_single_threaded", False)
@@ -384,7 +384,7 @@ def test_dct_downscale_path_matches_full_decode():
         shapes.append(arr.shape[:2])
         return arr
 
-    import raying.decode as decode_module
+    import raying.image.decode as decode_module
 
     decode_module.simplejpeg.decode_jpeg = spy
     try:

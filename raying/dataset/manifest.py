@@ -1,0 +1,231 @@
+"""The manifest: every sample of a dataset with a dense, stable id, its location and label."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raying.errors import ConfigError, DataError, StorageError
+from raying.options import StorageOptions
+from raying.storage import files as _storage
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+PARQUET_EXTENSIONS = (".parquet", ".pq")
+MANIFEST_VERSION = 1
+_FORMATS = ("auto", "images", "parquet")
+
+LabelSpec = str | Callable[[str], Any] | None
+
+
+class Manifest:
+    """Every sample of a dataset, listed once, with a dense id ``0..N-1`` in sorted order.
+
+    For an image folder a sample is a file; its label comes from its class subfolder
+    (``label="folder"``), from a function of its relative path, or is absent (-1). For Parquet
+    a sample is a row; its location is (file, row group, row) and its label comes from a
+    column. Ids follow the sorted order of paths (and of row groups and rows inside a file), so
+    the same data always gets the same ids.
+
+    Build one with :meth:`scan`, keep it with :meth:`save` and :meth:`load`.
+    """
+
+    def __init__(self, *, root: str, fmt: str, columns: dict[str, np.ndarray],
+                 classes: list[str] | None, storage: StorageOptions | None = None,
+                 files: list[str] | None = None, meta: dict[str, Any] | None = None) -> None:
+        self.root = root
+        self.format = fmt
+        self.classes = classes
+        self.storage = StorageOptions.coerce(storage)
+        self.files = files or []
+        self.meta = dict(meta or {})
+        self._cols = columns
+        n = len(columns["label"])
+        for name, col in columns.items():
+            if len(col) != n:
+                msg = f"manifest column {name!r} has {len(col)} rows, expected {n}"
+                raise DataError(msg)
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def scan(cls, uri: str, format: str = "auto", label: LabelSpec = "folder",
+             storage: StorageOptions | dict | None = None, *,
+             image_column: str | None = None,
+             extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
+             classes: list[str] | None = None) -> Manifest:
+        """List a dataset once and give every sample an id.
+
+        Args:
+            uri: a folder or file: plain path, ``file://``, ``s3://bucket/prefix`` or
+                ``hdfs://host:port/path``.
+            format: ``"images"``, ``"parquet"`` or ``"auto"`` (Parquet when the folder holds
+                ``.parquet`` files, images otherwise).
+            label: for images, ``"folder"`` (class subfolders), a function of the relative
+                path returning a class name or int, or None. For Parquet, the name of the label
+                column (``"folder"`` is read as ``"label"``), or None.
+            storage: options for remote storage; see :class:`raying.options.StorageOptions`.
+            image_column: Parquet column holding the image; default ``image`` or the only
+                binary column.
+            extensions: image file endings to include (case-insensitive, dot optional).
+            classes: the class names, in label order, to use instead of those found here:
+                scan a validation split with ``classes=train.classes`` so that its labels
+                mean what the training split's do (a class missing from it, or empty, would
+                otherwise shift every later label). A class found that is not in the list is
+                an error.
+
+        Returns:
+            The manifest. One listing of the storage, no Ray tasks.
+        """
+        from raying.dataset import scan as _scan
+
+        if format not in _FORMATS:
+            msg = f"format must be one of {_FORMATS}, got {format!r}"
+            raise ConfigError(msg)
+        opts = StorageOptions.coerce(storage)
+        if "://" not in uri or uri.lower().startswith("file:"):
+            # One spelling per local folder (a relative root would also resolve against the
+            # reader's working directory, and the fingerprint would differ per spelling).
+            from raying.storage.spec import _local_path
+
+            uri = _local_path(uri)
+        fs, path = _storage.resolve(uri, opts)
+        infos = _scan.list_dataset(fs, path, uri)
+        if len(infos) == 1 and infos[0].path.rstrip("/") == path.rstrip("/"):
+            # One file named by the URI: its folder is the root, the file its only member.
+            path = path.rstrip("/").rpartition("/")[0] or "/"
+            uri = uri.rstrip("/").rpartition("/")[0] or "/"
+        parquet = _scan.parquet_members(path, infos, PARQUET_EXTENSIONS)
+        if format == "auto":
+            format = "parquet" if parquet else "images"
+        if format == "parquet":
+            if not parquet:
+                msg = (f"no Parquet files (*.parquet) found under {uri}; check the URI, or "
+                       f"use format='images' for an image folder")
+                raise DataError(msg)
+            col = "label" if label == "folder" else label
+            if col is not None and not isinstance(col, str):
+                msg = f"for Parquet, label must be a column name or None, got {label!r}"
+                raise ConfigError(msg)
+            m = _scan.scan_parquet(cls, fs, path, uri, parquet, col, image_column, opts)
+            return _scan.use_classes(m, classes)
+        if isinstance(extensions, str):
+            extensions = (extensions,)
+        endings = tuple("." + e.lower().lstrip(".") for e in extensions)  # ".JPG", "png" too
+        images = [i for i in infos if i.path.lower().endswith(endings)]
+        if not images:
+            seen = sorted({_ext(i.path) for i in infos})[:8]
+            msg = (f"no images ({', '.join(extensions)}) found under {uri}"
+                   f"{'; found endings ' + ', '.join(seen) if seen else ' (it is empty)'}; "
+                   f"check the URI or pass extensions=...")
+            raise DataError(msg)
+        return _scan.use_classes(_scan.scan_images(cls, path, uri, images, label, opts),
+                                 classes)
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self, uri: str, storage: StorageOptions | dict | None = None) -> None:
+        """Write the manifest as one Parquet file (columns per sample, the rest as metadata)."""
+        opts = StorageOptions.coerce(storage) if storage is not None else self.storage
+        fs, path = _storage.resolve(uri, opts)
+        table = pa.table({name: pa.array(col) for name, col in self._cols.items()})
+        meta = {"version": MANIFEST_VERSION, "root": self.root, "format": self.format,
+                "classes": self.classes, "files": self.files, "meta": self.meta,
+                "storage": self.storage.public_dict()}
+        table = table.replace_schema_metadata({b"raying.dataset.manifest": json.dumps(meta).encode()})
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        _storage.write_bytes_atomic(fs, path, sink.getvalue().to_pybytes())
+
+    @classmethod
+    def load(cls, uri: str, storage: StorageOptions | dict | None = None) -> Manifest:
+        """Read a manifest written by :meth:`save`."""
+        opts = StorageOptions.coerce(storage)
+        fs, path = _storage.resolve(uri, opts)
+        try:
+            table = pq.read_table(path, filesystem=fs)
+        except FileNotFoundError:
+            msg = f"no manifest at {uri}; write one with Manifest.scan(...).save({uri!r})"
+            raise StorageError(msg) from None
+        except (pa.ArrowInvalid, OSError) as exc:
+            msg = f"{uri} is not a readable manifest ({exc}); scan the dataset again"
+            raise DataError(msg) from None
+        raw = (table.schema.metadata or {}).get(b"raying.dataset.manifest")
+        if raw is None:
+            msg = f"{uri} is a Parquet file but not a raying manifest; write one with Manifest.save"
+            raise DataError(msg)
+        meta = json.loads(raw)
+        cols = {name: table.column(name).to_numpy(zero_copy_only=False)
+                for name in table.column_names}
+        if "path" in cols:
+            cols["path"] = np.asarray(cols["path"], dtype=object)
+        saved = {k: v for k, v in meta.get("storage", {}).items() if v is not None}
+        if storage is not None:
+            saved.update({k: v for k, v in opts.public_dict().items() if v})
+        return cls(root=meta["root"], fmt=meta["format"], columns=cols,
+                   classes=meta.get("classes"), storage=StorageOptions.coerce(saved),
+                   files=meta.get("files"), meta=meta.get("meta"))
+
+    # -- access --------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._cols["label"])
+
+    def __repr__(self) -> str:
+        classes = f", classes={len(self.classes)}" if self.classes else ""
+        return f"Manifest({self.format}, {len(self)} samples, root={self.root!r}{classes})"
+
+    @property
+    def labels(self) -> np.ndarray:
+        """int64 label per id; -1 where the dataset has no label."""
+        return self._cols["label"]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Encoded bytes per id (file size for images; value size for Parquet), -1 if unknown."""
+        return self._cols["size"]
+
+    def column(self, name: str) -> np.ndarray:
+        """One per-id column: ``label``, ``size``, ``path`` (images), ``file``, ``row_group``,
+        ``row`` (Parquet)."""
+        return self._cols[name]
+
+    def path_of(self, ids: np.ndarray | int) -> list[str]:
+        """Human-readable location of each id (relative path, or file#row_group/row)."""
+        idx = np.atleast_1d(np.asarray(ids, dtype=np.int64))
+        if self.format == "images":
+            return [str(p) for p in self._cols["path"][idx]]
+        f, g, r = self._cols["file"][idx], self._cols["row_group"][idx], self._cols["row"][idx]
+        return [f"{self.files[a]}#rg{b}/row{c}" for a, b, c in zip(f, g, r, strict=True)]
+
+    def row_group_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Parquet only: per row group (file index, row-group index, first id, row count)."""
+        f = self._cols["file"].astype(np.int64)
+        g = self._cols["row_group"].astype(np.int64)
+        key = f * (1 << 32) + g
+        starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+        counts = np.diff(np.r_[starts, len(key)])
+        return f[starts], g[starts], starts.astype(np.int64), counts.astype(np.int64)
+
+    def fingerprint(self) -> str:
+        """A short hash of the dataset's identity (root, format, sizes), for cache keys."""
+        h = hashlib.sha256()
+        h.update(f"{self.root}|{self.format}|{len(self)}".encode())
+        h.update(np.ascontiguousarray(self._cols["size"]).tobytes())
+        if self.format == "images":
+            h.update("\n".join(map(str, self._cols["path"])).encode())
+        else:
+            h.update("\n".join(self.files).encode())
+        return h.hexdigest()[:16]
+
+    def full_path(self, rel: str) -> str:
+        """The filesystem path (within the resolved filesystem) of a relative location."""
+        _, root = _storage.resolve(self.root, self.storage)
+        return f"{root.rstrip('/')}/{rel}" if rel else root
+
+
+def _ext(path: str) -> str:
+    dot = path.rfind(".")
+    return path[dot:].lower() if dot > path.rfind("/") else "(none)"

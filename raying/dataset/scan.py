@@ -1,0 +1,387 @@
+"""Listing and validating a dataset for Manifest.scan: image folders and Parquet sets."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raying.errors import ConfigError, DataError, StorageError
+from raying.options import DEFAULT_REMOTE_READ_THREADS, StorageOptions
+from raying.storage import files as _storage
+
+DECODED_SHAPE_COLUMNS = ("height", "width", "channels")
+
+
+def list_dataset(fs: pafs.FileSystem, path: str, uri: str) -> list[pafs.FileInfo]:
+    """Every file of the dataset (one listing call), or the single file the URI names."""
+    info = _storage.file_info(fs, path, uri)
+    if info.type == pafs.FileType.NotFound:
+        msg = f"{uri} does not exist; check the path (and for S3 the bucket and prefix)"
+        raise StorageError(msg)
+    if info.type == pafs.FileType.File:
+        return [info]
+    # Names starting with "_" are kept here (a class folder may be "_other"); Parquet scans
+    # drop them (Spark's _temporary, _SUCCESS): see parquet_members.
+    files = _storage.list_files(fs, path, recursive=True, skip_prefixes=".")
+    if not files:
+        msg = f"{uri} is empty: no files to read; point raying at a folder of images or Parquet"
+        raise DataError(msg)
+    return files
+
+
+def parquet_members(root: str, infos: list[pafs.FileInfo], endings: tuple[str, ...]
+                    ) -> list[pafs.FileInfo]:
+    """The Parquet files of a listing, without Spark/Hive bookkeeping (``_``-prefixed names)."""
+    return [i for i in infos if i.path.lower().endswith(endings)
+            and not any(part.startswith("_") for part in _relative(root, i.path).split("/"))]
+
+
+def use_classes(m: Any, classes: list[str] | None) -> Any:
+    """Relabel ``m`` by the given class names (see ``Manifest.scan(classes=...)``)."""
+    if classes is None:
+        return m
+    if isinstance(classes, (str, bytes)):
+        msg = f"classes must be a list of class names, got the string {classes!r}"
+        raise ConfigError(msg)
+    classes = [str(c) for c in classes]
+    if len(set(classes)) != len(classes):
+        msg = f"classes must be distinct names, got {classes}"
+        raise ConfigError(msg)
+    labels = m._cols["label"]
+    if m.classes is None:  # integer labels (or none): they must index the list
+        if len(labels) and labels.max() >= len(classes):
+            msg = (f"{m.root}: label {int(labels.max())} has no name in classes= "
+                   f"({len(classes)} names)")
+            raise DataError(msg)
+    else:
+        unknown = sorted(set(m.classes) - set(classes))
+        if unknown:
+            msg = (f"{m.root} has classes {unknown} that are not in classes={classes}; add "
+                   f"them, or scan without classes=")
+            raise DataError(msg)
+        index = np.array([classes.index(c) for c in m.classes], dtype=np.int64)
+        known = labels >= 0
+        m._cols["label"] = np.where(known, index[np.maximum(labels, 0)], labels)
+    m.classes = classes
+    return m
+
+
+def _relative(root: str, path: str) -> str:
+    root = root.rstrip("/")
+    if path == root:
+        return path.rsplit("/", 1)[-1]
+    return path[len(root) + 1:] if path.startswith(root + "/") else path
+
+
+def scan_images(cls, root: str, uri: str, infos: list[pafs.FileInfo], label: Any,
+                opts: StorageOptions):
+    """Build an image-folder manifest: ids in sorted path order, labels from folders."""
+    rel = sorted((_relative(root, i.path), i.size if i.size is not None else -1) for i in infos)
+    paths = np.array([r for r, _ in rel], dtype=object)
+    sizes = np.array([s for _, s in rel], dtype=np.int64)
+    classes: list[str] | None = None
+    if label is None:
+        labels = np.full(len(paths), -1, dtype=np.int64)
+    elif label == "folder":
+        names = []
+        for p in paths:
+            cut = p.find("/")
+            if cut < 0:
+                msg = (f"label='folder' needs each image inside a class subfolder, but {uri} "
+                       f"holds {p!r} at its top level; move images into class folders or pass "
+                       f"label=None")
+                raise DataError(msg)
+            names.append(p[:cut])
+        classes = sorted(set(names))
+        index = {c: k for k, c in enumerate(classes)}
+        labels = np.fromiter((index[n] for n in names), dtype=np.int64, count=len(names))
+    elif callable(label):
+        raw = [label(p) for p in paths]
+        labels, classes = _labels_from_values(raw, f"label function on {uri}")
+    else:
+        msg = f"for images, label must be 'folder', a function of the path, or None; got {label!r}"
+        raise ConfigError(msg)
+    cols = {"path": paths, "label": labels, "size": sizes}
+    return cls(root=uri, fmt="images", columns=cols, classes=classes, storage=opts)
+
+
+def _labels_from_values(raw: list[Any], where: str) -> tuple[np.ndarray, list[str] | None]:
+    if all(isinstance(v, (int, np.integer)) for v in raw):
+        labels = np.asarray(raw, dtype=np.int64)
+        if len(labels) and labels.min() < 0:
+            msg = f"{where} gave a negative label ({labels.min()}); labels must be >= 0"
+            raise DataError(msg)
+        return labels, None
+    names = [str(v) for v in raw]
+    classes = sorted(set(names))
+    index = {c: k for k, c in enumerate(classes)}
+    return np.asarray([index[n] for n in names], dtype=np.int64), classes
+
+
+def _read_footer(fs: pafs.FileSystem, path: str, uri_of: str) -> pq.FileMetaData:
+    try:
+        return pq.read_metadata(path, filesystem=fs)
+    except (pa.ArrowInvalid, OSError) as exc:
+        if isinstance(exc, OSError) and _storage.is_credentials_error(exc):
+            raise _storage.storage_error(exc, uri_of) from None
+        msg = (f"{uri_of} is not a readable Parquet file ({_short(exc)}); it may be truncated "
+               f"or not Parquet: rewrite it or remove it from the dataset")
+        raise DataError(msg) from None
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:200]
+
+
+def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs.FileInfo],
+                 label_col: str | None, image_col: str | None, opts: StorageOptions):
+    """Build a Parquet manifest: one id per row, in (file, row group, row) order."""
+    infos = sorted(infos, key=lambda i: i.path)
+    rels = [_relative(root, i.path) for i in infos]
+    uris = [f"{uri.rstrip('/')}/{r}" if len(infos) > 1 or infos[0].path != root else uri
+            for r in rels]
+    workers = 1 if isinstance(fs, pafs.LocalFileSystem) else DEFAULT_REMOTE_READ_THREADS
+    with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+        footers = list(pool.map(lambda a: _read_footer(fs, a[0].path, a[1]),
+                                zip(infos, uris, strict=True)))
+    schema0 = footers[0].schema.to_arrow_schema()
+    image_col = _pick_image_column(schema0, image_col, uris[0])
+    for fm, u in zip(footers[1:], uris[1:], strict=True):
+        _check_same_schema(schema0, fm.schema.to_arrow_schema(), u, uris[0], image_col, label_col)
+    hive = None
+    if label_col is not None and label_col not in schema0.names:
+        hive = _hive_values(rels, label_col)  # label=cat/part-0.parquet (pandas partition_cols)
+        if hive is None:
+            msg = (f"{uris[0]} has no label column {label_col!r} (columns: {schema0.names}) "
+                   f"and is not under a hive partition folder {label_col}=<value>/; pass "
+                   f"label='<column or partition key>' or label=None for unlabelled data")
+            raise DataError(msg)
+    decoded = _decoded_shape(schema0, image_col, footers[0], fs, infos[0].path, uris[0])
+    if decoded is not None:
+        _check_decoded_shapes(fs, infos, uris, decoded, workers)
+
+    file_idx, rg_idx, row_idx, sizes = [], [], [], []
+    for k, fm in enumerate(footers):
+        img_pos = schema0.get_field_index(image_col)
+        for g in range(fm.num_row_groups):
+            rg = fm.row_group(g)
+            n = rg.num_rows
+            file_idx.append(np.full(n, k, dtype=np.int32))
+            rg_idx.append(np.full(n, g, dtype=np.int32))
+            row_idx.append(np.arange(n, dtype=np.int32))
+            col_meta = rg.column(img_pos)
+            per_row = col_meta.total_uncompressed_size // max(n, 1)
+            sizes.append(np.full(n, per_row, dtype=np.int64))
+    if not file_idx or sum(len(a) for a in file_idx) == 0:
+        msg = f"{uri} holds Parquet files but no rows; the dataset is empty"
+        raise DataError(msg)
+    cols: dict[str, np.ndarray] = {
+        "file": np.concatenate(file_idx), "row_group": np.concatenate(rg_idx),
+        "row": np.concatenate(row_idx), "size": np.concatenate(sizes)}
+    classes = _classes_from_metadata(schema0)
+    if label_col is None:
+        cols["label"] = np.full(len(cols["file"]), -1, dtype=np.int64)
+    elif hive is not None:
+        file_labels, found = _hive_labels(hive)
+        cols["label"] = file_labels[cols["file"]]
+        classes = found if found is not None else classes
+    else:
+        labels, found = _read_labels(fs, infos, uris, label_col, workers)
+        cols["label"] = labels
+        classes = found if found is not None else classes
+    meta = {"image_column": image_col, "label_column": label_col, "decoded": decoded}
+    return cls(root=uri, fmt="parquet", columns=cols, classes=classes, storage=opts,
+               files=rels, meta=meta)
+
+
+def _hive_values(rels: list[str], key: str) -> list[str] | None:
+    """The value of the hive partition folder ``key=value`` of each file, or None if a file
+    is not under one."""
+    from urllib.parse import unquote
+
+    out = []
+    for rel in rels:
+        parts = [p for p in rel.split("/")[:-1] if p.startswith(f"{key}=")]
+        if not parts:
+            return None
+        out.append(unquote(parts[-1][len(key) + 1:]))
+    return out
+
+
+def _hive_labels(values: list[str]) -> tuple[np.ndarray, list[str] | None]:
+    """Per-file labels from partition values: integers as class ids, else sorted names."""
+    if all(v.lstrip("-").isdigit() for v in values):
+        return np.asarray([int(v) for v in values], dtype=np.int64), None
+    classes = sorted(set(values))
+    index = {c: i for i, c in enumerate(classes)}
+    return np.asarray([index[v] for v in values], dtype=np.int64), classes
+
+
+def image_type_ok(t: pa.DataType) -> bool:
+    """Encoded bytes (binary, large_binary), pre-decoded pixels (fixed_size_binary), or a
+    struct with a binary ``bytes`` field (the Hugging Face ``Image`` feature's layout)."""
+    if pa.types.is_struct(t):
+        k = t.get_field_index("bytes")
+        return k >= 0 and (pa.types.is_binary(t.field(k).type)
+                           or pa.types.is_large_binary(t.field(k).type))
+    return (pa.types.is_binary(t) or pa.types.is_large_binary(t)
+            or pa.types.is_fixed_size_binary(t))
+
+
+def _pick_image_column(schema: pa.Schema, wanted: str | None, where: str) -> str:
+    if wanted is not None:
+        if wanted not in schema.names:
+            msg = f"{where} has no image column {wanted!r} (columns: {schema.names})"
+            raise DataError(msg)
+        name = wanted
+    elif "image" in schema.names:
+        name = "image"
+    else:
+        binary = [f.name for f in schema if image_type_ok(f.type)]
+        if len(binary) != 1:
+            msg = (f"{where}: cannot tell which column holds the images (binary columns: "
+                   f"{binary}); pass image_column='<name>'")
+            raise DataError(msg)
+        name = binary[0]
+    t = schema.field(name).type
+    if not image_type_ok(t):
+        hint = ("; it holds text (file paths?): scan the image folder itself instead"
+                if pa.types.is_string(t) or pa.types.is_large_string(t) else "")
+        msg = (f"{where}: image column {name!r} has type {t}; raying reads encoded image bytes "
+               f"(binary, large_binary), pre-decoded pixels (fixed_size_binary) or a struct "
+               f"with a binary 'bytes' field{hint}; pass image_column='<name>' for another "
+               f"column")
+        raise DataError(msg)
+    return name
+
+
+def _check_same_schema(a: pa.Schema, b: pa.Schema, uri_b: str, uri_a: str, image_col: str,
+                       label_col: str | None) -> None:
+    for col in [image_col, label_col, *DECODED_SHAPE_COLUMNS]:
+        if col is None or (col not in a.names and col not in b.names):
+            continue
+        if col not in b.names:
+            msg = (f"schema mismatch: {uri_b} has no column {col!r}, which {uri_a} has; all "
+                   f"files of a dataset must share the image and label columns")
+            raise DataError(msg)
+        if col not in a.names:
+            msg = f"schema mismatch: {uri_b} has a column {col!r} that {uri_a} lacks"
+            raise DataError(msg)
+        ta, tb = a.field(col).type, b.field(col).type
+        if ta != tb and not (_is_int(ta) and _is_int(tb)):
+            msg = (f"schema mismatch in column {col!r}: {uri_b} has {tb} where {uri_a} has "
+                   f"{ta}; rewrite the files with one schema")
+            raise DataError(msg)
+
+
+def _is_int(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t)
+
+
+def _decoded_shape(schema: pa.Schema, image_col: str, fm: pq.FileMetaData, fs, path: str,
+                   where: str) -> list[int] | None:
+    """(h, w, c) when the image column holds pre-decoded uint8 pixels, else None."""
+    field = schema.field(image_col)
+    if not pa.types.is_fixed_size_binary(field.type):
+        return None
+    if not all(c in schema.names for c in DECODED_SHAPE_COLUMNS):
+        msg = (f"{where}: column {image_col!r} is fixed_size_binary (pre-decoded pixels) but "
+               f"the columns {DECODED_SHAPE_COLUMNS} that give its shape are missing")
+        raise DataError(msg)
+    first = pq.ParquetFile(path, filesystem=fs).read_row_group(0, columns=list(DECODED_SHAPE_COLUMNS))
+    shape = [int(first.column(c)[0].as_py()) for c in DECODED_SHAPE_COLUMNS]
+    if math.prod(shape) != field.type.byte_width:
+        msg = (f"{where}: height*width*channels = {shape} does not match the "
+               f"{field.type.byte_width} bytes of column {image_col!r}")
+        raise DataError(msg)
+    return shape
+
+
+def _check_decoded_shapes(fs, infos, uris, shape: list[int], workers: int) -> None:
+    """Every row of pre-decoded pixels must have the shape of the first (one reshape for all)."""
+    def one(k: int) -> None:
+        try:
+            t = pq.read_table(infos[k].path, columns=list(DECODED_SHAPE_COLUMNS), filesystem=fs)
+        except (pa.ArrowInvalid, OSError) as exc:
+            msg = f"{uris[k]}: cannot read columns {DECODED_SHAPE_COLUMNS} ({_short(exc)})"
+            raise DataError(msg) from None
+        for c, want in zip(DECODED_SHAPE_COLUMNS, shape, strict=True):
+            got = t.column(c).to_numpy(zero_copy_only=False)
+            bad = np.flatnonzero(got != want)
+            if len(bad):
+                msg = (f"{uris[k]}: row {int(bad[0])} has {c} {got[bad[0]]}, not {want} as the "
+                       f"first row: pre-decoded pixels must share one shape (h, w, c) = "
+                       f"{tuple(shape)}; re-pack with raying pack --decode-size")
+                raise DataError(msg)
+
+    with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(one, range(len(infos))))
+
+
+def _classes_from_metadata(schema: pa.Schema) -> list[str] | None:
+    import json
+
+    raw = (schema.metadata or {}).get(b"raying.classes")
+    return json.loads(raw) if raw else None
+
+
+def _read_labels(fs, infos, uris, col: str, workers: int) -> tuple[np.ndarray, list[str] | None]:
+    def one(k: int) -> pa.ChunkedArray:
+        try:
+            return pq.read_table(infos[k].path, columns=[col], filesystem=fs).column(col)
+        except (pa.ArrowInvalid, OSError) as exc:
+            msg = f"{uris[k]}: cannot read label column {col!r} ({_short(exc)})"
+            raise DataError(msg) from None
+
+    with cf.ThreadPoolExecutor(max_workers=workers) as pool:
+        parts = list(pool.map(one, range(len(infos))))
+    ptype = parts[0].type
+    if pa.types.is_string(ptype) or pa.types.is_large_string(ptype) or pa.types.is_dictionary(ptype):
+        for k, arr in enumerate(parts):
+            if arr.null_count:
+                msg = (f"{uris[k]}: label column {col!r} has {arr.null_count} null values; "
+                       f"fill or drop those rows (raying never fills labels silently)")
+                raise DataError(msg)
+        names = [str(v) for arr in parts for v in arr.to_pylist()]
+        classes = sorted(set(names))
+        index = {c: i for i, c in enumerate(classes)}
+        return np.asarray([index[n] for n in names], dtype=np.int64), classes
+    out = []
+    for k, arr in enumerate(parts):
+        if not (pa.types.is_integer(arr.type) or pa.types.is_floating(arr.type)):
+            msg = (f"{uris[k]}: label column {col!r} has type {arr.type}; expected integers or "
+                   f"strings")
+            raise DataError(msg)
+        if arr.null_count:
+            msg = (f"{uris[k]}: label column {col!r} has {arr.null_count} null values; fill or "
+                   f"drop those rows (raying never fills labels silently)")
+            raise DataError(msg)
+        values = arr.to_numpy()
+        if pa.types.is_floating(arr.type):
+            bad = ~np.isfinite(values)
+            if bad.any():
+                msg = (f"{uris[k]}: label column {col!r} has {int(bad.sum())} NaN or infinite "
+                       f"values (first at row {int(np.flatnonzero(bad)[0])}); fix the labels")
+                raise DataError(msg)
+            if (values != np.round(values)).any():
+                msg = f"{uris[k]}: label column {col!r} holds non-integer values; expected class ids"
+                raise DataError(msg)
+        values = values.astype(np.int64)
+        if len(values) and (values == -1).all():
+            msg = (f"{uris[k]}: label column {col!r} holds -1 in every row (packed without "
+                   f"labels): scan it with label=None (raying scan --label none)")
+            raise DataError(msg)
+        if len(values) and values.min() < 0:
+            first = int(np.flatnonzero(values < 0)[0])
+            msg = (f"{uris[k]}: label column {col!r} has negative labels (e.g. {values[first]} "
+                   f"at row {first}); labels must be class ids >= 0")
+            raise DataError(msg)
+        out.append(values)
+    return np.concatenate(out), None

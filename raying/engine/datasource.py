@@ -1,0 +1,162 @@
+"""A Ray Data datasource whose read tasks run an epoch plan's units (read+decode+augment)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+from raying.engine.metrics import RunAccount
+from raying.read.task import ReadSpec, empty_block, iter_unit
+from raying.sampling.plan import ManifestLookup, ReadUnit
+
+# Ray options that read_datasource takes by name (ray_remote_args is deprecated in 2.60).
+_READ_ARG_NAMES = ("num_cpus", "num_gpus", "memory", "resources", "label_selector",
+                   "accelerator_type", "runtime_env", "max_calls")
+
+
+def _account_actor_cls():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class _Accounts:
+        """Collects the accounts of read tasks run by Ray Data (skips, rows, bytes), logs the
+        samples set aside (once each) and gives them priority 0 in the store, if any."""
+
+        def __init__(self, store: Any = None) -> None:
+            self.account = RunAccount()
+            self.store = store
+
+        def add(self, account: dict[str, Any]) -> None:
+            fresh = self.account.add(account)
+            if fresh:
+                self.account.end_epoch(int(account.get("epoch", 0)))
+                if self.store is not None:
+                    import numpy as np
+
+                    from raying.sampling.store import flush, update_async
+
+                    update_async(self.store, np.asarray(fresh, dtype=np.int64),
+                                 np.zeros(len(fresh)))
+                    flush(self.store)  # landed before the read task yields its block
+
+        def summary(self) -> dict[str, Any]:
+            return self.account.summary()
+
+    return _Accounts
+
+
+def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts: Any,
+          block_rows: int):
+    import ray
+    from ray.data.block import BlockAccessor
+
+    spec: ReadSpec = ray.get(spec_ref) if isinstance(spec_ref, ray.ObjectRef) else spec_ref
+    if unit.ids is None:  # prioritized: draw now, so losses reported so far shape this read
+        unit = sampler.fill(unit)
+    lookup: ManifestLookup = ray.get(lookup_ref)
+    unit, paths = lookup.complete(unit)
+    for block, account in iter_unit(spec, unit, paths, block_rows=block_rows):
+        if accounts is not None:  # landed before the block is seen: stats() are complete
+            ray.get(accounts.add.remote(account))
+        if len(block["id"]) == 0:
+            block = empty_block(spec.transform.size)
+        yield BlockAccessor.batch_to_block(block)
+
+
+def build_dataset(pipe: Any, epoch: int):
+    """The ``ray.data.Dataset`` of ``pipe``'s epoch ``epoch``: one read task per plan unit."""
+    import ray
+    from ray.data.block import BlockMetadata
+    from ray.data.datasource import Datasource, ReadTask
+
+    plan = pipe.plan(epoch)
+    refs = getattr(pipe, "_dataset_refs", None)
+    if refs is None:  # once per pipeline: the spec and the per-id lookup
+        refs = (ray.put(pipe._ready_spec()), ray.put(ManifestLookup(pipe.manifest)),
+                _account_actor_cls().remote(getattr(pipe.sampler, "handle", None)))
+        pipe._dataset_refs = refs
+    spec_ref, lookup_ref, accounts = refs
+    size = pipe.transform.size
+    sampler = pipe.sampler
+    units = plan.units
+    name = f"Raying({pipe.manifest.format})"
+    block_rows = pipe.block_rows()
+    # Ray Data spreads read tasks over nodes by default; other options go by name.
+    remote_args = {k: v for k, v in (pipe.config.ray_remote_args or {}).items()
+                   if k in _READ_ARG_NAMES}
+    # Nothing below may close over ``pipe``: Ray Train pickles the dataset, and a Pipeline
+    # holds locks and threads.
+
+    class _PlanDatasource(Datasource):
+        def get_name(self) -> str:
+            return name
+
+        def estimate_inmemory_data_size(self) -> int:
+            return int(plan.num_rows * size * size * 3)
+
+        def get_read_tasks(  # type: ignore[override]
+                self, parallelism: int, per_task_row_limit: int | None = None,
+                **_: Any) -> list[ReadTask]:
+            tasks = []
+            for unit in units:
+                meta = BlockMetadata(num_rows=None, size_bytes=int(unit.num_rows * size * size * 3),
+                                     exec_stats=None, input_files=None)
+                fn = functools.partial(_read, spec_ref, unit, lookup_ref, sampler, accounts,
+                                       block_rows)
+                tasks.append(ReadTask(fn, meta))
+            return tasks
+
+    return ray.data.read_datasource(_PlanDatasource(), override_num_blocks=max(1, len(units)),
+                                    **remote_args)
+
+
+def dataset_account(pipe: Any) -> dict[str, Any] | None:
+    """The account of reads run by Ray Data for ``pipe`` (None if it made no dataset)."""
+    import ray
+
+    refs = getattr(pipe, "_dataset_refs", None)
+    if refs is None:
+        return None
+    return ray.get(refs[2].summary.remote())
+
+
+def release_dataset(pipe: Any) -> None:
+    """Stop ``pipe``'s account actor (``Pipeline.close``), keeping its final account."""
+    if pipe._dataset_refs is None:
+        return
+    pipe._dataset_final = dataset_reads(pipe)
+    with contextlib.suppress(Exception):
+        import ray
+
+        ray.kill(pipe._dataset_refs[2])
+    pipe._dataset_refs = None
+
+
+def dataset_reads(pipe: Any) -> dict[str, Any] | None:
+    """The account of ``pipe``'s dataset() reads: live, or as ``close()`` kept it; on error
+    (Ray shut down) ``{"error": ...}``."""
+    if pipe._dataset_refs is None:
+        return pipe._dataset_final
+    try:
+        return dataset_account(pipe)
+    except Exception as exc:  # noqa: BLE001 - Ray gone (shut down): say so, keep the rest
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def merge_dataset_account(out: dict[str, Any], reads: dict[str, Any]) -> None:
+    """Add the reads Ray Data ran for ``pipe.dataset(e)`` (e.g. in Ray Train workers) to
+    ``out``: their summary under ``"dataset"``, their skipped samples in ``"skipped"``."""
+    if "error" in reads:
+        out["dataset"] = reads
+        return
+    out["dataset"] = {k: v for k, v in reads.items()
+                      if k not in ("throughput_rows_per_s", "stall_s", "stall_share")}
+    seen = {s["id"] for s in out["skipped"]}
+    for s in reads["skipped"]:
+        if s["id"] not in seen:
+            seen.add(s["id"])
+            out["skipped"].append(s)
+            out["skipped_count"] += 1
+            out["skipped_by_reason"][s["reason"]] = out["skipped_by_reason"].get(
+                s["reason"], 0) + 1

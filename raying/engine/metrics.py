@@ -1,0 +1,206 @@
+"""The account of a run: rows delivered and skipped (with reasons), bytes, time, stalls."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+logger = logging.getLogger("raying")
+
+# Skipped samples kept with their details; beyond this only counts by reason are kept.
+MAX_SKIPPED_LISTED = 10_000
+
+
+class RunAccount:
+    """Accumulates the per-unit accounts of read tasks and the consumer's timings."""
+
+    def __init__(self, manifest: Any = None) -> None:
+        self._lock = threading.Lock()
+        self.rows_in = 0
+        self.rows_out = 0
+        self.units = 0
+        self.bytes_read = 0
+        self.read_s = 0.0
+        self.decode_s = 0.0
+        self.skipped: list[dict[str, Any]] = []
+        self.skipped_by_reason: collections.Counter[str] = collections.Counter()
+        self._skipped_ids: set[int] = set()
+        self.skip_events = 0
+        self.retries = 0
+        self.io: dict[str, float] = {}
+        self.rows_by_node: dict[str, int] = {}
+        self._iter_s = 0.0  # wall seconds spent inside iteration loops (stall share's base)
+        self._logged = 0
+        self.stall = [0.0]  # seconds the consumer waited for a batch (shared with prefetch)
+        self.rows_delivered = 0
+        self._t_first: float | None = None
+        self._t_last: float | None = None
+        self._t_start = time.perf_counter()
+        n = len(manifest) if manifest is not None else 0
+        self._seen_ever = np.zeros(n, dtype=bool)
+        self._seen_epoch = np.zeros(n, dtype=bool)
+        self._epoch: int | None = None
+        self._w = [0, 0.0, 0.0, np.inf, 0.0]  # count, sum, sum of squares, min, max
+
+    def observe_block(self, epoch: int, block: dict[str, Any]) -> None:
+        """Sampling health: which ids were drawn (this epoch, ever) and the weights' spread."""
+        if not len(self._seen_ever):
+            return
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._seen_epoch[:] = False
+        ids = block["id"]
+        self._seen_epoch[ids] = True
+        self._seen_ever[ids] = True
+        w = np.asarray(block["weight"], dtype=np.float64)
+        if w.size:
+            c = self._w
+            c[0] += w.size
+            c[1] += float(w.sum())
+            c[2] += float((w * w).sum())
+            c[3] = min(c[3], float(w.min()))
+            c[4] = max(c[4], float(w.max()))
+
+    def health(self) -> dict[str, Any]:
+        """Coverage of this epoch, share never drawn, importance-weight spread."""
+        n = len(self._seen_ever)
+        count, total, squares, low, high = self._w
+        mean = std = None
+        if count:
+            mean = total / count
+            std = float(np.sqrt(max(squares / count - mean * mean, 0.0)))
+        return {"coverage_epoch": float(self._seen_epoch.mean()) if n else None,
+                "never_drawn_share": float(1.0 - self._seen_ever.mean()) if n else None,
+                "weight_mean": mean, "weight_std": std,
+                "weight_min": low if count else None, "weight_max": high if count else None}
+
+    def add(self, account: dict[str, Any]) -> list[int]:
+        """One read task's account (called in plan order by the executor).
+
+        Returns the ids set aside for the first time (a bad file is bad in every epoch: it is
+        listed and logged once, and counted again only in ``skip_events``).
+        """
+        fresh: list[int] = []
+        with self._lock:
+            self.units += 1
+            self.rows_in += account["rows_in"]
+            self.rows_out += account["rows_out"]
+            self.bytes_read += account.get("bytes_read", 0)
+            self.read_s += account.get("read_s", 0.0)
+            self.decode_s += account.get("decode_s", 0.0)
+            self.retries += account.get("retries", 0)
+            node = account.get("node")
+            if node is not None:
+                self.rows_by_node[node] = self.rows_by_node.get(node, 0) + account["rows_out"]
+            for key, value in account.items():
+                if key.startswith(("io_", "cache_")) and isinstance(value, (int, float)):
+                    self.io[key] = self.io.get(key, 0) + value
+            for sid, path, reason, detail in account.get("skipped", ()):
+                self.skip_events += 1
+                if int(sid) in self._skipped_ids:
+                    continue
+                self._skipped_ids.add(int(sid))
+                fresh.append(int(sid))
+                self.skipped_by_reason[reason] += 1
+                if len(self.skipped) < MAX_SKIPPED_LISTED:
+                    self.skipped.append({"id": int(sid), "path": path, "reason": reason,
+                                         "detail": detail, "epoch": account.get("epoch", 0)})
+        return fresh
+
+    def delivered(self, n: int) -> None:
+        now = time.perf_counter()
+        if self._t_first is None:
+            self._t_first = now
+        self._t_last = now
+        self.rows_delivered += n
+
+    def end_epoch(self, epoch: int) -> None:
+        """Log the samples set aside so far, once each (nothing fails silently)."""
+        new = self.skipped[self._logged:]
+        if not new:
+            return
+        self._logged = len(self.skipped)
+        reasons = collections.Counter(s["reason"] for s in new)
+        shown = "; ".join(f"id {s['id']} {s['path']}: {s['reason']}" for s in new[:5])
+        more = f" (+{len(new) - 5} more)" if len(new) > 5 else ""
+        logger.warning("raying skipped %d bad samples in epoch %d (%s): %s%s; see "
+                       "pipe.stats()['skipped']", len(new), epoch, dict(reasons), shown, more)
+
+    def iterated(self, seconds: float) -> None:
+        """Wall time of one iteration loop, from its first request to its end."""
+        self._iter_s += seconds
+
+    def summary(self) -> dict[str, Any]:
+        with self._lock:
+            elapsed = (self._t_last - self._t_first) if self._t_first and self._t_last else 0.0
+            wall = self._iter_s
+            return {
+                "rows_delivered": self.rows_delivered,
+                "rows_read": self.rows_in,
+                "units": self.units,
+                "throughput_rows_per_s": (self.rows_delivered / elapsed) if elapsed > 0 else 0.0,
+                "stall_s": self.stall[0],
+                "stall_share": (self.stall[0] / wall) if wall > 0 else 0.0,
+                "bytes_read": self.bytes_read,
+                "worker_read_s": self.read_s,
+                "worker_decode_s": self.decode_s,
+                "skipped_count": sum(self.skipped_by_reason.values()),
+                "skip_events": self.skip_events,
+                "read_retries": self.retries + int(self.io.get("io_retries", 0)),
+                "io": _io_summary(self.io),
+                "rows_by_node": dict(self.rows_by_node),
+                "skipped_by_reason": dict(self.skipped_by_reason),
+                "skipped": list(self.skipped),
+            }
+
+
+def _io_summary(totals: dict[str, float]) -> dict[str, Any]:
+    """Read amplification and cache hit ratios from the summed io_*/cache_* counters."""
+    from raying.read.fetch import summarize
+
+    out = summarize(totals)
+    out["retries"] = int(totals.get("io_retries", 0))
+    if not totals.get("cache_lookups"):  # no cache configured: leave out the empty ratios
+        out = {k: v for k, v in out.items() if not k.startswith("cache_")}
+    if totals.get("cache_decoded_lookups"):
+        out["cache_decoded_lookups"] = int(totals["cache_decoded_lookups"])
+        out["cache_decoded_hits"] = int(totals.get("cache_decoded_hits", 0))
+        out["decoded_cache_hit_ratio"] = out["cache_decoded_hits"] / out["cache_decoded_lookups"]
+    return out
+
+
+class EpochTally:
+    """Rows read and delivered by one iteration's read tasks, passing each account on."""
+
+    def __init__(self, on_account: Any) -> None:
+        self.rows_in = 0
+        self.rows_out = 0
+        self.first_skips: list[Any] = []
+        self._next = on_account
+
+    def add(self, account: dict[str, Any]) -> None:
+        self.rows_in += account["rows_in"]
+        self.rows_out += account["rows_out"]
+        if len(self.first_skips) < 3:
+            self.first_skips.extend(account.get("skipped", ())[:3])
+        self._next(account)
+
+    def refuse_all_bad(self, n: int, root: str, epoch: int) -> None:
+        """Raise DataError if every sample read was set aside as bad (a wrong URI, format or
+        column, not bad luck; a tiny epoch, e.g. a resumed tail, is let pass)."""
+        if self.rows_in < min(n, 8) or self.rows_out or not self.first_skips:
+            return
+        from raying.errors import DataError
+
+        shown = "; ".join(f"{path or sid}: {reason}" for sid, path, reason, _ in
+                          self.first_skips[:3])
+        msg = (f"every one of the {self.rows_in} samples read in epoch {epoch} of {root} was "
+               f"set aside as bad ({shown}); nothing to train on. Check that the URI, format "
+               f"and image column are the intended ones; the list is in "
+               f"pipe.stats()['skipped']")
+        raise DataError(msg)

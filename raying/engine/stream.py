@@ -1,0 +1,207 @@
+"""Driver side of the fast path: read tasks submitted from the plan, results in plan order.
+
+What is in flight while a trainer consumes epoch ``e`` (``W`` = the task window)::
+
+    plan(e):    u0 u1 u2 | u3 u4 u5 u6 | u7 ... u_last | plan(e+1): v0 v1 ...
+                consumed | in flight (W)|  not yet      |  submitted once u_last is, so the
+                         |  on workers  |  submitted    |  next epoch starts warm
+
+Units are plain Ray tasks (one per ~256 images, ~100 ms of work) rather than Ray Data
+operators: the streaming executor ramps read concurrency up from one task at every epoch,
+while a fixed window keeps every core decoding from the first unit. Results are taken in plan
+order, so an epoch is reproducible and a resume position is one (unit, row) pair. A task whose
+worker dies is retried by Ray and, being deterministic, yields the same rows: no id is lost
+or repeated.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from raying.errors import RayingError, SupersededError
+from raying.read.task import ReadSpec, iter_unit
+from raying.sampling.plan import EpochPlan, ReadUnit
+
+logger = logging.getLogger(__name__)
+
+# Task retries when a worker process or node dies under a read task.
+DEFAULT_TASK_MAX_RETRIES = 8
+
+_remote_fn = None
+
+
+def read_task(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None, block_rows: int):
+    """The read task: a generator of (block, account), one per ``block_rows`` rows.
+
+    Each yielded value is copied into the object store before the generator resumes, so the
+    worker's output buffer is reused from block to block.
+    """
+    yield from iter_unit(spec, unit, paths, block_rows=block_rows, reuse_output=True)
+
+
+def _remote():
+    global _remote_fn
+    if _remote_fn is None:
+        import ray
+
+        _remote_fn = ray.remote(read_task)
+    return _remote_fn
+
+
+class BlockStream:
+    """Runs the units of epoch plans as Ray tasks with a bounded window, in plan order.
+
+    Args:
+        spec: what every task needs (a ReadSpec); put in the object store once.
+        make_plan: ``epoch -> EpochPlan``.
+        fill: completes a unit just before it is submitted (draws prioritized ids, paths).
+        window: read tasks in flight at most.
+        keep_warm: submit the next epoch's first units while the current one drains.
+        task_options: Ray options of the read task (num_cpus, scheduling_strategy, ...).
+    """
+
+    def __init__(self, spec: ReadSpec, *, make_plan: Callable[[int], EpochPlan],
+                 fill: Callable[[ReadUnit], tuple[ReadUnit, list[str] | None]],
+                 window: int, block_rows: int, keep_warm: bool = True,
+                 task_options: dict[str, Any] | None = None) -> None:
+        import ray
+
+        self._spec_ref = ray.put(spec)
+        self._make_plan = make_plan
+        self._fill = fill
+        self._window = max(1, int(window))
+        self._keep_warm = keep_warm
+        self._block_rows = int(block_rows)
+        self._options = {"num_cpus": 1, "max_retries": DEFAULT_TASK_MAX_RETRIES,
+                         # No generator backpressure: a paused generator keeps its CPU, and
+                         # one nobody consumes (a pipeline dropped mid-epoch) would starve the
+                         # next pipeline's reads. The window bounds memory instead.
+                         "num_returns": "streaming",
+                         **(task_options or {})}
+        # (epoch, unit index) -> ObjectRef of (block, account), in submission order.
+        self._inflight: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
+        self._pending: collections.deque[ReadUnit] = collections.deque()
+        self._pending_epoch: int | None = None
+        self._next_epoch_plan: EpochPlan | None = None
+        self._consuming: int | None = None  # the epoch being iterated: warm up only the next
+        # One iteration at a time: a newer one supersedes the last (whose prefetch thread may
+        # still be pulling); the lock keeps their steps on the shared state apart.
+        self._lock = threading.RLock()
+        self._generation = 0
+
+    # -- submission ----------------------------------------------------------------------------
+    def _submit(self, unit: ReadUnit) -> None:
+        unit, paths = self._fill(unit)
+        ref = _remote().options(**self._options).remote(self._spec_ref, unit, paths,
+                                                         self._block_rows)
+        self._inflight[(unit.epoch, unit.index)] = ref
+
+    def _top_up(self) -> None:
+        while len(self._inflight) < self._window:
+            if not self._pending:
+                if (not self._keep_warm or self._pending_epoch is None
+                        or self._pending_epoch != self._consuming):  # one epoch ahead at most
+                    return
+                nxt = self._pending_epoch + 1
+                plan = self._make_plan(nxt)
+                self._next_epoch_plan = plan
+                self._pending.extend(plan.units)
+                self._pending_epoch = nxt
+                if not self._pending:
+                    return
+            self._submit(self._pending.popleft())
+
+    def _start(self, epoch: int, start_unit: int, skip_rows: int) -> EpochPlan:
+        reuse = (self._pending_epoch == epoch and self._next_epoch_plan is not None
+                 and self._next_epoch_plan.epoch == epoch and start_unit == 0 and skip_rows == 0)
+        keys = list(self._inflight)
+        self._consuming = epoch
+        if reuse and keys and keys[0] == (epoch, 0):
+            return self._next_epoch_plan  # type: ignore[return-value]  # warm: already running
+        self.cancel()  # (keeps _consuming)
+        plan = self._make_plan(epoch)
+        units = [u for u in plan.units if u.index >= start_unit]
+        if units and skip_rows:
+            units[0].skip_rows = skip_rows
+        self._pending = collections.deque(units)
+        self._pending_epoch = epoch
+        self._next_epoch_plan = plan
+        return plan
+
+    # -- consumption ---------------------------------------------------------------------------
+    def iter_epoch(self, epoch: int, *, start_unit: int = 0, skip_rows: int = 0,
+                   on_account: Callable[[dict[str, Any]], None] | None = None
+                   ) -> Iterator[tuple[int, dict[str, np.ndarray], bool]]:
+        """Yield ``(unit index, block, last block of the unit)`` for the units of ``epoch``
+        from ``start_unit`` on; a unit yields one block per ``block_rows`` rows, in order."""
+        import ray
+
+        with self._lock:
+            self._generation += 1
+            mine = self._generation
+            plan = self._start(epoch, start_unit, skip_rows)
+        last = plan.units[-1].index if plan.units else -1
+        index = start_unit
+        while index <= last:
+            with self._lock:
+                self._check(mine)
+                self._top_up()
+                key = (epoch, index)
+                ref = self._inflight.pop(key, None)
+                if ref is None:  # a unit the window has not reached (should not happen)
+                    self._top_up()
+                    ref = self._inflight.pop(key)
+            for part in ref:
+                try:
+                    block, account = ray.get(part)
+                except ray.exceptions.RayTaskError as exc:
+                    with self._lock:
+                        if self._generation == mine:
+                            self.cancel()
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, RayingError):
+                        raise cause from None
+                    raise
+                with self._lock:
+                    self._check(mine)
+                if on_account is not None:
+                    on_account(account)
+                yield index, block, bool(account.get("final", True))
+            with self._lock:
+                self._check(mine)
+                self._top_up()
+            index += 1
+
+    def _check(self, mine: int) -> None:
+        if self._generation != mine:
+            msg = ("this iterator was superseded: a newer iteration of the same Pipeline "
+                   "(iter_batches, iter_torch_batches, to_tf, iter_blocks) has started, and a "
+                   "Pipeline streams one iteration at a time. Finish or drop the old iterator "
+                   "before starting the next, or build a second Pipeline to iterate both")
+            raise SupersededError(msg)
+
+    def cancel(self) -> None:
+        """Drop every submitted and pending unit (a different epoch or a resume was asked)."""
+        with self._lock:
+            self._cancel()
+
+    def _cancel(self) -> None:
+        # The refs are dropped, not ray.cancel()ed: cancelling a streaming read task as it
+        # completes aborts the driver in Ray 2.60 ("Tried to complete task that was not
+        # pending", task_manager.cc; 3 of 6 runs of 300 break-and-close loops). The tasks
+        # in flight (at most a window of units) finish on their own and their blocks are freed.
+        self._inflight.clear()
+        self._pending.clear()
+        self._pending_epoch = None
+        self._next_epoch_plan = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._generation += 1  # an iterator still running stops at its next step
+            self._cancel()

@@ -1,0 +1,221 @@
+"""Batches from blocks: slicing, a prefetch thread, torch and tf.data conversion.
+
+What is in flight while the trainer holds batch ``b``::
+
+    workers:   decode units u+1 .. u+W          (BlockStream window)
+    thread:    slices blocks into batches b+1 .. b+P, converts them to tensors, pins them
+               and starts their host->device copies       (P = prefetch_batches)
+    trainer:   batch b, already on the device; uint8 -> float and normalization run there
+
+Images stay uint8 NHWC until the device. A batch that lies inside one block is a view of it
+(no copy); only batches that straddle blocks are concatenated.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from raying.errors import ConfigError
+from raying.options import DEFAULT_MEAN, DEFAULT_STD
+
+_DONE = object()
+
+
+class BatchAssembler:
+    """Cut a stream of blocks into batches of ``batch_size`` rows (the last may be short)."""
+
+    def __init__(self, batch_size: int, *, drop_last: bool = False) -> None:
+        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            msg = f"batch_size must be a positive int, got {batch_size!r}"
+            raise ConfigError(msg)
+        self.batch_size = int(batch_size)
+        self.drop_last = drop_last
+        self._parts: list[dict[str, np.ndarray]] = []
+        self._rows = 0
+
+    def push(self, block: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        n = len(block["id"])
+        start = 0
+        if self._rows:
+            take = min(self.batch_size - self._rows, n)
+            self._parts.append({k: v[:take] for k, v in block.items()})
+            self._rows += take
+            start = take
+            if self._rows == self.batch_size:
+                yield self._flush()
+        while n - start >= self.batch_size:
+            yield {k: v[start:start + self.batch_size] for k, v in block.items()}
+            start += self.batch_size
+        if start < n:
+            self._parts.append({k: v[start:] for k, v in block.items()})
+            self._rows += n - start
+
+    def finish(self) -> Iterator[dict[str, np.ndarray]]:
+        if self._rows and not self.drop_last:
+            yield self._flush()
+        self._parts, self._rows = [], 0
+
+    def _flush(self) -> dict[str, np.ndarray]:
+        parts, self._parts, self._rows = self._parts, [], 0
+        if len(parts) == 1:
+            return parts[0]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None = None,
+             stall: list[float] | None = None,
+             timed: Callable[[float], None] | None = None) -> Iterator[Any]:
+    """Run ``source`` (and ``convert``) in a background thread, ``depth`` items ahead.
+
+    Errors raised in the thread are re-raised in the consumer. ``stall`` (if given) accumulates
+    the seconds the consumer waited for an item; ``timed`` receives the loop's wall seconds.
+    """
+    began = time.perf_counter()
+    try:
+        yield from _prefetch(source, depth, convert, stall)
+    finally:
+        if timed is not None:
+            timed(time.perf_counter() - began)
+
+
+def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None,
+              stall: list[float] | None) -> Iterator[Any]:
+    if depth <= 0:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(source)
+            except StopIteration:
+                return
+            if stall is not None:
+                stall[0] += time.perf_counter() - t0
+            yield convert(item) if convert else item
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work() -> None:
+        try:
+            for item in source:
+                if stop.is_set():
+                    return
+                q.put(convert(item) if convert else item)
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+            q.put(_Failure(exc))
+        finally:
+            q.put(_DONE)
+
+    thread = threading.Thread(target=work, name="raying-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            t0 = time.perf_counter()
+            item = q.get()
+            if stall is not None:
+                stall[0] += time.perf_counter() - t0
+            if item is _DONE:
+                return
+            if isinstance(item, _Failure):
+                raise item.exc
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            try:
+                q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        if hasattr(source, "close"):
+            source.close()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _channel_stats(name: str, values: Any) -> tuple[float, float, float]:
+    """Per-channel mean or std: three finite numbers (one per RGB channel)."""
+    try:
+        out = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        out = ()
+    if len(out) != 3 or not all(np.isfinite(out)):
+        msg = (f"{name} must be 3 finite numbers, one per RGB channel on the 0-1 scale "
+               f"(e.g. ImageNet's {name} {DEFAULT_MEAN if name == 'mean' else DEFAULT_STD}), "
+               f"got {values!r}")
+        raise ConfigError(msg)
+    return out  # type: ignore[return-value]
+
+
+# -- torch ---------------------------------------------------------------------------------------
+def resolve_device(device: Any):
+    """``"auto"`` -> the CUDA device of this process if there is one, else the CPU."""
+    import torch
+
+    if device is None or device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+class TorchConverter:
+    """numpy batch -> dict of torch tensors on ``device`` (uint8 until it gets there).
+
+    With ``normalize=True`` the image becomes float32 NCHW, ``(x/255 - mean)/std``, computed
+    on the device; the tensor is a channels-last view (NHWC memory), which is what
+    convolutions on GPUs prefer. With ``normalize=False`` it stays uint8 NHWC.
+    """
+
+    def __init__(self, device: Any, *, normalize: bool, mean=DEFAULT_MEAN, std=DEFAULT_STD,
+                 pin_memory: bool | None = None, dtype: Any = None) -> None:
+        import torch
+
+        self.torch = torch
+        self.device = resolve_device(device)
+        self.normalize = normalize
+        self.dtype = dtype or torch.float32
+        cuda = self.device.type == "cuda"
+        self.pin = cuda if pin_memory is None else (pin_memory and cuda)
+        mean, std = _channel_stats("mean", mean), _channel_stats("std", std)
+        if not all(x > 0 for x in std):
+            msg = f"std must be 3 numbers > 0 (per RGB channel, on the 0-1 scale), got {std}"
+            raise ConfigError(msg)
+        scale = torch.tensor([1.0 / (255.0 * s) for s in std], dtype=torch.float32)
+        shift = torch.tensor([m / s for m, s in zip(mean, std, strict=True)], dtype=torch.float32)
+        self._scale = scale.view(1, 3, 1, 1).to(self.device)
+        self._shift = shift.view(1, 3, 1, 1).to(self.device)
+
+    def host(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        """Zero-copy host tensors (pinned copies when transferring to a GPU)."""
+        torch = self.torch
+        out = {}
+        with warnings.catch_warnings():
+            # Blocks from the object store are read-only; the tensors are never written to.
+            warnings.simplefilter("ignore", UserWarning)
+            for k, v in batch.items():
+                t = torch.from_numpy(np.ascontiguousarray(v))
+                out[k] = t.pin_memory() if self.pin else t
+        return out
+
+    def device_put(self, batch: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for k, t in batch.items():
+            if self.device.type != "cpu":
+                t = t.to(self.device, non_blocking=self.pin)
+            out[k] = t
+        if self.normalize:
+            out["image"] = self.to_float(out["image"])
+        return out
+
+    def to_float(self, image):
+        """uint8 NHWC -> normalized float NCHW (channels-last memory), where ``image`` is."""
+        x = image.permute(0, 3, 1, 2).to(self.dtype)
+        return x.mul_(self._scale.to(x.dtype)).sub_(self._shift.to(x.dtype))

@@ -1,0 +1,399 @@
+"""The Pipeline: manifest + sampler + transform -> Ray Data datasets and framework batches.
+
+What is in flight for ``pipe.iter_torch_batches(epoch=e)``::
+
+    sampler.plan(e) -> units u0..uK          (ids grouped by file / row group)
+    BlockStream      -> W read tasks on the cluster: read + decode + augment fused, uint8
+    prefetch thread  -> P batches sliced, converted to tensors, copied to the device
+    trainer          -> batch; pipe.report(ids, losses) -> priority store (prioritized)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from raying.dataset.manifest import Manifest
+from raying.engine.datasource import (
+    build_dataset,
+    dataset_reads,
+    merge_dataset_account,
+    release_dataset,
+)
+from raying.engine.metrics import EpochTally, RunAccount
+from raying.engine.ray_setup import ensure_ray
+from raying.errors import ConfigError
+from raying.image.transform import ImageTransform
+from raying.loader.batches import BatchAssembler, TorchConverter, prefetch
+from raying.options import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_INFLIGHT_TASKS_PER_CPU,
+    DEFAULT_PREFETCH_BATCHES,
+    PipelineConfig,
+)
+from raying.read.task import ReadSpec, dataset_key
+from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
+from raying.sampling.uniform import UniformSampler
+
+_ON_ERROR = ("skip", "raise")
+# Smallest block a small epoch is cut into (below it, per-task costs dominate).
+MIN_BLOCK_ROWS = 32
+
+
+class Pipeline:
+    """Streams a manifest's samples, sampled and augmented, into Ray Data, torch and tf.
+
+    Args:
+        manifest: the dataset (:meth:`raying.Manifest.scan`).
+        transform: decode-side augmentation; default ``ImageTransform()`` (224, training).
+        sampler: ``UniformSampler`` (default) or ``PrioritizedSampler``.
+        on_error: ``"skip"`` sets bad samples aside and reports them (``stats()["skipped"]``);
+            ``"raise"`` stops at the first one with an error naming the file.
+        config: a :class:`PipelineConfig`.
+    """
+
+    def __init__(self, manifest: Manifest, *, transform: ImageTransform | None = None,
+                 sampler: Any = None, on_error: str = "skip",
+                 config: PipelineConfig | None = None) -> None:
+        if not isinstance(manifest, Manifest):
+            msg = (f"Pipeline needs a raying.Manifest, got {type(manifest).__name__}; build one "
+                   f"with raying.Manifest.scan(uri)")
+            raise ConfigError(msg)
+        if on_error not in _ON_ERROR:
+            msg = f"on_error must be one of {_ON_ERROR}, got {on_error!r}"
+            raise ConfigError(msg)
+        self.manifest = manifest
+        self.transform = transform or ImageTransform()
+        self.sampler = sampler if sampler is not None else UniformSampler()
+        self.on_error = on_error
+        self.config = config or PipelineConfig()
+        self.name = self.config.name or f"raying-{uuid.uuid4().hex[:8]}"
+        self.account = RunAccount(manifest)
+        self._stream = None
+        # Where the consumer stands: units seen so far as (index, first row, end row) and rows
+        # delivered in the epoch (``base`` of them before the first listed unit, on resume).
+        self._cursor: dict[str, Any] = {"epoch": 0, "units": [], "delivered": 0, "base": 0}
+        self._resume: tuple[int, int, int, int] | None = None
+        self._bound = False
+        self._closed = False
+        self._dataset_refs: Any = None  # (spec, lookup, accounts actor) once dataset() ran
+        self._dataset_final: dict[str, Any] | None = None  # its account, kept by close()
+        self._lookup: ManifestLookup | None = None
+        self._spec_ready = False
+        self._spec = ReadSpec.of(manifest, self.transform, getattr(self.sampler, "seed", 0),
+                                 on_error, max_pixels=self.config.max_image_pixels,
+                                 io=self.config.io)  # issue 5
+        if self._spec.io is not None and self._spec.io.cache is not None:
+            self._spec.io.cache.check_dirs()
+
+    # -- plans ---------------------------------------------------------------------------------
+    def _bind(self) -> None:
+        if self._closed:
+            msg = (f"Pipeline {self.name!r} is closed: its reads stopped and its sampler let go "
+                   f"of its priority store; build a new Pipeline (load_state_dict(...) of "
+                   f"this one's state_dict() continues where it stood)")
+            raise ConfigError(msg)
+        if not self._bound:
+            if getattr(self.sampler, "lazy", False):
+                ensure_ray()
+            self.sampler.bind(self.manifest, name=self.name)
+            self._bound = True
+
+    def plan(self, epoch: int) -> EpochPlan:
+        """The explicit plan of ``epoch`` (units of ids; prioritized units are drawn later)."""
+        self._bind()
+        return self.sampler.plan(self.manifest, _epoch(epoch), block_rows=self.block_rows())
+
+    def block_rows(self) -> int:
+        """Rows per read task (and per block): ``config.block_rows``, or for a small epoch (under
+        8 blocks) a multiple of 32 that cuts it into ~8 tasks, so it still spreads over the
+        cores. Batches of a size that divides the block are zero-copy views; others straddle
+        blocks and are copied. It depends only on the dataset, so a resumed run cuts its
+        epochs the same way on any cluster."""
+        rows = getattr(self.sampler, "samples_per_epoch", None) or len(self.manifest)
+        wanted = self.config.block_rows
+        if rows >= 8 * wanted:
+            return wanted
+        small = -(-rows // 8)
+        return max(1, min(wanted, max(MIN_BLOCK_ROWS, -(-small // 32) * 32)))
+
+    def _fill(self, unit: ReadUnit) -> tuple[ReadUnit, list[str] | None]:
+        if self._lookup is None:
+            self._lookup = ManifestLookup(self.manifest)
+        return self._lookup.complete(self.sampler.fill(unit))
+
+    def _ready_spec(self) -> ReadSpec:
+        """The read spec with what is resolved once, in the driver: the decoded-cache budget."""
+        if not self._spec_ready:
+            from raying.read import decoded_cache as decoded
+
+            budget = decoded.plan_budget(self.config.decoded_cache, self.manifest,
+                                         size_of=lambda ids: decoded.header_sizes(
+                                             self.manifest, ids))
+            if budget:
+                decoded.claim(self.name)
+            self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
+                                             decoded_cache_dir=decoded.cache_dir(self.name),
+                                             cache_namespace=dataset_key(
+                self.manifest.fingerprint(), self.manifest.storage))
+            self._spec_ready = True
+        return self._spec
+
+    def _block_stream(self):
+        if self._stream is None:
+            import ray
+
+            from raying.engine.stream import BlockStream
+
+            ensure_ray()
+            self._bind()
+            window = self.config.window
+            if window is None:
+                cpus = int(ray.cluster_resources().get("CPU", 1))
+                window = max(2, DEFAULT_INFLIGHT_TASKS_PER_CPU * cpus)
+            opts: dict[str, Any] = {"num_cpus": self.config.task_num_cpus}
+            if self.config.spread:
+                opts["scheduling_strategy"] = "SPREAD"
+            opts.update(self.config.ray_remote_args or {})
+            self._stream = BlockStream(self._ready_spec(), make_plan=self.plan, fill=self._fill,
+                                       window=window, block_rows=self.block_rows(),
+                                       keep_warm=self.config.keep_warm, task_options=opts)
+        return self._stream
+
+    # -- iteration -----------------------------------------------------------------------------
+    def _on_account(self, account: dict[str, Any]) -> None:
+        fresh = self.account.add(account)
+        set_aside = getattr(self.sampler, "set_aside", None)
+        if fresh and set_aside is not None:
+            set_aside(fresh)  # a bad sample must not keep drawing reads
+
+    def start(self) -> Pipeline:
+        """Start Ray (if needed), the priority store and the read workers now, not at the
+        first batch. Returns the pipeline."""
+        self._block_stream()
+        return self
+
+    def iter_blocks(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
+        """The epoch's blocks in plan order (host numpy; image uint8 NHWC)."""
+        epoch = _epoch(epoch)
+        stream = self._block_stream()
+        start_unit, skip, base = 0, 0, 0
+        if self._resume is not None and self._resume[0] == epoch:
+            _, start_unit, skip, base = self._resume
+        self._resume = None
+        units: list[tuple[int, int, int, bool]] = []
+        self._cursor = {"epoch": int(epoch), "units": units, "delivered": base, "base": base,
+                        "start": (start_unit, skip)}
+        offset = {start_unit: skip}  # rows of each unit already accounted for
+        tally = EpochTally(self._on_account)
+        for index, block, last in stream.iter_epoch(int(epoch), start_unit=start_unit,
+                                                    skip_rows=skip, on_account=tally.add):
+            begin = offset.get(index, 0)
+            offset[index] = begin + len(block["id"])
+            units.append((index, begin, begin + len(block["id"]), last))
+            self.account.observe_block(int(epoch), block)
+            yield block
+        self.account.end_epoch(int(epoch))
+        tally.refuse_all_bad(len(self.manifest), self.manifest.root, int(epoch))
+
+    def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
+                     prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
+                     drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
+        """numpy batches: ``id``, ``label``, ``image`` (uint8 NHWC), ``weight``, ``prob``."""
+        epoch = _epoch(epoch)  # here, not in the prefetch thread
+        self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
+        assembler = BatchAssembler(batch_size, drop_last=drop_last)
+
+        def batches():
+            for block in self.iter_blocks(epoch):
+                yield from assembler.push(block)
+            yield from assembler.finish()
+
+        for batch in prefetch(batches(), prefetch_batches, stall=self.account.stall,
+                              timed=self.account.iterated):
+            self._cursor["delivered"] += len(batch["id"])
+            self.account.delivered(len(batch["id"]))
+            yield batch
+
+    def iter_torch_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
+                           device: Any = "auto",
+                           prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
+                           normalize: bool = True, drop_last: bool = False,
+                           mean: tuple[float, float, float] | None = None,
+                           std: tuple[float, float, float] | None = None,
+                           pin_memory: bool | None = None) -> Iterator[dict[str, Any]]:
+        """torch batches on ``device``: the batch contract of DESIGN.md.
+
+        ``image`` is float32 NCHW normalized on the device (``normalize=True``), or uint8
+        NHWC (``normalize=False``). ``id``/``label`` int64, ``weight`` float32, ``prob``
+        float64.
+        """
+        from raying.options import DEFAULT_MEAN, DEFAULT_STD
+
+        epoch = _epoch(epoch)  # here, not in the prefetch thread
+        self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
+        conv = TorchConverter(device, normalize=normalize, mean=mean or DEFAULT_MEAN,
+                              std=std or DEFAULT_STD, pin_memory=pin_memory)
+        assembler = BatchAssembler(batch_size, drop_last=drop_last)
+
+        def batches():
+            for block in self.iter_blocks(epoch):
+                for b in assembler.push(block):
+                    yield conv.device_put(conv.host(b))
+            for b in assembler.finish():
+                yield conv.device_put(conv.host(b))
+
+        for batch in prefetch(batches(), prefetch_batches, stall=self.account.stall,
+                              timed=self.account.iterated):
+            n = int(batch["id"].shape[0])
+            self._cursor["delivered"] += n
+            self.account.delivered(n)
+            yield batch
+
+    def to_tf(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int | None = 0,
+              normalize: bool = False, as_supervised: bool = False,
+              prefetch_batches: int = DEFAULT_PREFETCH_BATCHES, drop_last: bool = False):
+        """A tf.data.Dataset of the same batch dicts (see :mod:`raying.loader.tf`)."""
+        from raying.loader.tf import to_tf
+
+        return to_tf(self, batch_size=batch_size, epoch=None if epoch is None else _epoch(epoch), normalize=normalize,
+                     as_supervised=as_supervised, prefetch_batches=prefetch_batches,
+                     drop_last=drop_last)
+
+    def dataset(self, epoch: int = 0):
+        """A ``ray.data.Dataset`` of this epoch (read + decode + augment fused in its reads).
+
+        Use it where Ray Data is the interface, e.g. ``TorchTrainer(datasets={"train": ds})``
+        and ``ray.train.get_dataset_shard("train").iter_torch_batches(...)`` in the workers.
+        """
+        ensure_ray()
+        self._bind()
+        return build_dataset(self, _epoch(epoch))
+
+    # -- feedback, stats, state ----------------------------------------------------------------
+    @property
+    def store_name(self) -> str | None:
+        """Name of the priority store (for ``raying.report(..., store=...)`` in Train workers)."""
+        self._bind()
+        return getattr(self.sampler, "store_name", None)
+
+    def report(self, ids: Any, losses: Any) -> None:
+        """Per-sample losses for ``ids`` (torch, tf or numpy); never blocks the step."""
+        self._bind()
+        self.sampler.report(ids, losses)
+
+    def priorities(self) -> np.ndarray | None:
+        """Every id's current priority (prioritized sampling), or None (uniform)."""
+        self._bind()  # a prioritized pipeline not started yet starts its store here
+        handle = getattr(self.sampler, "handle", None)
+        if handle is None:
+            return None
+        from raying.sampling import store
+
+        self.sampler.flush()  # type: ignore[union-attr]
+        return store.priorities(handle)
+
+    def stats(self, *, sampling: bool = True) -> dict[str, Any]:
+        """Throughput, stall share, skipped samples and (``sampling=True``) sampling health.
+
+        ``stall_share`` is the share of the iteration loops' wall time the consumer spent
+        waiting for a batch. ``sampling=False`` skips the round trip to the priority store.
+        """
+        out = self.account.summary()
+        reads = dataset_reads(self)  # epochs read through dataset(), e.g. by Ray Train
+        if reads is not None:
+            merge_dataset_account(out, reads)
+        if sampling:
+            out["sampling"] = {**self.sampler.stats(), **self.account.health()}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this pipeline stands: epoch, position in its plan, sampler state."""
+        cur = self._cursor
+        if self._resume is not None:
+            epoch, unit, row, delivered = self._resume
+        else:
+            epoch, delivered = cur["epoch"], cur["delivered"]
+            unit, row = _position(cur["units"], delivered - cur["base"],
+                                  cur.get("start", (0, 0)))
+        return {"version": 1, "epoch": epoch, "unit": unit, "row": row,
+                "block_rows": self.block_rows(),
+                "delivered": delivered, "sampler": self.sampler.state_dict(),
+                "fingerprint": self.manifest.fingerprint()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iteration of that epoch continues there."""
+        if state.get("fingerprint") != self.manifest.fingerprint():
+            msg = ("state_dict was saved for a different dataset (manifest fingerprint "
+                   f"{state.get('fingerprint')} != {self.manifest.fingerprint()}); rebuild the "
+                   f"pipeline on the same manifest")
+            raise ConfigError(msg)
+        if state.get("block_rows", self.block_rows()) != self.block_rows():
+            msg = (f"state_dict was saved with block_rows={state.get('block_rows')} but this "
+                   f"pipeline cuts epochs into blocks of {self.block_rows()}; build it with "
+                   f"PipelineConfig(block_rows={state.get('block_rows')})")
+            raise ConfigError(msg)
+        self._bind()
+        self.sampler.load_state_dict(state["sampler"])
+        self._resume = (int(state["epoch"]), int(state["unit"]), int(state["row"]),
+                        int(state.get("delivered", 0)))
+        if self._stream is not None:
+            self._stream.cancel()
+
+    def close(self, *, release_store: bool = True) -> None:
+        """Cancel reads in flight, flush pending feedback and, with ``release_store``, stop the
+        priority store this pipeline created (after a final snapshot, if it takes them)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+        release_dataset(self)  # the dataset() reads' account actor; its account is kept
+        close = getattr(self.sampler, "close", None)
+        if close is not None:
+            close(release_store=release_store)
+        if self._spec.decoded_cache_bytes:
+            from raying.read import decoded_cache as decoded
+
+            decoded.release(self.name)  # this node's copy; other nodes' go with their tmpfs
+        self._bound = False
+        self._closed = True
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Pipeline({self.manifest!r}, sampler={type(self.sampler).__name__}, "
+                f"transform={self.transform!r}, on_error={self.on_error!r})")
+
+
+def _position(units: list[tuple[int, int, int, bool]], delivered: int,
+              start: tuple[int, int] = (0, 0)) -> tuple[int, int]:
+    """(unit index, row within that unit's output) of the next undelivered row.
+
+    ``units`` lists the blocks received so far: (unit index, first row, end row, whether it
+    was the unit's last block).
+    """
+    left = delivered
+    for index, begin, end, _ in units:
+        if left < end - begin:
+            return index, begin + left
+        left -= end - begin
+    if units:
+        index, _, end, last = units[-1]
+        return (index + 1, 0) if last else (index, end)
+    return start
+
+
+def _epoch(epoch: Any) -> int:
+    """An epoch number: a non-negative integer (numpy integers too), never a float or bool."""
+    if isinstance(epoch, (bool, np.bool_)) or not isinstance(epoch, (int, np.integer)) \
+            or epoch < 0:
+        msg = f"epoch must be a non-negative integer, got {epoch!r}"
+        raise ConfigError(msg)
+    return int(epoch)

@@ -1,0 +1,57 @@
+"""tf.data output: the pipeline's batches as a prefetched tf.data.Dataset."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from raying.errors import require
+from raying.options import DEFAULT_MEAN, DEFAULT_STD
+
+
+def _tf():
+    return require("tensorflow", purpose="for to_tf() and the Keras callback")
+
+
+def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
+          as_supervised: bool, prefetch_batches: int, drop_last: bool):
+    """A tf.data.Dataset over ``pipe``'s batches.
+
+    Each pass over the dataset (each Keras epoch) reads the next epoch of the plan, starting
+    at ``epoch``; so ``model.fit(ds, epochs=3)`` sees epochs ``epoch, epoch+1, epoch+2``, each
+    in its own order. Elements are dicts with the batch contract's keys (``image`` uint8 NHWC,
+    or float32 NHWC normalized with ``normalize=True``), or ``(image, label, weight)`` with
+    ``as_supervised=True``, which Keras ``fit`` takes as (x, y, sample_weight).
+    """
+    tf = _tf()
+    pipe._block_stream()  # start Ray (if needed) in this thread, not in tf.data's
+    size = pipe.transform.size
+    counter = itertools.count(0 if epoch is None else int(epoch))
+
+    def gen():
+        e = next(counter)
+        yield from pipe.iter_batches(batch_size=batch_size, epoch=e,
+                                     prefetch_batches=prefetch_batches, drop_last=drop_last)
+
+    n = None if not drop_last else batch_size
+    signature = {
+        "id": tf.TensorSpec((n,), tf.int64),
+        "label": tf.TensorSpec((n,), tf.int64),
+        "image": tf.TensorSpec((n, size, size, 3), tf.uint8),
+        "weight": tf.TensorSpec((n,), tf.float32),
+        "prob": tf.TensorSpec((n,), tf.float64),
+    }
+    ds = tf.data.Dataset.from_generator(gen, output_signature=signature)
+    if normalize:
+        mean = tf.constant([m * 255.0 for m in DEFAULT_MEAN], tf.float32)
+        inv = tf.constant([1.0 / (s * 255.0) for s in DEFAULT_STD], tf.float32)
+
+        def norm(b):
+            b = dict(b)
+            b["image"] = (tf.cast(b["image"], tf.float32) - mean) * inv
+            return b
+
+        ds = ds.map(norm, num_parallel_calls=tf.data.AUTOTUNE)
+    if as_supervised:
+        ds = ds.map(lambda b: (b["image"], b["label"], b["weight"]))
+    return ds.prefetch(tf.data.AUTOTUNE)

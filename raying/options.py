@@ -1,0 +1,374 @@
+"""Every setting of raying in one place: named defaults, the RAYING_* environment overrides,
+and the public configuration dataclasses (storage, pipeline, I/O, cache)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from raying.errors import ConfigError
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        msg = f"environment variable {name} must be an integer, got {raw!r}; unset it or fix it"
+        raise ConfigError(msg) from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        msg = f"environment variable {name} must be a number, got {raw!r}; unset it or fix it"
+        raise ConfigError(msg) from None
+
+
+# --- decode ------------------------------------------------------------------------------------
+# PIL's own default: images above this many pixels are treated as decompression bombs.
+DEFAULT_MAX_IMAGE_PIXELS = _env_int("RAYING_MAX_IMAGE_PIXELS", 89_478_485)
+
+# --- reads and blocks --------------------------------------------------------------------------
+# Images per read task: about 100 ms of decode work on one core for 256px JPEGs.
+DEFAULT_BLOCK_ROWS = _env_int("RAYING_BLOCK_ROWS", 256)
+# Parquet row groups shuffled together inside one read task (uniform mode).
+DEFAULT_PARQUET_WINDOW_ROW_GROUPS = _env_int("RAYING_PARQUET_WINDOW_ROW_GROUPS", 4)
+# Rows per row group written by `raying pack`.
+DEFAULT_PACK_ROW_GROUP_ROWS = _env_int("RAYING_PACK_ROW_GROUP_ROWS", 256)
+# Rows per Parquet shard written by `raying pack`.
+DEFAULT_PACK_SHARD_ROWS = _env_int("RAYING_PACK_SHARD_ROWS", 4096)
+# Read tasks in flight per CPU the executor may use.
+DEFAULT_INFLIGHT_TASKS_PER_CPU = _env_int("RAYING_INFLIGHT_TASKS_PER_CPU", 2)
+# Object store of a local Ray that raying starts itself (``ensure_ray``): this many MB per CPU,
+# at least the floor, at most Ray's own default (30% of memory). Ray's default lets the shared
+# memory that read tasks write through grow to gigabytes on a small node with no gain in speed
+# (``python -m raying.bench.mem_profile``). RAYING_OBJECT_STORE_MB fixes it; 0 keeps Ray's.
+DEFAULT_OBJECT_STORE_MB_PER_CPU = _env_int("RAYING_OBJECT_STORE_MB_PER_CPU", 256)
+DEFAULT_OBJECT_STORE_MIN_MB = _env_int("RAYING_OBJECT_STORE_MIN_MB", 512)
+# Threads a read task uses to fetch objects from remote storage.
+DEFAULT_REMOTE_READ_THREADS = _env_int("RAYING_REMOTE_READ_THREADS", 16)
+# Attempts for a storage read before the error surfaces.
+DEFAULT_READ_RETRIES = _env_int("RAYING_READ_RETRIES", 5)
+DEFAULT_READ_RETRY_BACKOFF_S = _env_float("RAYING_READ_RETRY_BACKOFF_S", 0.2)
+
+# --- iterators ---------------------------------------------------------------------------------
+DEFAULT_PREFETCH_BATCHES = _env_int("RAYING_PREFETCH_BATCHES", 4)
+DEFAULT_BATCH_SIZE = 256
+
+# ImageNet statistics, the usual normalization on the device.
+DEFAULT_MEAN = (0.485, 0.456, 0.406)
+DEFAULT_STD = (0.229, 0.224, 0.225)
+
+# --- priority store ----------------------------------------------------------------------------
+DEFAULT_STORE_TICK_S = _env_float("RAYING_STORE_TICK_S", 0.02)
+DEFAULT_PLAN_CHUNK_IDS = _env_int("RAYING_PLAN_CHUNK_IDS", 4096)
+# The largest p**alpha a leaf of a priority table holds: sums of n leaves, and of their
+# squares (the effective sample size), stay finite for any n below 1e100.
+MAX_PRIORITY_LEAF = 1e100
+DEFAULT_SNAPSHOT_EVERY_UPDATES = _env_int("RAYING_SNAPSHOT_EVERY_UPDATES", 200_000)
+DEFAULT_SNAPSHOT_INTERVAL_S = _env_float("RAYING_SNAPSHOT_INTERVAL_S", 30.0)
+DEFAULT_STORE_SHARD_ROWS = _env_int("RAYING_STORE_SHARD_ROWS", 10_000_000)
+DEFAULT_REPORT_FLUSH_IDS = _env_int("RAYING_REPORT_FLUSH_IDS", 1024)
+DEFAULT_REPORT_FLUSH_S = _env_float("RAYING_REPORT_FLUSH_S", 0.05)
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageOptions:
+    """How to reach remote storage.
+
+    Every field left as None falls back to the standard environment: the AWS credentials
+    chain (env vars, shared config and credentials files, instance roles), ``AWS_REGION`` and
+    ``AWS_ENDPOINT_URL``. Secrets never appear in the repr.
+
+    Args:
+        endpoint_url: S3-compatible endpoint, e.g. ``http://127.0.0.1:9000``.
+        region: S3 region.
+        anonymous: read public buckets without credentials.
+        profile: a profile of the shared AWS config files.
+        access_key_id: explicit access key (prefer the environment).
+        secret_access_key: explicit secret key (prefer the environment).
+        session_token: explicit session token.
+        hdfs_user: user name for HDFS.
+        slow: ``(latency_s, bandwidth_bytes_per_s)`` to emulate slow storage in tests/benchmarks.
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    anonymous: bool = False
+    profile: str | None = None
+    access_key_id: str | None = dataclasses.field(default=None, repr=False)
+    secret_access_key: str | None = dataclasses.field(default=None, repr=False)
+    session_token: str | None = dataclasses.field(default=None, repr=False)
+    hdfs_user: str | None = None
+    slow: tuple[float, float] | None = None
+
+    @classmethod
+    def coerce(cls, value: StorageOptions | Mapping[str, Any] | None) -> StorageOptions:
+        """Accept a StorageOptions, a dict of its fields, or None."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            aliases = {"endpoint": "endpoint_url", "endpoint_override": "endpoint_url",
+                       "key": "access_key_id", "secret": "secret_access_key",
+                       "aws_access_key_id": "access_key_id",
+                       "aws_secret_access_key": "secret_access_key",
+                       "aws_session_token": "session_token"}
+            fields = {f.name for f in dataclasses.fields(cls)}
+            kwargs = {}
+            for key, val in value.items():
+                name = aliases.get(key, key)
+                if name not in fields:
+                    msg = (f"storage option {key!r} is not known; expected one of "
+                           f"{sorted(fields)}")
+                    raise ConfigError(msg)
+                kwargs[name] = val
+            return cls(**kwargs)
+        msg = f"storage must be a StorageOptions, a dict or None, got {type(value).__name__}"
+        raise ConfigError(msg)
+
+    def public_dict(self) -> dict[str, Any]:
+        """The non-secret fields, safe to save in a manifest or print."""
+        out = dataclasses.asdict(self)
+        for secret in ("access_key_id", "secret_access_key", "session_token"):
+            out.pop(secret)
+        return out
+
+
+# --- I/O: read planning and the tiered cache ----------------------------------------------------
+# --- cache ------------------------------------------------------------------------------------
+CACHE_POLICIES = ("priority", "lru")
+# Evict the entries the sampler is least likely to want again (lowest expected future reads).
+DEFAULT_CACHE_POLICY = "priority"
+# The memory tier is a size-bounded directory on tmpfs, shared by every worker of the node.
+DEFAULT_MEMORY_CACHE_DIR = ("/dev/shm/raying-cache" if os.path.isdir("/dev/shm")
+                            else os.path.join(tempfile.gettempdir(), "raying-cache-mem"))
+# An entry not drawn for D draws is credited with at most this many reads per D draws, so a
+# sample whose priority fell (and is no longer drawn) loses its place even though the cache
+# never hears its new priority.
+DEFAULT_CACHE_DECAY_READS = 2.0
+# How long a process waits for another one holding a tier's index lock.
+DEFAULT_CACHE_LOCK_TIMEOUT_S = 60.0
+# Files with no index row (left by a crashed writer) older than this are deleted on open.
+DEFAULT_CACHE_ORPHAN_AGE_S = 300.0
+# Bytes of offers waiting for the background writer (at most 1/16 of the tiers' capacity);
+# offers beyond it are dropped.
+DEFAULT_CACHE_QUEUE_BYTES = 64 * 1024**2
+# On slow storage, an offer that finds the writer's queue full waits up to this long for
+# room before it is dropped: fetching a dropped entry again costs more than the wait (on a
+# busy node the writer falls behind; dropping there added 12-20% storage requests).
+DEFAULT_CACHE_QUEUE_WAIT_S = 1.0
+# A reserved entry whose file is still not written after this long (its writer died) may be
+# evicted.
+DEFAULT_CACHE_PENDING_S = 120.0
+# A claim on a file another process or thread is fetching (see CacheConfig.share_reads) is
+# ignored after this long, or at once when its owner's process is gone.
+DEFAULT_CACHE_INFLIGHT_S = 30.0
+
+# --- planning ---------------------------------------------------------------------------------
+# Ranges of one file closer than this are fetched as one request (None: the tier's profile).
+DEFAULT_COALESCE_GAP_BYTES: int | None = None
+# A coalesced request never grows beyond this.
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024**2
+# Windows fetched ahead of the one being decoded (in-process loaders; see Prefetcher).
+DEFAULT_PREFETCH_WINDOWS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """A tiered cache in front of slow storage: a memory tier and a local-disk tier.
+
+    Both tiers are size-bounded directories with a SQLite (WAL) index, safe to share between
+    processes (atomic renames, checksummed entries). The memory tier lives on tmpfs, so every
+    Ray worker of a node shares one copy; the disk tier is any local directory. A tier with
+    ``*_bytes=0`` is off.
+
+    Args:
+        memory_bytes: capacity of the memory tier, in bytes.
+        disk_bytes: capacity of the local-disk tier, in bytes.
+        memory_dir: directory of the memory tier (tmpfs).
+        disk_dir: directory of the disk tier; required when ``disk_bytes > 0``.
+        policy: ``"priority"`` (keep the samples the sampler will draw most) or ``"lru"``.
+        decay_reads: see ``DEFAULT_CACHE_DECAY_READS``.
+        namespace: separates datasets sharing a directory; default: derived from the dataset
+            URI by the reader.
+        background_writes: admit in a background thread, so reads never wait for the cache
+            to fill (False: admit before returning, e.g. for tests).
+        share_reads: a miss that another read task of the node (or another thread) is
+            already fetching waits for that read instead of fetching the file again ("single
+            flight"; claims live in the first tier's index). Off for local files, whose reads
+            cost less than a claim.
+    """
+
+    memory_bytes: int = 0
+    disk_bytes: int = 0
+    memory_dir: str = DEFAULT_MEMORY_CACHE_DIR
+    disk_dir: str | None = None
+    policy: str = DEFAULT_CACHE_POLICY
+    decay_reads: float = DEFAULT_CACHE_DECAY_READS
+    namespace: str | None = None
+    background_writes: bool = True
+    share_reads: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("memory_bytes", "disk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                msg = f"CacheConfig({name}=...) must be an integer >= 0 (bytes), got {value!r}"
+                raise ConfigError(msg)
+        if self.policy not in CACHE_POLICIES:
+            msg = f"CacheConfig(policy=...) must be one of {CACHE_POLICIES}, got {self.policy!r}"
+            raise ConfigError(msg)
+        if self.disk_bytes and not self.disk_dir:
+            msg = (f"CacheConfig(disk_bytes={self.disk_bytes}) needs disk_dir=..., a local "
+                   f"directory for the disk tier")
+            raise ConfigError(msg)
+        if not self.decay_reads > 0:
+            msg = f"CacheConfig(decay_reads=...) must be > 0, got {self.decay_reads!r}"
+            raise ConfigError(msg)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any tier has a capacity."""
+        return bool(self.memory_bytes or self.disk_bytes)
+
+    def check_dirs(self) -> None:
+        """On this node: every tier's directory exists (or is made now) and is writable.
+
+        Pipelines call it when they are built, so that a bad path is a ConfigError there and
+        not a NotADirectoryError in a worker at the first batch.
+        """
+        for field, path, capacity in (("memory_dir", self.memory_dir, self.memory_bytes),
+                                      ("disk_dir", self.disk_dir, self.disk_bytes)):
+            if not capacity or not path:
+                continue
+            if os.path.exists(path) and not os.path.isdir(path):
+                msg = (f"CacheConfig({field}={path!r}) is a file, not a directory; point it at "
+                       f"a local directory (made if missing)")
+                raise ConfigError(msg)
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as exc:
+                msg = (f"CacheConfig({field}={path!r}): cannot create it "
+                       f"({exc.strerror or exc}); point it at a writable local directory")
+                raise ConfigError(msg) from None
+            if not os.access(path, os.W_OK | os.X_OK):
+                msg = (f"CacheConfig({field}={path!r}) is not writable by this user; point it "
+                       f"at a writable local directory")
+                raise ConfigError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class IOConfig:
+    """How a read task fetches its samples: planned reads, per-tier concurrency, a cache.
+
+    Args:
+        cache: a CacheConfig (or dict of its fields); None for no cache.
+        concurrency: reads in flight per process; None takes the storage tier's profile
+            (few for a disk head, many for S3).
+        gap_bytes: ranges of one file closer than this are merged; None: the tier's profile.
+        max_request_bytes: the largest merged request.
+        prefetch_windows: windows fetched ahead by in-process loaders.
+        dedupe: read an id drawn several times in a unit once.
+    """
+
+    cache: CacheConfig | None = None
+    concurrency: int | None = None
+    gap_bytes: int | None = DEFAULT_COALESCE_GAP_BYTES
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    prefetch_windows: int = DEFAULT_PREFETCH_WINDOWS
+    dedupe: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cache, Mapping):
+            object.__setattr__(self, "cache", CacheConfig(**self.cache))
+        if self.cache is not None and not isinstance(self.cache, CacheConfig):
+            msg = f"IOConfig(cache=...) must be a CacheConfig, a dict or None, got {self.cache!r}"
+            raise ConfigError(msg)
+        if self.concurrency is not None and self.concurrency < 1:
+            msg = f"IOConfig(concurrency=...) must be >= 1 or None, got {self.concurrency!r}"
+            raise ConfigError(msg)
+        if self.gap_bytes is not None and self.gap_bytes < 0:
+            msg = f"IOConfig(gap_bytes=...) must be >= 0 or None, got {self.gap_bytes!r}"
+            raise ConfigError(msg)
+        if self.max_request_bytes < 1:
+            msg = f"IOConfig(max_request_bytes=...) must be >= 1, got {self.max_request_bytes!r}"
+            raise ConfigError(msg)
+        if self.prefetch_windows < 0:
+            msg = f"IOConfig(prefetch_windows=...) must be >= 0, got {self.prefetch_windows!r}"
+            raise ConfigError(msg)
+
+    @classmethod
+    def coerce(cls, value: IOConfig | Mapping[str, Any] | None) -> IOConfig | None:
+        """Accept an IOConfig, a dict of its fields (``cache`` may be a dict), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            return cls(**value)
+        msg = f"io must be an IOConfig, a dict or None, got {type(value).__name__}"
+        raise ConfigError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Knobs of the read path; the defaults are what `raying bench` measures.
+
+    Args:
+        block_rows: images per read task (~100 ms of decode work at 256 px).
+        window: read tasks in flight; None = ``DEFAULT_INFLIGHT_TASKS_PER_CPU`` x cluster CPUs.
+        keep_warm: start the next epoch's reads while the current one drains.
+        task_num_cpus: CPUs each read task reserves.
+        spread: spread read tasks over nodes (``SPREAD``) instead of packing them.
+        name: names the pipeline's actors (priority store); default a fresh id.
+        max_image_pixels: images claiming more pixels are set aside as decompression bombs.
+        decoded_cache: keep decoded pixels in the node's memory tier across epochs:
+            ``"auto"`` (on when the decoded dataset fits in a quarter of free memory),
+            ``"off"``, or a budget in bytes. See :mod:`raying.read.decoded_cache`.
+        ray_remote_args: extra Ray options of the read tasks, fast path and ``dataset()``
+            alike, e.g. ``{"resources": {"ingest": 0.01}}`` to keep decode on ingest nodes.
+        io: read planning and the tiered cache (issue 5): a ``raying.options.IOConfig`` or
+            a dict of its fields; None reads every file directly (see docs/io.md).
+    """
+
+    block_rows: int = DEFAULT_BLOCK_ROWS
+    window: int | None = None
+    keep_warm: bool = True
+    task_num_cpus: float = 1.0
+    spread: bool = False
+    name: str | None = None
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    ray_remote_args: dict[str, Any] | None = None
+    decoded_cache: Any = "auto"
+    io: Any = None  # issue 5: IOConfig | dict | None, passed to ReadSpec
+
+    def __post_init__(self) -> None:
+        def whole(v: Any) -> bool:
+            return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+        if not whole(self.block_rows) or self.block_rows < 1:
+            msg = f"PipelineConfig(block_rows=...) must be an integer >= 1, got {self.block_rows!r}"
+            raise ConfigError(msg)
+        if self.window is not None and (not whole(self.window) or self.window < 1):
+            msg = f"PipelineConfig(window=...) must be an integer >= 1 or None, got {self.window!r}"
+            raise ConfigError(msg)
+        for name in ("keep_warm", "spread"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                msg = f"PipelineConfig({name}=...) must be True or False, got {getattr(self, name)!r}"
+                raise ConfigError(msg)
+        cpus = self.task_num_cpus
+        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
+            msg = f"PipelineConfig(task_num_cpus=...) must be a number > 0, got {cpus!r}"
+            raise ConfigError(msg)

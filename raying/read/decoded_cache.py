@@ -1,0 +1,272 @@
+"""The decoded-sample cache: pre-augment pixels kept in a node's memory tier across epochs.
+
+Decoding is 70-85% of a read task's work on JPEG folders. When the decoded dataset fits in a
+share of the node's memory, the first epoch decodes every sample once and offers its pixels
+to the shared memory tier (tmpfs, see :mod:`raying.read.cache.tiered`); later epochs read them back
+and only crop, resize and flip. Augmentation stays random per epoch: the cache holds pixels
+before augmentation.
+
+``decoded_cache="auto"`` (the default) sizes the budget from free memory and turns the cache
+on only when the whole decoded dataset fits in it, judged from the headers of a sample of
+files; otherwise the read path is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+
+from raying.errors import ConfigError, DecodeError
+from raying.read.cache.pids import alive as pid_alive
+
+# Share of the node's available memory (and of free tmpfs) the auto budget may take.
+DEFAULT_DECODED_CACHE_MEMORY_SHARE = 0.25
+DEFAULT_DECODED_CACHE_DIR = "/dev/shm/raying-decoded"
+# Headers sampled to estimate the decoded size of a dataset.
+DEFAULT_DECODED_CACHE_PROBE = 16
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def auto_budget(directory: str = DEFAULT_DECODED_CACHE_DIR) -> int:
+    """Bytes the cache may use: a share of available memory and of free space in tmpfs."""
+    parent = directory
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    try:
+        free = shutil.disk_usage(parent or "/").free
+    except OSError:
+        free = 0
+    share = DEFAULT_DECODED_CACHE_MEMORY_SHARE
+    return int(min(_available_memory() * share, free * share * 2))
+
+
+def plan_budget(setting: Any, manifest: Any, *, size_of: Any = None) -> int:
+    """The cache budget in bytes for a pipeline (0 = off), resolved in the driver.
+
+    Args:
+        setting: ``"auto"``, ``"off"``/None/0, or a number of bytes.
+        manifest: the dataset; only image folders and encoded Parquet are cached.
+        size_of: ``ids -> [(h, w), ...]`` from headers, to estimate the decoded size.
+    """
+    if setting in (None, "off", 0, False):
+        return 0
+    if manifest.format == "parquet" and manifest.meta.get("decoded"):
+        return 0  # already pixels
+    if setting == "auto":
+        budget = auto_budget()
+        if budget <= 0 or size_of is None:
+            return 0
+        n = len(manifest)
+        probe = np.linspace(0, n - 1, num=min(n, DEFAULT_DECODED_CACHE_PROBE)).astype(np.int64)
+        dims = [d for d in size_of(probe) if d is not None]
+        if not dims:
+            return 0
+        per_sample = float(np.mean([h * w * 3 for h, w in dims])) * 1.05 + 64
+        return budget if per_sample * n <= budget else 0
+    if isinstance(setting, (int, np.integer)) and not isinstance(setting, bool) and setting > 0:
+        return int(setting)
+    msg = (f"decoded_cache must be 'auto', 'off' or a positive number of bytes, got "
+           f"{setting!r}")
+    raise ConfigError(msg)
+
+
+def cache_dir(pipeline_name: str) -> str:
+    """The pipeline's own tier directory (removed by ``Pipeline.close``)."""
+    return f"{DEFAULT_DECODED_CACHE_DIR}/{pipeline_name}"
+
+
+_OWNER = ".owner"
+# A directory without an owner file this old is a leftover (removed at the next start).
+DEFAULT_ORPHAN_AGE_S = 600
+# Pipelines released on this node: read tasks still running (keep_warm, the window in flight)
+# must not re-create their directory after close.
+_RELEASED = ".released"
+
+
+def _tombstone(pipeline_name: str) -> str:
+    return os.path.join(DEFAULT_DECODED_CACHE_DIR, _RELEASED, pipeline_name)
+
+
+def release(pipeline_name: str) -> None:
+    """Remove the pipeline's decoded pixels from this node's memory; its read tasks still in
+    flight stop using the cache (see :func:`load_arrays`)."""
+    try:
+        os.makedirs(os.path.dirname(_tombstone(pipeline_name)), exist_ok=True)
+        with open(_tombstone(pipeline_name), "w"):
+            pass
+    except OSError:
+        pass
+    shutil.rmtree(cache_dir(pipeline_name), ignore_errors=True)
+
+
+def released(directory: str) -> bool:
+    """Whether the pipeline that owns the decoded-cache ``directory`` was closed."""
+    return os.path.exists(_tombstone(os.path.basename(directory.rstrip("/"))))
+
+
+def claim(pipeline_name: str) -> None:
+    """Mark the pipeline's directory as owned by this process, free it at exit, and sweep
+    directories whose owner died without closing its pipeline (tmpfs is memory: a crashed
+    driver must not keep gigabytes of pixels)."""
+    import atexit
+    import socket
+
+    root = DEFAULT_DECODED_CACHE_DIR
+    host = socket.gethostname()
+    if os.path.isdir(root):
+        for entry in os.listdir(root):
+            path = os.path.join(root, entry)
+            if entry == _RELEASED:
+                _sweep_tombstones(path)
+                continue
+            try:
+                with open(os.path.join(path, _OWNER)) as fh:
+                    owner_host, pid = fh.read().split()
+                stale = owner_host == host and not pid_alive(int(pid))
+            except (OSError, ValueError):  # no owner: a late writer re-created it after close
+                try:
+                    stale = time.time() - os.path.getmtime(path) > DEFAULT_ORPHAN_AGE_S
+                except OSError:
+                    stale = False
+            if stale:
+                shutil.rmtree(path, ignore_errors=True)
+    path = cache_dir(pipeline_name)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, _OWNER), "w") as fh:
+        fh.write(f"{host} {os.getpid()}")
+    atexit.register(release, pipeline_name)
+
+
+def _sweep_tombstones(path: str) -> None:
+    now = time.time()
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        try:
+            if now - os.path.getmtime(os.path.join(path, name)) > DEFAULT_ORPHAN_AGE_S:
+                os.unlink(os.path.join(path, name))
+        except OSError:
+            pass
+
+
+def _cache(spec: Any):
+    from raying.options import CacheConfig
+    from raying.read.cache.tiered import open_cache
+
+    cfg = CacheConfig(memory_bytes=int(spec.decoded_cache_bytes),
+                      memory_dir=spec.decoded_cache_dir, policy="lru")
+    return open_cache(cfg, namespace=spec.cache_namespace)
+
+
+def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
+                ) -> tuple[list[Any], dict[str, int], int]:
+    """Pixels of each id (or its DecodeError): cache hits first, then fetch and decode misses.
+
+    Args:
+        spec: the ReadSpec (cache budget, directory, namespace, max_pixels).
+        ids: the unit's ids.
+        where: a location per id, for error messages.
+        fetch: ``positions -> (encoded values or errors, io account)`` for the misses.
+
+    Returns ``(arrays, io_account, bytes_read)``; misses that decode are offered to the cache.
+    """
+    from raying.image.decode import decode_image
+
+    cache = None if released(spec.decoded_cache_dir) else _cache(spec)
+    keys = [str(int(i)) for i in ids]
+    arrays: list[Any] = list(cache.get_arrays(keys)) if cache is not None else [None] * len(ids)
+    miss = [k for k, a in enumerate(arrays) if a is None]
+    account = {"cache_decoded_hits": len(ids) - len(miss),
+               "cache_decoded_lookups": len(ids)}
+    nbytes = 0
+    if miss:
+        datas, io_account = fetch(miss)
+        for key, value in io_account.items():
+            account[key] = account.get(key, 0) + value
+        fresh_keys, fresh = [], []
+        for k, data in zip(miss, datas, strict=True):
+            if data is None or isinstance(data, BaseException):
+                reason = "missing" if data is None else "read_error"
+                detail = "" if data is None else (str(data).splitlines() or [""])[0][:200]
+                arrays[k] = DecodeError(reason, detail, path=where[k], sample_id=int(ids[k]))
+                continue
+            nbytes += len(data)
+            try:
+                arr = decode_image(data, max_pixels=spec.max_pixels)
+            except DecodeError as exc:
+                arrays[k] = DecodeError(exc.reason, exc.detail, path=where[k],
+                                        sample_id=int(ids[k]))
+                continue
+            arrays[k] = arr
+            fresh_keys.append(keys[k])
+            fresh.append(arr)
+        if fresh and cache is not None and not released(spec.decoded_cache_dir):
+            cache.put_arrays(fresh_keys, fresh)
+    return arrays, account, nbytes
+
+
+def transform_arrays(spec: Any, unit: Any, ids: np.ndarray, arrays: list[Any],
+                     out: np.ndarray | None):
+    """Augment cached or freshly decoded pixels; entries that are errors are set aside."""
+    ok = np.array([not isinstance(a, DecodeError) for a in arrays], dtype=bool)
+    good = [a for a, g in zip(arrays, ok, strict=True) if g]
+    errors = [a for a in arrays if isinstance(a, DecodeError)]
+    images = spec.transform.apply_decoded(good, ids[ok], seed=spec.seed, epoch=unit.epoch,
+                                          out=out)
+    return images, ok, errors
+
+
+def header_sizes(manifest: Any, ids: np.ndarray) -> list[tuple[int, int] | None]:
+    """(h, w) of some samples from their headers (to size the decoded cache)."""
+    from raying.image.decode import image_size
+    from raying.storage import files as storage
+
+    fs, root = storage.resolve(manifest.root, manifest.storage)
+    if manifest.format == "parquet":
+        datas = _parquet_probe(manifest, fs, root, ids)
+    else:
+        paths = [f"{root.rstrip('/')}/{p}" for p in manifest.column("path")[ids]]
+        datas = storage.read_many(fs, paths)
+    out: list[tuple[int, int] | None] = []
+    for data in datas:
+        try:
+            out.append(None if isinstance(data, BaseException) else image_size(data))
+        except DecodeError:
+            out.append(None)
+    return out
+
+
+def _parquet_probe(m: Any, fs: Any, root: str, ids: np.ndarray) -> list[Any]:
+    """A few encoded values: the first rows of up to 4 row groups among ``ids``."""
+    import pyarrow.parquet as pq
+
+    col = m.meta.get("image_column") or "image"
+    groups = sorted({(int(m.column("file")[i]), int(m.column("row_group")[i])) for i in ids})
+    out: list[Any] = []
+    for f, g in groups[:: max(1, len(groups) // 4)][:4]:
+        path = f"{root.rstrip('/')}/{m.files[f]}" if m.files[f] != root else root
+        try:
+            table = pq.ParquetFile(path, filesystem=fs).read_row_group(g, columns=[col])
+        except (OSError, ValueError):
+            continue
+        for v in table.column(col).to_pylist()[:4]:
+            v = v.get("bytes") if isinstance(v, dict) else v  # {bytes, path} structs
+            if v is not None:
+                out.append(v)
+    return out

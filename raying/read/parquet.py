@@ -1,0 +1,272 @@
+"""Planned Parquet reads: a window's row groups as few ranged requests, through the cache.
+
+For the (file, row group) pairs of a window, the byte range of the wanted column's chunk in
+each row group comes from the file's footer (read once per process). Ranges of one file are
+sorted and merged when the hole between them (the other columns) is under the tier's gap, so
+adjacent row groups become one ranged request; cached chunks (raw Parquet bytes, keyed by
+file, row group and column) are not requested at all. pyarrow then decodes each chunk from
+memory, through a file object that serves only the fetched ranges.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raying.errors import DataError, StorageError
+from raying.options import IOConfig
+from raying.read.cache.tiered import CacheStats, open_cache
+from raying.read.fetch import ACCOUNT_KEYS, fetch_missing
+from raying.read.planner import OpStats, coalesce_ranges, run_ops
+from raying.storage import files as _storage
+from raying.storage.tiers import profile_for
+
+_FOOTERS: dict[tuple[int, str], tuple[pq.FileMetaData, int]] = {}
+_FOOTERS_LOCK = threading.Lock()
+
+
+def footer(fs: Any, path: str, stats: OpStats | None = None, *, cache: Any = None
+           ) -> tuple[pq.FileMetaData, int]:
+    """The metadata and size of a Parquet file, read once per process and filesystem.
+
+    With a ``cache`` (a TieredCache) the footer is also kept in its tiers, so a worker
+    process started later on the node does not request it from storage again.
+    """
+    key = (id(fs), path)
+    with _FOOTERS_LOCK:
+        hit = _FOOTERS.get(key)
+    if hit is not None:
+        return hit
+    got = cache.get_many([f"{path}#footer"]) if cache is not None else [None]
+    if got[0] is not None:
+        view = memoryview(got[0])
+        size = int.from_bytes(view[:8], "little")
+        md = pq.read_metadata(pa.BufferReader(pa.py_buffer(view[8:])))
+    else:
+        with _storage.open_input(fs, path) as fh:
+            size = fh.size()
+            md = pq.read_metadata(fh)
+        if stats is not None:
+            stats.requests += 1
+            stats.bytes_fetched += md.serialized_size + 8
+        if cache is not None:  # a footer serves every read of its file: keep it first
+            sink = pa.BufferOutputStream()
+            md.write_metadata_file(sink)
+            cache.put_many([f"{path}#footer"], [size.to_bytes(8, "little")
+                                               + sink.getvalue().to_pybytes()], [1.0])
+    with _FOOTERS_LOCK:
+        _FOOTERS[key] = (md, size)
+    return md, size
+
+
+def chunk_range(md: pq.FileMetaData, group: int, column: str) -> tuple[int, int]:
+    """(offset, length) of ``column``'s chunk in row group ``group``.
+
+    A nested column (a struct such as the Hugging Face ``Image``'s ``{bytes, path}``) is
+    stored as one chunk per leaf, written side by side: the range spans them all.
+    """
+    rg = md.row_group(group)
+    spans = []
+    for i in range(rg.num_columns):
+        c = rg.column(i)
+        if c.path_in_schema == column or c.path_in_schema.startswith(column + "."):
+            start = (c.dictionary_page_offset if c.has_dictionary_page
+                     and c.dictionary_page_offset is not None else c.data_page_offset)
+            spans.append((int(start), int(start) + int(c.total_compressed_size)))
+    if not spans:
+        msg = f"Parquet column {column!r} not found (columns: {md.schema.names})"
+        raise DataError(msg)
+    lo = min(a for a, _ in spans)
+    return lo, max(b for _, b in spans) - lo
+
+
+def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: IOConfig,
+                scores: Sequence[float] | None = None, namespace: str = "",
+                stats: OpStats | None = None, cache_stats: CacheStats | None = None
+                ) -> list[pa.Array]:
+    """The values of ``column`` in each (path, row group), fetched as a planned window.
+
+    Args:
+        fs: the filesystem.
+        items: (file path, row-group index) pairs; repeats are fetched once.
+        column: the column to read (e.g. ``"image"``).
+        io: read settings (concurrency, gap, cache).
+        scores: expected reads of each item (e.g. the probability mass of its rows drawn),
+            the cache's priority.
+        namespace: keeps this dataset's cache keys apart.
+        stats, cache_stats: counters to add requests, bytes and cache outcomes to.
+
+    Returns:
+        One Arrow array per item, in order.
+    """
+    stats = stats if stats is not None else OpStats()
+    distinct = list(dict.fromkeys(items))
+    best: dict[tuple[str, int], float] = {}
+    if scores is not None:
+        for it, s in zip(items, scores, strict=True):
+            best[it] = max(best.get(it, float(s)), float(s))
+    cache = None
+    if io.cache is not None and io.cache.enabled:
+        cache = open_cache(io.cache, namespace=namespace)
+    metas = {p: footer(fs, p, stats, cache=cache) for p in dict.fromkeys(p for p, _ in distinct)}
+    ranges = [chunk_range(metas[p][0], g, column) for p, g in distinct]
+    keys = [f"{p}#rg{g}/{column}" for p, g in distinct]
+    item_scores = [best.get(it, 0.0) for it in distinct] if scores is not None else None
+    raw: list[Any] = [None] * len(distinct)
+    if cache is not None:
+        raw = list(cache.get_many(keys, item_scores, stats=cache_stats))
+    miss = [i for i, r in enumerate(raw) if r is None]
+    profile = profile_for(fs)
+    gap = profile.gap_bytes if io.gap_bytes is None else io.gap_bytes
+
+    def fetch(idx: list[int]) -> list[Any]:
+        ops = coalesce_ranges([(distinct[i][0], *ranges[i]) for i in idx], gap_bytes=gap,
+                              max_request_bytes=io.max_request_bytes)
+        return run_ops(fs, ops, len(idx), concurrency=io.concurrency or profile.concurrency,
+                       stats=stats)
+
+    stats.shared += fetch_missing(cache, keys, miss, raw, item_scores, fetch,
+                                  stats=cache_stats if cache_stats is not None else CacheStats(),
+                                  share=profile.name != "local")
+    for i in miss:
+        if isinstance(raw[i], BaseException):
+            p, g = distinct[i]
+            msg = f"{p}: cannot read row group {g} ({raw[i]})"
+            if isinstance(raw[i], StorageError) and not isinstance(raw[i], FileNotFoundError):
+                raise type(raw[i])(msg) from raw[i]  # the storage failed, not the file
+            raise DataError(msg) from raw[i]
+    arrays: dict[tuple[str, int], pa.Array] = {}
+    for path in metas:
+        mine = [i for i, (p, _) in enumerate(distinct) if p == path]
+        md, size = metas[path]
+        source = _RangeFile(size, [(ranges[i][0], raw[i]) for i in mine], fs, path, stats)
+        pf = pq.ParquetFile(pa.PythonFile(source, mode="r"), metadata=md)
+        for i in mine:
+            col = pf.read_row_group(distinct[i][1], columns=[column]).column(0)
+            arrays[distinct[i]] = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    return [arrays[it] for it in items]
+
+
+class UnitGroupError(Exception):
+    """Row groups of one file of a unit that cannot be read (file index, groups, cause)."""
+
+    def __init__(self, file: int, groups: list[int], cause: BaseException) -> None:
+        super().__init__(f"file {file}: row groups {groups}: {cause}")
+        self.file, self.groups, self.cause = file, groups, cause
+
+
+def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: str,
+                     unit: Any, io: IOConfig) -> tuple[list[pa.Array], dict[str, int]]:
+    """The ``column`` chunk of each row group of a read unit, as one planned window.
+
+    Args:
+        spec: the unit's ReadSpec (its ``dataset_key`` is the cache namespace).
+        fs: the dataset's filesystem.
+        paths: the path on ``fs`` of each row group's file.
+        groups: (file index, row-group index, first id) rows, in read order.
+        column: the image column.
+        unit: the ReadUnit; the probability mass of its draws in a row group (``unit.probs``)
+            is that group's cache score.
+        io: the read settings.
+
+    Returns:
+        One array per row group and the unit's ``io_*``/``cache_*`` counters.
+
+    Raises:
+        UnitGroupError: naming the file (index into ``spec.files``) whose row groups cannot
+            be read or decoded, and why; the reader turns it into its DataError.
+    """
+    files = [int(f) for f in groups[:, 0]]
+    items = [(p, int(g)) for p, g in zip(paths, groups[:, 1], strict=True)]
+    scores = None
+    probs = getattr(unit, "probs", None)
+    if probs is not None and getattr(unit, "ids", None) is not None:
+        starts = groups[:, 2]
+        order = np.argsort(starts, kind="stable")
+        k = order[np.searchsorted(starts[order], np.asarray(unit.ids), side="right") - 1]
+        scores = np.bincount(k, weights=np.asarray(probs, dtype=np.float64),
+                             minlength=len(items)).tolist()
+    stats, cstats = OpStats(), CacheStats()
+    try:
+        arrays = read_chunks(fs, items, column, io=io, scores=scores,
+                             namespace=spec.dataset_key, stats=stats, cache_stats=cstats)
+    except (pa.ArrowInvalid, OSError, DataError) as exc:
+        for f in dict.fromkeys(files):  # find the file at fault and name it
+            mine = [i for i, x in enumerate(files) if x == f]
+            try:
+                read_chunks(fs, [items[i] for i in mine], column,
+                            io=dataclasses.replace(io, cache=None))
+            except (pa.ArrowInvalid, OSError, DataError) as one:
+                raise UnitGroupError(f, [items[i][1] for i in mine], one) from None
+        raise DataError(f"{spec.root}: cannot read a unit's row groups ({exc})") from None
+    account = dict.fromkeys(ACCOUNT_KEYS, 0)
+    account.update(cstats.account())
+    account["io_requests"] = stats.requests
+    account["io_bytes_fetched"] = stats.bytes_fetched
+    account["io_reads_shared"] = stats.shared
+    return arrays, account
+
+
+class _RangeFile:
+    """A read-only file of ``size`` bytes that serves the fetched ranges from memory.
+
+    A read outside them (a layout pyarrow reads differently) goes to storage and is counted,
+    so it costs a request but never returns wrong bytes.
+    """
+
+    def __init__(self, size: int, segments: list[tuple[int, Any]], fs: Any, path: str,
+                 stats: OpStats) -> None:
+        segs = sorted(((int(o), memoryview(d)) for o, d in segments), key=lambda s: s[0])
+        self._starts = [o for o, _ in segs]
+        self._segs = segs
+        self._size = size
+        self._pos = 0
+        self._fs, self._path, self._stats = fs, path, stats
+        self.closed = False
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    def size(self) -> int:
+        return self._size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, nbytes: int | None = None) -> bytes:
+        n = self._size - self._pos if nbytes is None or nbytes < 0 else nbytes
+        n = max(0, min(n, self._size - self._pos))
+        k = bisect.bisect_right(self._starts, self._pos) - 1
+        if k >= 0:
+            start, view = self._segs[k]
+            lo = self._pos - start
+            if lo + n <= len(view):
+                self._pos += n
+                return bytes(view[lo:lo + n])
+        with self._fs.open_input_file(self._path) as f:
+            data = f.read_at(n, self._pos)
+        self._stats.requests += 1
+        self._stats.bytes_fetched += len(data)
+        self._pos += len(data)
+        return data
+
+    def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,396 @@
+"""The priority store's settings and actor body: queue, tick loop, snapshots and restore."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from raying.errors import ConfigError
+from raying.options import (
+    DEFAULT_SNAPSHOT_EVERY_UPDATES,
+    DEFAULT_SNAPSHOT_INTERVAL_S,
+    DEFAULT_STORE_SHARD_ROWS,
+    DEFAULT_STORE_TICK_S,
+    StorageOptions,
+)
+from raying.sampling.table import PriorityTable
+
+logger = logging.getLogger(__name__)
+
+# How often a capped table recomputes its quantile threshold (a full pass over the rows).
+DEFAULT_CAP_REFRESH_S = 1.0
+COALESCE_MODES = ("last", "max", "ema")
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """How the priority store runs.
+
+    Args:
+        coalesce: how the updates of one tick fold per id: ``"last"`` (latest report wins),
+            ``"max"`` (largest report wins) or ``"ema"`` (each report moves the stored
+            priority by ``ema``, in arrival order).
+        ema: the EMA step in ``(0, 1]`` for ``coalesce="ema"``.
+        tick_s: seconds between two applications of the queued updates.
+        snapshot_uri: a directory URI (local, ``file://``, ``s3://``, ``hdfs://``) for
+            snapshots, or None for none. A store restores from it when one exists.
+        snapshot_every_updates: snapshot after this many applied updates...
+        snapshot_interval_s: ...or this many seconds, whichever comes first (only when
+            something changed). A restart loses at most the updates applied since then.
+        shard_rows: ids per actor; a larger store shards by id range.
+        storage: StorageOptions (or a dict) for the snapshot URI.
+        restore: restore from an existing snapshot at creation (restarts always do).
+        actor_options: extra Ray options of the store's actors. By default they ask for a
+            sliver of the head node's resource (``node:__internal_head__``), so the store
+            lives on the node the cluster cannot lose, apart from trainers and decode
+            workers, and comes back there when restarted; ``{}`` lets Ray place it.
+    """
+
+    coalesce: str = "last"
+    ema: float = 0.5
+    tick_s: float = DEFAULT_STORE_TICK_S
+    snapshot_uri: str | None = None
+    snapshot_every_updates: int = DEFAULT_SNAPSHOT_EVERY_UPDATES
+    snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S
+    shard_rows: int = DEFAULT_STORE_SHARD_ROWS
+    storage: StorageOptions | Mapping[str, Any] | None = None
+    restore: bool = True
+    actor_options: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.coalesce not in COALESCE_MODES:
+            msg = (f"coalesce must be one of {list(COALESCE_MODES)}, got {self.coalesce!r}; "
+                   f"'last' keeps the latest report of each id")
+            raise ConfigError(msg)
+        checks = [("ema", self.ema, 0.0, 1.0), ("tick_s", self.tick_s, 0.0, math.inf),
+                  ("snapshot_interval_s", self.snapshot_interval_s, 0.0, math.inf)]
+        for name, value, low, high in checks:
+            if not isinstance(value, (int, float)) or not low < value <= high:
+                msg = f"{name} must be a number in ({low}, {high}], got {value!r}"
+                raise ConfigError(msg)
+        for name in ("snapshot_every_updates", "shard_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                msg = f"{name} must be an integer >= 1, got {value!r}"
+                raise ConfigError(msg)
+        object.__setattr__(self, "storage", StorageOptions.coerce(self.storage))
+
+    @classmethod
+    def coerce(cls, value: StoreConfig | Mapping[str, Any] | None) -> StoreConfig:
+        """Accept a StoreConfig, a dict of its fields, or None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - fields)
+            if unknown:
+                msg = f"store option(s) {unknown} not known; expected some of {sorted(fields)}"
+                raise ConfigError(msg)
+            return cls(**value)
+        msg = f"store config must be a StoreConfig, a dict or None, got {type(value).__name__}"
+        raise ConfigError(msg)
+
+
+
+def coalesce(ids: np.ndarray, values: np.ndarray, mode: str, ema: float,
+             current: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Fold the updates of one tick into one value per id.
+
+    Args:
+        ids: ids in arrival order (valid, int64).
+        values: their priorities.
+        mode: ``"last"`` (the latest report wins), ``"max"`` (the largest report of the tick
+            wins) or ``"ema"`` (each report in order moves the stored priority by ``ema``:
+            ``p <- (1 - ema) * p + ema * v``).
+        ema: the EMA step in ``(0, 1]``.
+        current: callable giving the stored priorities of unique ids (for ``"ema"``).
+
+    Returns:
+        ``(unique_ids, values)``, ids sorted.
+    """
+    order = np.argsort(ids, kind="stable")  # keeps arrival order within an id
+    ids = ids[order]
+    values = values[order]
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    unique = ids[starts]
+    if mode == "last":
+        ends = np.r_[starts[1:], ids.size] - 1
+        return unique, values[ends]
+    if mode == "max":
+        return unique, np.maximum.reduceat(values, starts)
+    # EMA of m reports v_1..v_m onto p: (1-e)^m p + sum_j e (1-e)^(m-j) v_j.
+    sizes = np.diff(np.r_[starts, ids.size])
+    rank = np.arange(ids.size) - np.repeat(starts, sizes)
+    after = np.repeat(sizes, sizes) - 1 - rank  # reports that came after this one
+    keep = 1.0 - ema
+    folded = np.add.reduceat(ema * values * np.power(keep, after), starts)
+    return unique, np.power(keep, sizes) * current(unique) + folded
+
+
+def encode_snapshot(table_state: dict[str, Any], store_counters: dict[str, Any]) -> bytes:
+    """An ``.npz`` of the table state: arrays as arrays, everything else as one JSON entry."""
+    arrays: dict[str, Any] = {key: value for key, value in table_state.items()
+                              if isinstance(value, np.ndarray)}
+    meta = {key: value for key, value in table_state.items() if key not in arrays}
+    meta["cap"] = None if math.isinf(meta["cap"]) else meta["cap"]
+    text = json.dumps({"table": meta, "store": store_counters})
+    buffer = io.BytesIO()
+    arrays["__meta__"] = np.frombuffer(text.encode(), dtype=np.uint8)
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def decode_snapshot(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The inverse of ``encode_snapshot``: ``(table_state, store_counters)``."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        meta = json.loads(npz["__meta__"].tobytes().decode())
+        state = dict(meta["table"])
+        state["cap"] = math.inf if state["cap"] is None else state["cap"]
+        for key in npz.files:
+            if key != "__meta__":
+                state[key] = npz[key]
+    return state, meta["store"]
+
+
+def _restarted() -> bool:
+    """Whether Ray is re-running this actor's constructor after the actor died."""
+    import ray
+
+    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+class StoreActor:
+    """One shard of the priority store: rows ``[lo, lo + n)`` of the global id space.
+
+    Reporters' updates are queued by ``update`` (cheap, no table work); a daemon thread applies
+    them once per tick, coalesced, then ages the table, refreshes the cap and snapshots when
+    due. Reads (``sample``, ``prepare``, ``stats``, ...) first apply what is queued, so they see
+    every update that reached the actor before them.
+    """
+
+    def __init__(self, name: str, lo: int, n: int, table: dict[str, Any],
+                 options: dict[str, Any], snapshot_path: str | None,
+                 layout: dict[str, Any]) -> None:
+        from raying.storage import files as storage
+
+        self.name = name
+        self.lo = lo
+        self._layout = layout
+        self.options = options
+        self.table = PriorityTable(n, **table)
+        self._lock = threading.Lock()  # guards the table and the counters
+        self._snapshot_lock = threading.Lock()  # one snapshot write at a time
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.counters = {"received": 0, "coalesced": 0, "ticks": 0, "snapshots": 0,
+                         "snapshot_errors": 0, "restores": 0, "restored_updates": 0}
+        self.last_snapshot_time: float | None = None
+        self.last_snapshot_error: str | None = None
+        self._applied_at_snapshot = 0  # updates applied when the last snapshot was taken
+        self._applied_at_saved = 0  # ... and when the last successful one was taken
+        self._last_cap_refresh = 0.0
+        self._snapshot: tuple[Any, str] | None = None
+        if snapshot_path is not None:
+            fs, path = storage.resolve(snapshot_path, options.get("storage"))
+            self._snapshot = (fs, path)
+            if (options.get("restore", True) or _restarted()) and storage.exists(fs, path):
+                state, counters = decode_snapshot(storage.read_bytes(fs, path))
+                self.table.load_state_dict(state)
+                self.counters.update(counters)
+                self.counters["restores"] += 1
+                self.counters["restored_updates"] = self.table.counters["updates_applied"]
+                self._applied_at_snapshot = self.table.counters["updates_applied"]
+                self._applied_at_saved = self._applied_at_snapshot
+                self.last_snapshot_time = time.time()
+                logger.info("priority store %s restored %s from %s", name,
+                            self.table.counters["updates_applied"], snapshot_path)
+        self._last_snapshot_clock = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick_loop, name=f"{name}-tick", daemon=True)
+        self._thread.start()
+
+    # --- writes -------------------------------------------------------------------------------
+
+    def update(self, ids: np.ndarray, values: np.ndarray,
+               rejected: dict[str, int] | None = None) -> None:
+        """Queue validated local ids and priorities; count entries the caller rejected."""
+        with self._lock:
+            if ids.size:
+                self._pending.append((ids, values))
+                self.counters["received"] += int(ids.size)
+            for reason, count in (rejected or {}).items():
+                self.table.rejected[reason] = self.table.rejected.get(reason, 0) + int(count)
+
+    def _apply_pending(self) -> int:
+        """Apply the queued updates in one vectorized pass (the lock is held)."""
+        if not self._pending:
+            return 0
+        batches, self._pending = self._pending, []
+        ids = np.concatenate([b[0] for b in batches])
+        values = np.concatenate([b[1] for b in batches])
+        mode = self.options["coalesce"]
+        if mode != "last":  # the table itself lets the last report of an id win
+            ids, values = coalesce(ids, values, mode, self.options["ema"], self.table.priorities)
+        written = self.table.update(ids, values)
+        self.counters["coalesced"] += int(sum(b[0].size for b in batches)) - written
+        self.table.age()
+        return written
+
+    def _tick_loop(self) -> None:
+        tick_s = self.options["tick_s"]
+        while not self._stop.wait(tick_s):
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad tick
+                logger.exception("priority store %s: tick failed", self.name)
+
+    def _tick(self) -> None:
+        with self._lock:
+            self._apply_pending()
+            self.counters["ticks"] += 1
+            now = time.monotonic()
+            if (self.table.config.cap_quantile is not None
+                    and now - self._last_cap_refresh >= DEFAULT_CAP_REFRESH_S):
+                self.table.refresh_cap()
+                self._last_cap_refresh = now
+            since = self.table.counters["updates_applied"] - self._applied_at_snapshot
+            due = self._snapshot is not None and since > 0 and (
+                since >= self.options["snapshot_every_updates"]
+                or now - self._last_snapshot_clock >= self.options["snapshot_interval_s"])
+            captured = self._capture() if due else None
+        if captured is not None:
+            self._write(*captured)
+
+    # --- snapshots ----------------------------------------------------------------------------
+
+    def _capture(self) -> tuple[dict[str, Any], dict[str, Any], int]:
+        """Copy what a snapshot holds (the lock is held); the write happens outside it."""
+        self._applied_at_snapshot = self.table.counters["updates_applied"]
+        self._last_snapshot_clock = time.monotonic()
+        self.counters["snapshots"] += 1
+        counters = {k: v for k, v in self.counters.items() if k != "restored_updates"}
+        return self.table.state_dict(), counters, self._applied_at_snapshot
+
+    def _write(self, state: dict[str, Any], counters: dict[str, Any], applied: int) -> None:
+        from raying.storage import files as storage
+
+        if self._snapshot is None:
+            return
+        fs, path = self._snapshot
+        try:
+            with self._snapshot_lock:
+                storage.write_bytes_atomic(fs, path, encode_snapshot(state, counters))
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop the store
+            # The next attempt comes at the usual cadence (N updates or T seconds later).
+            with self._lock:
+                self.counters["snapshot_errors"] += 1
+                self.counters["snapshots"] -= 1
+            self.last_snapshot_error = f"{type(exc).__name__}: {exc}"
+            logger.warning("priority store %s: snapshot failed: %s", self.name, exc)
+            return
+        with self._lock:
+            self._applied_at_saved = max(self._applied_at_saved, applied)
+        self.last_snapshot_time = time.time()
+        self.last_snapshot_error = None
+
+    def snapshot_now(self) -> dict[str, Any] | None:
+        """Apply what is queued and write a snapshot now; None when no snapshot URI is set."""
+        if self._snapshot is None:
+            return None
+        with self._lock:
+            self._apply_pending()
+            captured = self._capture()
+        self._write(*captured)
+        return {"path": self._snapshot[1], "updates_applied": captured[2],
+                "error": self.last_snapshot_error}
+
+    # --- reads --------------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """True once the constructor ran (and any restore finished)."""
+        return True
+
+    def flush(self) -> int:
+        """Apply what is queued now; returns the rows written."""
+        with self._lock:
+            return self._apply_pending()
+
+    def layout(self) -> dict[str, Any]:
+        """The whole store's shard bounds and mixture share, for ``get_store``."""
+        return self._layout
+
+    def sample(self, k: int, systematic: bool) -> tuple[np.ndarray, np.ndarray, int, float]:
+        """A plan from this shard alone (the single-shard store): ids, probs, size, min prob."""
+        with self._lock:
+            self._apply_pending()
+            ids, probs = self.table.sample(k, systematic=systematic)
+            return ids + self.lo, probs, self.table.n, self.table.min_probability()
+
+    def sample_in_groups(self, k: int, starts: np.ndarray, rows_per_group: int
+                         ) -> tuple[np.ndarray, np.ndarray, int, float]:
+        """A two-stage plan (groups by mass, then rows inside them); single-shard stores."""
+        with self._lock:
+            self._apply_pending()
+            ids, probs = self.table.sample_in_groups(k, starts, rows_per_group)
+            return ids + self.lo, probs, self.table.n, self.table.min_probability()
+
+    def prepare(self) -> dict[str, Any]:
+        """Apply what is queued; return the sums a two-level plan needs, and a fresh seed."""
+        with self._lock:
+            self._apply_pending()
+            low, low_positive = self.table.leaf_minima()
+            return {"n": self.table.n, "total": self.table.total(), "min": low,
+                    "min_positive": low_positive,
+                    "seed": int(self.table.rng.integers(2**63))}
+
+    def locate(self, positions: np.ndarray, a: float, b: float) -> tuple[np.ndarray, np.ndarray]:
+        """Global ids and exact global probabilities at positions of this shard's mass."""
+        with self._lock:
+            ids, probs = self.table.locate(positions, a=a, b=b)
+            self.table.counters["samples"] += int(ids.size)
+            return ids + self.lo, probs
+
+    def priorities(self, ids: np.ndarray | None = None) -> np.ndarray:
+        """The stored priorities of local ids (all rows when None)."""
+        with self._lock:
+            self._apply_pending()
+            return self.table.priorities(ids)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, the leaf sums, the age summary and snapshot health of this shard."""
+        with self._lock:
+            self._apply_pending()
+            return {"lo": self.lo, "counters": dict(self.counters),
+                    "table_counters": dict(self.table.counters),
+                    "rejected": dict(self.table.rejected),
+                    "pending": int(sum(b[0].size for b in self._pending)),
+                    "updates_since_snapshot":
+                        self.table.counters["updates_applied"] - self._applied_at_saved,
+                    "last_snapshot_time": self.last_snapshot_time,
+                    "last_snapshot_error": self.last_snapshot_error,
+                    "leaves": self.table.leaf_summary(), "age": self.table.age_summary()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The table's state after applying what is queued."""
+        with self._lock:
+            self._apply_pending()
+            return self.table.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the table's state (pending updates are dropped)."""
+        with self._lock:
+            self._pending = []
+            self.table.load_state_dict(state)
+            # The loaded state is not in any snapshot yet: the next tick writes one.
+            self._applied_at_snapshot = self._applied_at_saved = -1
+            self._last_snapshot_clock = -math.inf

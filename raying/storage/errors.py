@@ -1,0 +1,186 @@
+"""Storage errors: pyarrow and OS errors turned into raying's (URI, what, fix), and retries."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import pyarrow.fs as pafs
+
+from raying.errors import ConfigError, CredentialsError, RayingError, StorageError
+from raying.storage import s3 as _s3
+
+logger = logging.getLogger("raying.storage.files")
+
+# The longest wait between two attempts, whatever the backoff has grown to.
+DEFAULT_READ_RETRY_MAX_BACKOFF_S = 5.0
+
+
+class NotFoundError(StorageError, FileNotFoundError):
+    """Nothing exists at the URI (no such file, key, prefix or bucket)."""
+
+
+_CREDENTIAL_MARKERS = (
+    "ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "EXPIRED_TOKEN",
+    "INVALID_CLIENT_TOKEN_ID", "UNRECOGNIZED_CLIENT", "MISSING_AUTHENTICATION_TOKEN",
+    "HTTP response code: 403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch",
+    "ExpiredToken", "AccessControlException",
+)
+_MISSING_MARKERS = ("NO_SUCH_BUCKET", "NO_SUCH_KEY", "RESOURCE_NOT_FOUND", "NoSuchBucket",
+                    "NoSuchKey", "java.io.FileNotFoundException")
+_NETWORK_MARKERS = ("NETWORK_CONNECTION", "curlCode", "Could not connect", "Connection refused",
+                    "Could not resolve host", "REQUEST_TIMEOUT", "timed out")
+
+# Filesystems built by StorageSpec.filesystem() and their specs, to name endpoints in errors.
+# Cached filesystems live as long as the process, so their ids are never reused.
+_SPECS: dict[int, object] = {}
+_SPECS_LOCK = threading.Lock()
+
+
+def register(fs: pafs.FileSystem, spec) -> None:
+    """Remember which StorageSpec built ``fs`` (for error messages)."""
+    with _SPECS_LOCK:
+        _SPECS[id(fs)] = spec
+
+
+def classify(exc: BaseException) -> str:
+    """One of ``missing``, ``credentials``, ``network``, ``transient``, ``permanent``."""
+    if isinstance(exc, FileNotFoundError):
+        return "missing"
+    if isinstance(exc, PermissionError):
+        return "credentials"
+    if isinstance(exc, (IsADirectoryError, NotADirectoryError)):
+        return "permanent"
+    if isinstance(exc, RayingError) and not isinstance(exc, StorageError):
+        return "permanent"
+    text = str(exc)
+    if any(m in text for m in _CREDENTIAL_MARKERS):
+        return "credentials"
+    if any(m in text for m in _MISSING_MARKERS):
+        return "missing"
+    if any(m in text for m in _NETWORK_MARKERS):
+        return "network"
+    return "transient" if isinstance(exc, OSError) else "permanent"
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Whether another attempt may succeed (a network or server hiccup, not a refusal)."""
+    return classify(exc) in ("network", "transient")
+
+
+def storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *,
+                  action: str = "read", attempts: int = 1, uri: str | None = None) -> Exception:
+    """The raying error for ``exc``, raised while ``action``-ing ``path`` on ``fs``.
+
+    The message names the URI (``uri`` if given) and the fix, never a credential. raying's own
+    errors come back unchanged; anything that is not an OSError (a bug, a bad argument) too.
+    """
+    if isinstance(exc, RayingError):
+        return exc
+    kind = classify(exc)
+    if kind == "permanent" and not isinstance(exc, OSError) and not _is_arrow_error(exc):
+        return exc
+    spec = _spec_of(fs)
+    scheme = _scheme_of(fs, spec) if fs is not None else _scheme_of_uri(uri or path)
+    if uri is None:
+        uri = spec.uri(path) if spec is not None else _uri(scheme, path)
+    options = getattr(spec, "options", None)
+    detail = _s3.scrub(str(exc))
+    tries = f" (after {attempts} attempts)" if attempts > 1 else ""
+    if kind == "missing":
+        return NotFoundError(_missing_message(fs, scheme, path, uri, options))
+    if kind == "credentials":
+        if scheme == "s3":
+            msg = (f"access to {uri} was refused: {_s3.credentials_source(options)} "
+                   f"({detail}); fix: {_s3.FIX_CREDENTIALS}. S3 also answers 'access denied' "
+                   "for a missing key when the credentials may not list the bucket")
+        elif scheme == "hdfs":
+            msg = (f"HDFS refused access to {uri} ({detail}); check the HDFS user "
+                   "(storage={'hdfs_user': ...} or HADOOP_USER_NAME) or the Kerberos ticket")
+        else:
+            msg = f"permission denied to {action} {uri}; check the file's owner and mode"
+        return CredentialsError(msg)
+    if kind == "network" and scheme == "s3":
+        endpoint = getattr(options, "endpoint_url", None) or "AWS S3"
+        msg = (f"cannot reach the S3 endpoint {endpoint} to {action} {uri}{tries}: {detail}. "
+               "Check that the server is up and that storage={'endpoint_url': ...} or "
+               "AWS_ENDPOINT_URL points to it")
+        return StorageError(msg)
+    return StorageError(f"cannot {action} {uri}{tries}: {detail}")
+
+
+def _missing_message(fs, scheme, path, uri, options) -> str:
+    if scheme == "s3" and fs is not None:
+        bucket = path.split("/", 1)[0]
+        try:
+            missing_bucket = fs.get_file_info(bucket).type == pafs.FileType.NotFound
+        except Exception:  # noqa: BLE001 - the probe only sharpens the message
+            missing_bucket = False
+        if missing_bucket:
+            endpoint = getattr(options, "endpoint_url", None) or "AWS S3"
+            return (f"{uri} does not exist: bucket {bucket!r} does not exist at {endpoint}; "
+                    "check the bucket name and the endpoint")
+        return f"{uri} does not exist; check the key or prefix (the bucket exists)"
+    return f"{uri} does not exist; check the path"
+
+
+def _is_arrow_error(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith("pyarrow")
+
+
+def _spec_of(fs):
+    with _SPECS_LOCK:
+        return _SPECS.get(id(fs))
+
+
+def _scheme_of(fs, spec) -> str:
+    if spec is not None:
+        return spec.scheme
+    handler = getattr(fs, "handler", None)
+    base = getattr(handler, "base", None)
+    if base is not None:
+        return _scheme_of(base, None)
+    if isinstance(fs, pafs.S3FileSystem):
+        return "s3"
+    if isinstance(fs, pafs.HadoopFileSystem):
+        return "hdfs"
+    return "file"
+
+
+def _scheme_of_uri(uri: str) -> str:
+    scheme = uri.partition("://")[0].lower() if "://" in uri else "file"
+    return "s3" if scheme in ("s3", "s3a", "s3n") else scheme
+
+
+def _uri(scheme: str, path: str) -> str:
+    return path if scheme == "file" else f"{scheme}://{path}"
+
+
+def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
+    """Run ``call()``; on a transient failure wait (exponential backoff, jitter) and run it again.
+
+    Raises:
+        the raying error of the last failure, after ``attempts`` tries or at the first failure
+        that another try cannot fix (missing, refused).
+    """
+    if attempts < 1:
+        msg = f"retries must be >= 1 (attempts in all), got {attempts!r}"
+        raise ConfigError(msg)
+    attempt = 1
+    while True:
+        try:
+            return call()
+        except Exception as exc:
+            error = storage_error(exc, fs, path, attempts=attempt, uri=uri)
+            if attempt >= attempts or not is_retryable(exc):
+                raise error from None
+            delay = min(backoff * 2 ** (attempt - 1), DEFAULT_READ_RETRY_MAX_BACKOFF_S)
+            delay *= 0.5 + random.random() / 2
+            logger.debug("retrying in %.2fs (attempt %d of %d): %s", delay, attempt + 1,
+                         attempts, error)
+            if on_retry is not None:
+                on_retry(path, attempt, error)
+            time.sleep(delay)
+            attempt += 1

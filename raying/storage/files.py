@@ -1,0 +1,321 @@
+"""From a URI and storage options to a pyarrow filesystem and path; list, read and write safely.
+
+Schemes: plain paths and ``file://`` (local), ``s3://`` (also ``s3a://``), ``hdfs://``. S3 follows
+the standard AWS environment (credentials chain, ``AWS_REGION``, ``AWS_ENDPOINT_URL[_S3]``,
+``AWS_PROFILE``) and the same settings given explicitly in ``storage=`` (StorageOptions or a
+dict). Errors name the URI and the fix; credentials never appear in messages, reprs or logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow.fs as pafs
+
+from raying.errors import CredentialsError, StorageError
+from raying.options import (
+    DEFAULT_READ_RETRIES,
+    DEFAULT_READ_RETRY_BACKOFF_S,
+    DEFAULT_REMOTE_READ_THREADS,
+    StorageOptions,
+)
+from raying.storage import errors as _errors
+from raying.storage.errors import NotFoundError
+from raying.storage.spec import StorageSpec, clear_cache
+
+__all__ = ["NotFoundError", "StorageSpec", "clear_cache", "exists", "file_info",
+           "is_credentials_error", "list_files", "make_dirs", "open_input", "read_bytes",
+           "read_many", "resolve", "storage_error", "write_bytes_atomic"]
+
+logger = logging.getLogger(__name__)
+
+OnRetry = Callable[[str, int, BaseException], None]
+
+
+def resolve(uri: str, storage: StorageOptions | dict | None = None
+            ) -> tuple[pafs.FileSystem, str]:
+    """Turn a URI into a pyarrow filesystem and the path on it.
+
+    Args:
+        uri: a local path (relative, absolute or ``~``), ``file://...``, ``s3://bucket/key``
+            or ``hdfs://host:port/path`` (``hdfs:///path`` for fs.defaultFS).
+        storage: StorageOptions, a dict of its fields, or None for the environment alone.
+            ``slow=(latency_s, bandwidth_bytes_per_s)`` (or a tier name such as ``"hdd"``)
+            wraps the filesystem in the slow-storage simulator.
+
+    Returns:
+        ``(filesystem, path)``; filesystems are cached per scheme and options in a process.
+
+    Raises:
+        ConfigError: unknown scheme or bad options. DependencyError: HDFS prerequisites or
+            botocore (for ``profile``) missing. StorageError: HDFS unreachable.
+
+    Example:
+        >>> fs, path = resolve("s3://bucket/images", {"endpoint_url": "http://127.0.0.1:9000"})
+    """
+    spec, path = StorageSpec.from_uri(uri, storage)
+    return spec.filesystem(), path
+
+
+def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | None = None,
+               recursive: bool = True, skip_prefixes: str = "._") -> list[pafs.FileInfo]:
+    """List the files under ``path`` in one listing call, sorted by path.
+
+    Files and directories whose names start with one of ``skip_prefixes`` (by default ``.``
+    or ``_``: ``.git``, ``_SUCCESS``, ``_temporary``, temp files) are skipped. A path that is
+    itself a file lists as that one file.
+
+    Args:
+        fs: the filesystem, from :func:`resolve`.
+        path: the directory (or prefix) to list.
+        extensions: keep only these suffixes, case-insensitive, e.g. ``(".jpg", "png")``.
+        recursive: descend into subdirectories.
+
+    Returns:
+        pyarrow FileInfo objects (``.path``, ``.size``, ``.mtime``) of regular files.
+
+    Raises:
+        NotFoundError: nothing exists at ``path``. CredentialsError: access refused.
+        StorageError: the storage failed after retries.
+    """
+    exts = None if extensions is None else tuple(
+        ("." + e.lstrip(".")).lower() for e in ([extensions] if isinstance(extensions, str)
+                                               else extensions))
+    base = path.rstrip("/") or path
+    selector = pafs.FileSelector(base, recursive=recursive)
+    try:
+        infos = _retry(lambda: fs.get_file_info(selector), fs, base)
+    except StorageError as exc:
+        if isinstance(exc, CredentialsError):
+            raise
+        info = _retry(lambda: fs.get_file_info(base), fs, base)  # a file, not a folder?
+        if info.type != pafs.FileType.File:
+            raise exc from None
+        infos, base = [info], base.rpartition("/")[0]
+    prefix = len(base.rstrip("/")) + 1
+    out = [i for i in infos if i.type == pafs.FileType.File
+           and not any(part[:1] and part[:1] in skip_prefixes
+                       for part in i.path[prefix:].split("/"))
+           and (exts is None or i.path.lower().endswith(exts))]
+    out.sort(key=lambda i: i.path)
+    if isinstance(fs, pafs.LocalFileSystem) and out:
+        out = _drop_symlink_loops(out, base)
+    return out
+
+
+def _drop_symlink_loops(infos: list[pafs.FileInfo], base: str) -> list[pafs.FileInfo]:
+    """Files under a folder that a symlink loop leads back into (``cat/back -> ..``): the
+    listing follows links until the OS refuses, listing the same files under ever longer
+    paths. A folder whose real path is that of one of its ancestors is such a repeat."""
+    real: dict[str, str] = {}
+
+    def resolve(d: str) -> str:
+        r = real.get(d)
+        if r is None:
+            r = real[d] = os.path.realpath(d)
+        return r
+
+    top = base.rstrip("/")
+    looped: dict[str, str] = {}
+    for d in sorted({os.path.dirname(i.path) for i in infos}):
+        chain = [d]  # d and its folders up to the root
+        while len(chain[-1]) > len(top) and os.path.dirname(chain[-1]) != chain[-1]:
+            chain.append(os.path.dirname(chain[-1]))
+        seen: dict[str, str] = {}
+        for folder in reversed(chain):  # from the root down: a repeat means a loop above d
+            r = resolve(folder)
+            if r in seen:
+                looped[d] = f"{folder} is {seen[r]}"
+                break
+            seen[r] = folder
+    if not looped:
+        return infos
+    keep = [i for i in infos if os.path.dirname(i.path) not in looped]
+    logger.warning("raying: left out %d files listed under %d folders that a symlink loop "
+                   "leads back into (e.g. %s again); remove or fix the link",
+                   len(infos) - len(keep), len(looped), next(iter(looped.values())))
+    return keep
+
+
+def read_bytes(fs: pafs.FileSystem, path: str, *, retries: int = DEFAULT_READ_RETRIES,
+               backoff: float = DEFAULT_READ_RETRY_BACKOFF_S,
+               on_retry: OnRetry | None = None) -> bytes:
+    """Read a whole file, retrying transient failures (never a missing file or a refusal).
+
+    Args:
+        fs: the filesystem, from :func:`resolve`.
+        path: the file's path on ``fs``.
+        retries: attempts in all before the error surfaces (at least 1).
+        backoff: seconds before the second attempt; doubles each time, with jitter, up to
+            5 s.
+        on_retry: called as ``on_retry(path, attempt, error)`` before each new attempt.
+
+    Raises:
+        NotFoundError: the file does not exist. CredentialsError: access refused.
+        StorageError: the storage failed ``retries`` times (the message names the URI).
+    """
+    if isinstance(fs, pafs.LocalFileSystem):
+        return _retry(lambda: _read_local(path), fs, path, retries, backoff, on_retry)
+    return _retry(lambda: _read_fs(fs, path), fs, path, retries, backoff, on_retry)
+
+
+def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
+              threads: int | None = None, retries: int = DEFAULT_READ_RETRIES,
+              backoff: float = DEFAULT_READ_RETRY_BACKOFF_S,
+              on_retry: OnRetry | None = None) -> list[bytes | Exception]:
+    """Read many whole files; a failure takes its own slot and never the others'.
+
+    Local files are read one after the other (measured faster than threads for files in the
+    page cache); other stores use a thread pool, since each read mostly waits on the network.
+
+    Args:
+        fs: the filesystem, from :func:`resolve`.
+        paths: paths on ``fs`` or FileInfo objects from :func:`list_files`.
+        threads: concurrent reads for remote stores; ``DEFAULT_REMOTE_READ_THREADS`` if None.
+        retries, backoff, on_retry: as in :func:`read_bytes`.
+
+    Returns:
+        One entry per path, in order: the bytes, or the StorageError that ended its reads.
+    """
+    names = [p.path if isinstance(p, pafs.FileInfo) else p for p in paths]
+
+    def one(name: str) -> bytes | Exception:
+        try:
+            return read_bytes(fs, name, retries=retries, backoff=backoff, on_retry=on_retry)
+        except Exception as exc:  # noqa: BLE001 - each failure is returned in its slot
+            return exc
+
+    workers = min(threads or DEFAULT_REMOTE_READ_THREADS, len(names))
+    if isinstance(fs, pafs.LocalFileSystem) or workers <= 1:
+        return [one(n) for n in names]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="raying-read") as pool:
+        return list(pool.map(one, names))
+
+
+def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """Write ``data`` so that readers see the old file or the new one, never a partial one.
+
+    Local: a temp file in the same directory, fsync, then ``os.replace``. S3: one upload, which
+    becomes visible only when complete. Others (HDFS, wrappers): a temp file, then a rename.
+    Parent directories are created.
+
+    Raises:
+        CredentialsError: access refused. StorageError: the write failed.
+    """
+    try:
+        if isinstance(fs, pafs.LocalFileSystem):
+            _write_local_atomic(path, data)
+        elif isinstance(fs, pafs.S3FileSystem):
+            with fs.open_output_stream(path) as out:
+                out.write(data)
+        else:
+            parent, _, name = path.rpartition("/")
+            if parent:
+                fs.create_dir(parent, recursive=True)
+            tmp = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp"
+            try:
+                with fs.open_output_stream(tmp) as out:
+                    out.write(data)
+                fs.move(tmp, path)
+            except BaseException:
+                _delete_quietly(fs, tmp)
+                raise
+    except Exception as exc:
+        raise _errors.storage_error(exc, fs, path, action="write") from None
+
+
+def exists(fs: pafs.FileSystem, path: str) -> bool:
+    """Whether a file or directory exists at ``path`` (transient failures are retried).
+
+    Raises:
+        CredentialsError: access refused. StorageError: the storage failed after retries.
+    """
+    try:
+        return file_info(fs, path).type != pafs.FileType.NotFound
+    except NotFoundError:
+        return False
+
+
+def file_info(fs: pafs.FileSystem, path: str, uri: str | None = None) -> pafs.FileInfo:
+    """The FileInfo at ``path`` (type ``NotFound`` when nothing is there), retried.
+
+    Args:
+        uri: the name to use in error messages (default: derived from ``fs`` and ``path``).
+    """
+    return _retry(lambda: fs.get_file_info(path), fs, path, uri=uri)
+
+
+def open_input(fs: pafs.FileSystem, path: str) -> pafs.NativeFile:
+    """Open ``path`` for random access (e.g. for ``pq.ParquetFile``); the open is retried.
+
+    Raises:
+        NotFoundError, CredentialsError, StorageError: as for :func:`read_bytes`.
+    """
+    return _retry(lambda: fs.open_input_file(path), fs, path)
+
+
+def make_dirs(fs: pafs.FileSystem, path: str) -> None:
+    """Create ``path`` and its parents; nothing to do on S3, where folders are key prefixes."""
+    if isinstance(fs, pafs.S3FileSystem):
+        return
+    try:
+        fs.create_dir(path, recursive=True)
+    except Exception as exc:
+        raise _errors.storage_error(exc, fs, path, action="create") from None
+
+
+def storage_error(exc: Exception, uri: str, *, action: str = "read") -> Exception:
+    """The raying error (NotFoundError, CredentialsError, StorageError) for a failure on ``uri``.
+
+    For callers that use pyarrow directly (e.g. ``pq.read_metadata``); secrets are scrubbed.
+    """
+    return _errors.storage_error(exc, None, uri, action=action, uri=uri)
+
+
+def is_credentials_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the storage refusing access (credentials missing, wrong or short)."""
+    return _errors.classify(exc) == "credentials"
+
+
+def _read_local(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_fs(fs: pafs.FileSystem, path: str) -> bytes:
+    with fs.open_input_stream(path, compression=None) as f:
+        return f.read()
+
+
+def _write_local_atomic(path: str, data) -> None:
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        # os.open with 0o666 lets the umask decide the mode, as for any new file.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
+    try:
+        fs.delete_file(path)
+    except Exception:  # noqa: BLE001 - best effort after a failed write
+        logger.debug("could not remove temp file %s", path)
+
+
+def _retry(call, fs, path, retries=DEFAULT_READ_RETRIES, backoff=DEFAULT_READ_RETRY_BACKOFF_S,
+           on_retry=None, uri=None):
+    return _errors.retrying(call, fs, path, retries, backoff, on_retry, uri)

@@ -1,0 +1,271 @@
+"""`raying advise URI`: measure a dataset, its storage and this machine; recommend a config.
+
+The seed document's decision table (dataset size, data format, storage medium, CPU, GPU,
+latency needs; DESIGN.md §6) made measurable: each factor becomes a number measured here,
+and each recommendation names the number it rests on::
+
+    dataset  (one listing, one footer)   -> size, format, file-size spread
+    storage  (a few dozen real reads)    -> latency, bandwidth, gain from parallel reads
+    machine                              -> cores, memory, tmpfs/disk space, GPUs, decode cost
+        -> pack? pre-decode? cache tier and size, read concurrency, prefetch, block size
+
+Example:
+    >>> from raying.tools.advise import advise
+    >>> report = advise("s3://bucket/train", {"endpoint_url": "http://127.0.0.1:9000"})
+    >>> [(a["setting"], a["value"]) for a in report["advice"]]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from raying.options import StorageOptions
+from raying.storage import files as _storage
+from raying.storage.tiers import fill_concurrency
+from raying.tools import advise_measure as _m
+
+# A typical file read whole within 1 ms (and, where a long read measured it, 400 MB/s or more):
+# local SSD or page cache; defaults do.
+FAST_READ_S = 1e-3
+FAST_BANDWIDTH_BYTES_PER_S = 400e6
+# Reads are latency-bound when the wait for the first byte is at least this share of a read.
+LATENCY_BOUND_SHARE = 0.5
+# A device that gains less than this from 16 parallel reads serves one request at a time.
+SERIAL_SPEEDUP = 2.0
+# Images per second one current GPU consumes (ResNet-50-class training, mixed precision).
+GPU_IMAGES_PER_S = 2500
+# The memory tier takes at most this share of available memory (and half the free tmpfs);
+# the disk tier at most this share of the free local disk.
+MEMORY_TIER_SHARE = 0.25
+DISK_TIER_SHARE = 0.5
+# Decode work per read task (DESIGN.md §1: blocks of ~100 ms keep Ray's overheads small).
+TASK_DECODE_MS = 100.0
+# Side of pre-decoded pixels (`raying pack --decode-size`), so 224 crops can still move.
+DECODED_SIDE = 256
+BATCH = 256
+# Reads in flight when small files never showed the link's bandwidth (latency-bound, S3-like).
+UNSATURATED_CONCURRENCY = 64
+
+
+def advise(uri: str, storage: StorageOptions | Mapping[str, Any] | None = None, *,
+           machine: Mapping[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
+    """Measure ``uri``, its storage and this machine, and recommend settings.
+
+    Args:
+        uri: the dataset (image folder or Parquet folder): path, ``s3://``, ``hdfs://``.
+        storage: storage options, as for :meth:`raying.Manifest.scan` (``slow=`` emulates a
+            slower tier).
+        machine: measured machine values to override (e.g. ``{"cores": 64, "gpus": 8}``) to
+            ask "what if this ran there".
+        seed: which files the storage probe reads.
+
+    Returns:
+        ``{"uri", "measured": {"dataset", "storage", "machine"}, "advice": [{"setting",
+        "value", "reason", "measured"}], "config": {...}}``.
+    """
+    fs, path = _storage.resolve(uri, StorageOptions.coerce(storage))
+    data = _m.measure_dataset(fs, path, uri)
+    store = _m.measure_storage(fs, data, seed=seed)
+    sample = _m.sample_images(fs, data) if not data.get("pre_decoded") else []
+    mach = _m.measure_machine(sample, pre_decoded=bool(data.get("pre_decoded")))
+    mach.update(machine or {})
+    advice, config = recommend(data, store, mach)
+    public = {k: v for k, v in data.items() if k not in ("paths", "sizes")}
+    return {"uri": uri, "measured": {"dataset": public, "storage": store, "machine": mach},
+            "advice": advice, "config": config}
+
+
+def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
+              ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The decision table: one line per setting, each with its reason and measurement."""
+    lat, bw = store["latency_s"], store["bandwidth_bytes_per_s"]
+    long_read = store["bandwidth_from"].startswith("one ")  # else a lower bound from small reads
+    fast = store["whole_file_s"] < FAST_READ_S and (
+        not long_read or bw >= FAST_BANDWIDTH_BYTES_PER_S)
+    serial = store["parallel_speedup"] < SERIAL_SPEEDUP
+    parquet = data["format"] == "parquet"
+    size = data["bytes"]
+    d_ms = mach.get("decode_ms_per_image")
+    cores = max(1, int(mach["cores"]))
+    decode_rate = math.inf if not d_ms else cores * 1000.0 / d_ms
+    demand = mach["gpus"] * GPU_IMAGES_PER_S if mach["gpus"] else decode_rate
+    out: list[dict[str, Any]] = []
+
+    def line(setting: str, value: Any, reason: str, measured: str) -> None:
+        out.append({"setting": setting, "value": value, "reason": reason,
+                    "measured": measured})
+
+    io_m = (f"latency {lat * 1e3:.2f} ms, bandwidth {'' if long_read else '>= '}"
+            f"{bw / 1e6:.1f} MB/s, 16 parallel reads {store['parallel_speedup']:.1f}x serial")
+    # 1. pack to Parquet
+    p50 = data["file_bytes_p50"]
+    if parquet:
+        line("pack", "already Parquet",
+             f"row groups of ~{data['rows_per_row_group']} rows amortize each request over "
+             f"that many samples", f"{data['files']} files, ~{_mb(data['row_group_bytes'])} "
+             f"per row group")
+    elif not fast and store["latency_share"] >= LATENCY_BOUND_SHARE:
+        line("pack", "yes: raying pack SRC DST",
+             f"each file waits {lat * 1e3:.1f} ms for its first byte, "
+             f"{store['latency_share']:.0%} of reading it whole; Parquet row groups turn "
+             f"{BATCH} reads into one", f"{data['files']:,} files, p50 {_kb(p50)}; {io_m}")
+    else:
+        why = ("storage answers fast" if fast else
+               f"transfer dominates a read ({1 - store['latency_share']:.0%} of it)")
+        line("pack", "no", f"{why}: packing would not save requests that matter",
+             f"{data['files']:,} files, p50 {_kb(p50)}; {io_m}")
+    # 2. pre-decode
+    if data.get("pre_decoded"):
+        line("pre_decode", "already pre-decoded", "the image column holds pixels",
+             f"image column type {data.get('image_type')}")
+    elif d_ms is None:
+        line("pre_decode", "unknown", "no image could be sampled to time decoding", "-")
+    else:
+        decoded_bytes = DECODED_SIDE * DECODED_SIDE * 3
+        need_bw = demand * decoded_bytes
+        m = (f"decode + crop {d_ms:.2f} ms/image/core x {cores} cores = "
+             f"{decode_rate:,.0f} img/s; demand {demand:,.0f} img/s"
+             f"{' (' + str(mach['gpus']) + ' GPU)' if mach['gpus'] else ''}")
+        if demand > decode_rate and (fast or bw >= need_bw):
+            line("pre_decode", f"yes: raying pack --decode-size {DECODED_SIDE}",
+                 f"the CPUs decode fewer images than the GPUs consume, and storage carries "
+                 f"{_mb(decoded_bytes)} of pixels per image at {need_bw / 1e6:,.0f} MB/s", m)
+        elif demand > decode_rate:
+            line("pre_decode", "no",
+                 f"decode binds, but pixels are ~{decoded_bytes / max(data['sample_bytes'], 1):.0f}x "
+                 f"the encoded bytes and storage ({bw / 1e6:.0f} MB/s) could not carry them; "
+                 f"move augmentation to the GPU instead (uint8 to the device)", m)
+        else:
+            line("pre_decode", "no", "the CPUs decode faster than the consumer needs", m)
+    # 3. cache tier and size
+    mem_cap = int(min(size, MEMORY_TIER_SHARE * mach["memory_available_bytes"],
+                      0.5 * mach["shm_free_bytes"]))
+    disk_cap = int(min(size, DISK_TIER_SHARE * mach["disk_free_bytes"])) if size > mem_cap else 0
+    cache: dict[str, Any] | None = None
+    if fast:
+        line("cache", "none", "storage is local and fast: the OS page cache serves repeats",
+             io_m)
+    else:
+        cache = {"memory_bytes": mem_cap, "disk_bytes": disk_cap,
+                 "disk_dir": (mach["disk_dir"].rstrip("/") + "/raying-cache") if disk_cap
+                 else None, "policy": "priority"}
+        fits = (f"the whole dataset ({_mb(size)}) fits the memory tier" if mem_cap >= size
+                else f"the dataset ({_mb(size)}) exceeds the memory tier, so a disk tier "
+                     f"holds {disk_cap / size:.0%} of it")
+        line("cache", f"memory {_mb(mem_cap)}" + (f" + disk {_mb(disk_cap)}" if disk_cap
+                                                     else "") + ", policy priority",
+             f"every read from this storage costs {lat * 1e3:.1f} ms + transfer; {fits}; the "
+             f"priority policy keeps what PrioritizedSampler draws most, and under uniform "
+             f"sampling a fixed subset (hits = capacity share, where LRU over a permutation "
+             f"hits almost never)",
+             f"{io_m}; {_mb(mach['memory_available_bytes'])} memory available, "
+             f"{_mb(mach['disk_free_bytes'])} disk free")
+    # 4. read concurrency
+    req = data["row_group_bytes"] if parquet else p50
+    if fast:
+        conc, why = 1, "local page-cache reads are fastest one after the other"
+    elif serial:
+        conc, why = 2, (f"16 parallel reads were only {store['parallel_speedup']:.1f}x faster "
+                        f"than serial: the storage served one request at a time here (a disk "
+                        f"head, or a throttled endpoint); 2 in flight keep it busy without "
+                        f"extra seeks")
+    elif long_read:
+        conc = fill_concurrency(lat, bw, req)
+        why = (f"latency x bandwidth = {_kb(lat * bw)} must be in flight to fill the link; "
+               f"requests of {_kb(req)}, with 2x headroom")
+    else:
+        conc = UNSATURATED_CONCURRENCY
+        why = (f"16 parallel reads scaled {store['parallel_speedup']:.1f}x and never reached "
+               f"the link's bandwidth (files of {_kb(req)}): many more requests can be in "
+               f"flight, as on S3")
+    line("read_concurrency", conc, why, io_m)
+    # 5. prefetch depth (batches of 256)
+    per_read = lat + req / bw
+    fetch_s = (BATCH * per_read / conc if not parquet
+               else lat + BATCH * data["sample_bytes"] / bw)
+    decode_s = BATCH * (d_ms or 0.0) / 1000.0 / cores
+    ratio = fetch_s / decode_s if decode_s > 0 else math.inf
+    depth = int(min(16, max(2, math.ceil(min(ratio, 14.0)) + 2)))
+    line("prefetch_batches", depth,
+         ("fetching a batch takes longer than decoding it: the loader is I/O-bound, so "
+          "prefetch deeper and let the cache and planner cut the fetches" if ratio > 1 else
+          "a batch decodes slower than it arrives; a few batches absorb jitter"),
+         f"fetch {fetch_s * 1e3:.0f} ms vs decode {decode_s * 1e3:.0f} ms per {BATCH} images")
+    # 6. block size
+    if d_ms:
+        rows = 2 ** round(math.log2(max(1.0, TASK_DECODE_MS / d_ms)))
+        rows = int(min(256, max(64, rows)))
+    else:
+        rows = 256
+    if parquet:
+        rows = max(rows, data["rows_per_row_group"])
+    line("block_rows", rows, f"~{TASK_DECODE_MS:.0f} ms of decode per read task keeps Ray's "
+         f"per-task cost small" + ("; at least one row group" if parquet else ""),
+         f"decode {d_ms:.2f} ms/image" if d_ms else "decode not measured")
+    # 7. read tasks in flight
+    window = 2 * cores if fast or not serial else cores
+    line("window", window,
+         ("two read tasks per core keep every core decoding" if window == 2 * cores else
+          "one read task per core: more would only queue on the device"),
+         f"{cores} cores")
+    config = {"block_rows": rows, "window": window, "prefetch_batches": depth,
+              "io": {"concurrency": conc, "cache": cache}}
+    return out, config
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1024**3:.1f} GiB" if n >= 1024**3 else f"{n / 1024**2:.1f} MiB"
+
+
+def _ms(v: float | None) -> str:
+    return "?" if v is None else f"{v:.2f}"
+
+
+def _kb(n: float) -> str:
+    return f"{n / 1024**2:.1f} MiB" if n >= 1024**2 else f"{n / 1024:.1f} KiB"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as text: what was measured, then one line per recommendation."""
+    d, s, m = (report["measured"][k] for k in ("dataset", "storage", "machine"))
+    lines = [f"raying advise {report['uri']}", "measured:",
+             f"  dataset  {d['format']}: {d['files']:,} files, {d['samples']:,} samples, "
+             f"{_mb(d['bytes'])}; file size p10/p50/p90 {_kb(d['file_bytes_p10'])} / "
+             f"{_kb(d['file_bytes_p50'])} / {_kb(d['file_bytes_p90'])}",
+             f"  storage  {s['kind']}: first byte {s['latency_s'] * 1e3:.2f} ms, bandwidth "
+             f"{s['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s ({s['bandwidth_from']}), 16 "
+             f"parallel reads {s['parallel_speedup']:.1f}x serial ({s['probe_reads']} reads)",
+             f"  machine  {m['cores']} cores, {_mb(m['memory_bytes'])} memory "
+             f"({_mb(m['memory_available_bytes'])} available), GPU: "
+             f"{(str(m['gpus']) + 'x ' + str(m['gpu_name'])) if m['gpus'] else 'none'}, "
+             f"decode {_ms(m['decode_ms_per_image'])} ms/image/core", "recommended:"]
+    for a in report["advice"]:
+        lines.append(f"  {a['setting']:<17} {a['value']}")
+        lines.append(f"  {'':<17}   because {a['reason']}")
+        lines.append(f"  {'':<17}   measured: {a['measured']}")
+    c = report["config"]
+    cache = c["io"]["cache"]
+    io = (f"IOConfig(concurrency={c['io']['concurrency']}"
+          + (f", cache=CacheConfig(memory_bytes={cache['memory_bytes']}, disk_bytes="
+             f"{cache['disk_bytes']}, disk_dir={cache['disk_dir']!r}, policy='priority')"
+             if cache else "") + ")")
+    lines.append(f"as code:\n  PipelineConfig(block_rows={c['block_rows']}, window={c['window']}, "
+                 f"io={io})  # iter_*_batches(prefetch_batches={c['prefetch_batches']})")
+    return "\n".join(lines)
+
+
+def main(ns: Any) -> int:
+    """The `raying advise` command (see raying/tools/cli.py): prints the report, or JSON."""
+    opts = {k: getattr(ns, k) for k in ("endpoint_url", "region", "profile", "slow")
+            if getattr(ns, k, None)}
+    if getattr(ns, "anonymous", False):
+        opts["anonymous"] = True
+    report = advise(ns.uri, opts or None)
+    if getattr(ns, "json", False):
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        print(format_report(report))
+    return 0

@@ -1,0 +1,252 @@
+"""Measurements behind `raying advise`: the dataset, a sample of storage reads, this machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raying.dataset.manifest import IMAGE_EXTENSIONS, PARQUET_EXTENSIONS
+from raying.options import DEFAULT_MEMORY_CACHE_DIR
+from raying.storage import files as _storage
+from raying.storage.slow import SlowFileSystemHandler
+
+# Storage probe: serial reads (latency), parallel reads (concurrency), one long read (bandwidth).
+PROBE_SERIAL_READS = 8
+PROBE_PARALLEL_READS = 32
+PROBE_PARALLEL_THREADS = 16
+PROBE_LONG_READ_BYTES = 8 * 1024**2
+PROBE_DECODE_IMAGES = 8
+PROBE_FOOTERS = 32
+
+
+def measure_dataset(fs: pafs.FileSystem, path: str, uri: str) -> dict[str, Any]:
+    """Format, sample count, bytes and file-size spread from one listing (and one footer)."""
+    infos = _storage.list_files(fs, path)
+    parquet = [i for i in infos if i.path.lower().endswith(PARQUET_EXTENSIONS)]
+    images = [i for i in infos if i.path.lower().endswith(IMAGE_EXTENSIONS)]
+    chosen = parquet or images
+    if not chosen:
+        from raying.errors import DataError
+
+        msg = f"no images or Parquet files under {uri}; check the URI"
+        raise DataError(msg)
+    sizes = np.array([i.size for i in chosen], dtype=np.int64)
+    out: dict[str, Any] = {
+        "format": "parquet" if parquet else "images", "files": len(chosen),
+        "bytes": int(sizes.sum()),
+        "file_bytes_p10": int(np.percentile(sizes, 10)),
+        "file_bytes_p50": int(np.percentile(sizes, 50)),
+        "file_bytes_p90": int(np.percentile(sizes, 90)),
+        "paths": [i.path for i in chosen], "sizes": sizes.tolist(),
+    }
+    if parquet:
+        # Footers of up to PROBE_FOOTERS files: exact counts for small sets, else rows per
+        # byte of those files times the bytes of all (files of a set can differ in rows).
+        known = parquet[:PROBE_FOOTERS]
+
+        def footer(info: pafs.FileInfo) -> pq.FileMetaData:
+            from raying.dataset.scan import _read_footer
+
+            rel = info.path[len(path.rstrip("/")) + 1:] if info.path != path else ""
+            return _read_footer(fs, info.path, f"{uri.rstrip('/')}/{rel}" if rel else uri)
+
+        with ThreadPoolExecutor(min(8, len(known))) as pool:
+            metas = list(pool.map(footer, known))
+        md = metas[0]
+        col = _image_column(md)
+        typ = str(md.schema.to_arrow_schema().field(col).type) if col else "?"
+        rows = sum(m.num_rows for m in metas)
+        known_bytes = sum(int(i.size) for i in known)
+        estimated = len(known) < len(parquet)
+        samples = (round(rows * out["bytes"] / max(known_bytes, 1)) if estimated else rows)
+        out.update(
+            samples=int(samples), samples_estimated=estimated,
+            row_groups_per_file=md.num_row_groups,
+            rows_per_row_group=int(md.num_rows / max(md.num_row_groups, 1)),
+            row_group_bytes=int(parquet[0].size / max(md.num_row_groups, 1)),
+            image_column=col, image_type=typ,
+            pre_decoded=typ.startswith("fixed_size_binary"))
+        out["sample_bytes"] = int(out["bytes"] / max(out["samples"], 1))
+    else:
+        exts: dict[str, int] = {}
+        for i in images:
+            e = os.path.splitext(i.path)[1].lower().lstrip(".")
+            exts[e] = exts.get(e, 0) + 1
+        out.update(samples=len(images), extensions=exts, pre_decoded=False,
+                   sample_bytes=int(np.median(sizes)))
+    return out
+
+
+def _image_column(md: pq.FileMetaData) -> str | None:
+    schema = md.schema.to_arrow_schema()
+    if "image" in schema.names:
+        return "image"
+    binary = [f.name for f in schema if str(f.type).startswith(("binary", "fixed_size_binary",
+                                                              "large_binary"))]
+    return binary[0] if len(binary) == 1 else None
+
+
+def measure_storage(fs: pafs.FileSystem, data: dict[str, Any], *, seed: int = 0
+                    ) -> dict[str, Any]:
+    """Latency, bandwidth and the benefit of parallel reads, from a sample of real reads.
+
+    * latency: median time to the first byte (open + 1-byte read) over a few files;
+    * whole-file time: median time to read a small file whole, serially;
+    * parallel: files/s of ``PROBE_PARALLEL_READS`` whole reads on 16 threads, against the
+      serial rate (a disk head gains little; S3 gains almost 16x);
+    * bandwidth: one long read (up to 8 MiB) of the largest file, less one latency; for
+      datasets of small files the parallel batch's bytes/s or the serial reads', whichever
+      is higher (a lower bound).
+    """
+    rng = np.random.default_rng(seed)
+    paths, sizes = data["paths"], np.asarray(data["sizes"])
+    order = rng.permutation(len(paths))
+    pick = [int(i) for i in order[:PROBE_SERIAL_READS]]
+    small = [i for i in pick if sizes[i] <= 4 * 1024**2] or pick[:2]
+    first, whole = [], []
+    for i in pick:
+        t0 = time.perf_counter()
+        with fs.open_input_file(paths[i]) as f:
+            f.read_at(1, 0)
+        first.append(time.perf_counter() - t0)
+    for i in small:
+        t0 = time.perf_counter()
+        with fs.open_input_file(paths[i]) as f:
+            f.read_at(int(sizes[i]), 0)
+        whole.append(time.perf_counter() - t0)
+    latency = statistics.median(first)
+    whole_s = statistics.median(whole)
+    par = [int(i) for i in order[:PROBE_PARALLEL_READS] if sizes[int(i)] <= 4 * 1024**2]
+    par = par or small
+    with ThreadPoolExecutor(PROBE_PARALLEL_THREADS) as pool:
+        # Start the threads first: their creation is not storage time (on a fast local disk
+        # it would dominate, and the reads would look slower in parallel than serially).
+        list(pool.map(time.sleep, [0.01] * PROBE_PARALLEL_THREADS))
+        t0 = time.perf_counter()
+        got = list(pool.map(lambda i: _read_whole(fs, paths[i], int(sizes[i])), par))
+        par_s = time.perf_counter() - t0
+    par_rate = len(par) / par_s
+    serial_rate = 1.0 / whole_s
+    big = int(np.argmax(sizes))
+    long_bytes = int(min(sizes[big], PROBE_LONG_READ_BYTES))
+    bandwidth, how = sum(got) / par_s, "parallel small reads (a lower bound)"
+    serial_bw = float(np.median(sizes[small])) / whole_s if whole_s > 0 else 0.0
+    if serial_bw > bandwidth:  # threads can cost more than tiny reads from the page cache
+        bandwidth, how = serial_bw, "serial small reads (a lower bound)"
+    if long_bytes >= 256 * 1024:
+        t0 = time.perf_counter()
+        with fs.open_input_file(paths[big]) as f:
+            f.read_at(long_bytes, 0)
+        dt = max(time.perf_counter() - t0 - latency, 1e-6)
+        if long_bytes / dt > bandwidth:
+            bandwidth, how = long_bytes / dt, f"one {long_bytes / 1024**2:.1f} MiB read"
+    handler = getattr(fs, "handler", None)
+    kind = _kind(fs)
+    return {"kind": kind,
+            "simulated": isinstance(handler, SlowFileSystemHandler),
+            "latency_s": latency, "whole_file_s": whole_s,
+            "latency_share": min(1.0, latency / whole_s) if whole_s > 0 else 1.0,
+            "bandwidth_bytes_per_s": bandwidth, "bandwidth_from": how,
+            "serial_files_per_s": serial_rate, "parallel_files_per_s": par_rate,
+            "parallel_speedup": par_rate / serial_rate,
+            "probe_reads": len(pick) + len(small) + len(par) + 1}
+
+
+def _read_whole(fs: pafs.FileSystem, path: str, size: int) -> int:
+    with fs.open_input_file(path) as f:
+        return len(f.read_at(size, 0))
+
+
+def _kind(fs: pafs.FileSystem) -> str:
+    handler = getattr(fs, "handler", None)
+    if isinstance(handler, SlowFileSystemHandler):
+        return f"{_kind(handler.base)} (simulated slow tier)"
+    if isinstance(fs, pafs.LocalFileSystem):
+        return "local"
+    if isinstance(fs, pafs.S3FileSystem):
+        return "s3"
+    return type(fs).__name__.replace("FileSystem", "").lower() or "other"
+
+
+def measure_machine(sample: list[Any] | None = None, *, pre_decoded: bool = False
+                    ) -> dict[str, Any]:
+    """Cores, memory, tmpfs and local disk space, GPUs (torch.cuda if importable), decode cost.
+
+    Args:
+        sample: a few encoded images (bytes) to time decode + random crop 224 on one core.
+        pre_decoded: the data is stored as pixels; decode costs nothing.
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        cores = os.cpu_count() or 1
+    mem_total, mem_avail = _memory()
+    shm = DEFAULT_MEMORY_CACHE_DIR.rsplit("/", 1)[0]
+    out: dict[str, Any] = {
+        "cores": cores, "memory_bytes": mem_total, "memory_available_bytes": mem_avail,
+        "shm_free_bytes": _free(shm), "disk_free_bytes": _free(tempfile.gettempdir()),
+        "disk_dir": tempfile.gettempdir(), "gpus": 0, "gpu_name": None}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["gpus"] = torch.cuda.device_count()
+            out["gpu_name"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - no torch, or a broken CUDA install: no GPU then
+        pass
+    out["decode_ms_per_image"] = 0.0 if pre_decoded else _decode_ms(sample or [])
+    return out
+
+
+def _decode_ms(sample: list[Any]) -> float | None:
+    if not sample:
+        return None
+    from raying.image.transform import ImageTransform
+
+    tf = ImageTransform(size=224)
+    ids = np.arange(len(sample), dtype=np.int64)
+    tf.apply_encoded(sample[:1], ids[:1], seed=0, epoch=0)  # warm up
+    t0 = time.perf_counter()
+    res = tf.apply_encoded(sample, ids, seed=0, epoch=0)
+    ok = max(int(np.sum(res.ok)), 1)
+    return 1000 * (time.perf_counter() - t0) / ok
+
+
+def _memory() -> tuple[int, int]:
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        return info["MemTotal"], info.get("MemAvailable", info["MemFree"])
+    except (OSError, KeyError, ValueError):  # pragma: no cover - not Linux
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total // 2
+
+
+def _free(path: str) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 0
+
+
+def sample_images(fs: pafs.FileSystem, data: dict[str, Any], n: int = PROBE_DECODE_IMAGES
+                  ) -> list[Any]:
+    """A few encoded images of the dataset, for the decode timing."""
+    if data["format"] == "images":
+        paths = data["paths"][:: max(1, len(data["paths"]) // n)][:n]
+        return [_storage.read_bytes(fs, p) for p in paths]
+    if data.get("pre_decoded") or not data.get("image_column"):
+        return []
+    with _storage.open_input(fs, data["paths"][0]) as fh:
+        pf = pq.ParquetFile(fh)
+        col = pf.read_row_group(0, columns=[data["image_column"]]).column(0)
+    return [v.as_py() for v in col[:n]]

@@ -1,0 +1,341 @@
+"""`raying cluster`: a local Ray head with token authentication, started and stopped by its own.
+
+Ray 2.60 serves the job API (``ray job submit``) to anyone who can reach the dashboard port
+unless token authentication is on. ``start`` turns it on for one head::
+
+    raying cluster start  ->  token file (0600)  ->  ray start --head --block  (own session)
+                              RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH=<token file>,
+                              dashboard on 127.0.0.1, free ports, a marker in every process' env
+    raying cluster stop   ->  SIGTERM to that `ray start`, then every process carrying the
+                              marker (job drivers included); SIGKILL after a grace period
+
+``ray stop`` would stop every Ray process of the machine (other users' clusters too); ``stop``
+here touches only the processes of the head it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from raying.errors import RayingError
+from raying.read.cache.pids import alive as pid_alive
+
+DEFAULT_CLUSTER_PORT = 6380
+DEFAULT_DASHBOARD_PORT = 8265
+DEFAULT_STATE_DIR = "~/.raying/cluster"
+# How long `start` waits for the head's job API to answer.
+DEFAULT_START_TIMEOUT_S = 90.0
+# How long `stop` waits after SIGTERM before it sends SIGKILL.
+DEFAULT_STOP_GRACE_S = 10.0
+# Every process of a head started here carries this variable: `stop` finds them by it.
+MARKER_ENV = "RAYING_CLUSTER_ID"
+STATE_FILE = "cluster.json"
+_HEALTH_PATH = "/api/gcs_healthz"  # public: answers without a token
+_HEALTH_PATH_AGENT = "/api/healthz"  # the head's dashboard agent, which runs submitted jobs
+_START_DONE = "will now block forever"  # what `ray start --block` prints once the node is up
+# Processes left once `ray start` has exited are orphans of a dead head: SIGKILL them sooner.
+DEFAULT_STRAGGLER_GRACE_S = 3.0
+# `ray start` attempts before `start` gives up.
+DEFAULT_START_ATTEMPTS = 2
+_VERSION_PATH = "/api/version"  # needs the token when auth is on
+
+
+class ClusterError(RayingError, RuntimeError):
+    """The local head did not start, or its state cannot be read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalCluster:
+    """A running local head; everything a client needs except the token itself.
+
+    Attributes:
+        address: the GCS address (``127.0.0.1:port``), for ``ray.init(address=...)``.
+        dashboard_url: the job API (``ray job submit --address ...``).
+        token_file: where the auth token is kept (mode 0600).
+        state_dir: folder with the state file and the head's log.
+        temp_dir: the head's Ray temp dir (sessions, logs).
+        pid: process id of the ``ray start --block`` that owns the head.
+        cluster_id: the marker value in every process of this head.
+    """
+
+    address: str
+    dashboard_url: str
+    token_file: str
+    state_dir: str
+    temp_dir: str
+    pid: int
+    cluster_id: str
+
+    def client_env(self) -> dict[str, str]:
+        """Environment for Ray clients (``ray job submit``, ``ray.init``) to send the token."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_file}
+
+    def auth_headers(self) -> dict[str, str]:
+        """HTTP headers for ``JobSubmissionClient(url, headers=...)``."""
+        token = Path(self.token_file).read_text().strip()
+        return {"Authorization": f"Bearer {token}"}
+
+    def job_client(self):
+        """A ``JobSubmissionClient`` that sends the token."""
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.dashboard_url, headers=self.auth_headers())
+
+    def submit_command(self, entrypoint: str = "python jobs/train_torch.py --smoke-test") -> str:
+        """The exact shell command that submits ``entrypoint`` to this head."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.client_env().items())
+        return (f"{env} ray job submit --address {self.dashboard_url} --working-dir . "
+                f"-- {entrypoint}")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the usual small race applies)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _ensure_token(path: Path) -> None:
+    if path.exists() and path.read_text().strip():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # what `ray get-auth-token --generate` writes
+
+
+def _http_status(url: str, headers: Mapping[str, str] | None = None) -> int | None:
+    req = urllib.request.Request(url, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(req, timeout=2.0) as resp:  # noqa: S310 - local URL
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _state_path(state_dir: str | os.PathLike) -> Path:
+    return Path(state_dir).expanduser() / STATE_FILE
+
+
+def load(state_dir: str | os.PathLike = DEFAULT_STATE_DIR) -> LocalCluster:
+    """The head recorded in ``state_dir`` (it may have died since)."""
+    path = _state_path(state_dir)
+    if not path.exists():
+        msg = (f"no local head recorded in {path.parent}; start one with `raying cluster "
+               f"start`")
+        raise ClusterError(msg)
+    return LocalCluster(**json.loads(path.read_text()))
+
+
+def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DASHBOARD_PORT,
+          num_cpus: int | None = None, resources: Mapping[str, float] | None = None,
+          labels: Mapping[str, str] | None = None, token_file: str | None = None,
+          state_dir: str | os.PathLike = DEFAULT_STATE_DIR,
+          env: Mapping[str, str] | None = None,
+          timeout_s: float = DEFAULT_START_TIMEOUT_S) -> LocalCluster:
+    """Start a local head with token auth and wait until its job API answers.
+
+    Args:
+        port: GCS port; 0 picks a free one.
+        dashboard_port: dashboard / job API port on 127.0.0.1; 0 picks a free one.
+        num_cpus: logical CPUs of the head; None lets Ray count them.
+        resources: custom resources, e.g. ``{"trainer": 1}``.
+        labels: node labels, e.g. ``{"raying/role": "head"}``.
+        token_file: the token; created (0600) if missing. Default ``<state_dir>/auth_token``.
+        state_dir: where the state file, token and log go.
+        env: extra environment for every process of the head (secrets the jobs need, on the
+            cluster rather than in job submissions; never printed).
+        timeout_s: how long to wait for the job API.
+    """
+    state = Path(state_dir).expanduser().resolve()
+    if _state_path(state).exists():
+        old = load(state)
+        if _head_alive(old):
+            msg = (f"a head started from {state} is running ({old.dashboard_url}, pid "
+                   f"{old.pid}); stop it with `raying cluster stop` or use another state dir")
+            raise ClusterError(msg)
+        _state_path(state).unlink()
+    state.mkdir(parents=True, exist_ok=True)
+    token = Path(token_file).expanduser().resolve() if token_file else state / "auth_token"
+    _ensure_token(token)
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    if ray_bin is None:
+        msg = "the `ray` command is not on PATH; install it with pip install 'ray[default]'"
+        raise ClusterError(msg)
+    child_env = {k: v for k, v in os.environ.items()
+                 if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")}
+    # Entrypoints' `python` is the interpreter (and venv) this head runs on.
+    child_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
+                                         child_env.get("PATH", os.defpath)])
+    child_env.update(env or {})
+    child_env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
+    extra = []
+    if num_cpus is not None:
+        extra.append(f"--num-cpus={int(num_cpus)}")
+    if resources:
+        extra.append(f"--resources={json.dumps(dict(resources))}")
+    if labels:
+        extra.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+    # `ray start` gives its raylet a fixed 30 s to register; a loaded machine can miss that.
+    for attempt in range(1, DEFAULT_START_ATTEMPTS + 1):
+        try:
+            return _start_once(ray_bin, state, token, port, dashboard_port, extra, child_env,
+                               timeout_s)
+        except ClusterError:
+            if attempt == DEFAULT_START_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _start_once(ray_bin: str, state: Path, token: Path, port: int, dashboard_port: int,
+                extra: list[str], env: dict[str, str], timeout_s: float) -> LocalCluster:
+    port = port or free_port()
+    dashboard_port = dashboard_port or free_port()
+    agent_port = free_port()
+    # Short: Ray's unix socket paths under the session dir must stay below 108 characters.
+    temp_dir = tempfile.mkdtemp(prefix="rc-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    cluster_id = uuid.uuid4().hex
+    cmd = [ray_bin, "start", "--head", "--block", f"--port={port}",
+           "--node-ip-address=127.0.0.1", "--include-dashboard=true",
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+           f"--temp-dir={temp_dir}", "--disable-usage-stats",
+           # Every port of its own, so this head coexists with other local clusters.
+           f"--ray-client-server-port={free_port()}", f"--node-manager-port={free_port()}",
+           f"--object-manager-port={free_port()}", f"--metrics-export-port={free_port()}",
+           f"--dashboard-agent-listen-port={agent_port}",
+           f"--dashboard-agent-grpc-port={free_port()}",
+           f"--runtime-env-agent-port={free_port()}", *extra]
+    with open(state / "head.log", "wb") as log:
+        # RAY_ADDRESS: Ray's own helpers in this head's actors (Ray Train's placement-group
+        # cleaner, the state API) find this cluster, not another one on the machine.
+        proc = subprocess.Popen(cmd, env={**env, MARKER_ENV: cluster_id,
+                                          "RAY_ADDRESS": f"127.0.0.1:{port}"}, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    cluster = LocalCluster(address=f"127.0.0.1:{port}",
+                           dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+                           token_file=str(token), state_dir=str(state), temp_dir=temp_dir,
+                           pid=proc.pid, cluster_id=cluster_id)
+    _state_path(state).write_text(json.dumps(dataclasses.asdict(cluster), indent=2))
+    try:
+        _wait_ready(cluster, proc, f"http://127.0.0.1:{agent_port}", timeout_s)
+    except BaseException:
+        stop(cluster)
+        raise
+    return cluster
+
+
+def _wait_ready(cluster: LocalCluster, proc: subprocess.Popen, agent_url: str,
+                timeout_s: float) -> None:
+    """Until `ray start` finished, the job API takes the token and the job agent is up."""
+    deadline = time.monotonic() + timeout_s
+    headers = cluster.auth_headers()
+    log = Path(cluster.state_dir) / "head.log"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            msg = f"`ray start --head` exited with code {proc.returncode}:\n{tail}"
+            raise ClusterError(msg)
+        if (_START_DONE in log.read_text(errors="replace")
+                and _http_status(cluster.dashboard_url + _VERSION_PATH, headers) == 200
+                and _http_status(agent_url + _HEALTH_PATH_AGENT) == 200):
+            return
+        time.sleep(0.5)
+    msg = (f"the head's job API ({cluster.dashboard_url}) did not answer within {timeout_s:g} "
+           f"s; see {cluster.state_dir}/head.log")
+    raise ClusterError(msg)
+
+
+def _has_marker(pid: int, needle: bytes) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return needle in environ.split(b"\0")
+
+
+def marked_pids(cluster_id: str) -> list[int]:
+    """Processes whose environment carries this head's marker (Linux ``/proc``)."""
+    needle = f"{MARKER_ENV}={cluster_id}".encode()
+    return [int(e.name) for e in Path("/proc").glob("[0-9]*")
+            if int(e.name) != os.getpid() and _has_marker(int(e.name), needle)
+            and pid_alive(int(e.name))]
+
+
+def _head_alive(cluster: LocalCluster) -> bool:
+    """The recorded `ray start` is alive and is ours (its pid may have been reused)."""
+    needle = f"{MARKER_ENV}={cluster.cluster_id}".encode()
+    return pid_alive(cluster.pid) and _has_marker(cluster.pid, needle)
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _wait_gone(cluster_id: str, grace_s: float) -> list[int]:
+    deadline = time.monotonic() + grace_s
+    left = marked_pids(cluster_id)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = marked_pids(cluster_id)
+    return left
+
+
+def stop(cluster: LocalCluster | None = None, *,
+         state_dir: str | os.PathLike = DEFAULT_STATE_DIR,
+         grace_s: float = DEFAULT_STOP_GRACE_S) -> int:
+    """Stop the head and every process it started; returns how many outlived `ray start`.
+
+    Only processes of this head are signalled (found by their marker); ``ray stop`` is never
+    used, because it stops every Ray process of the machine.
+    """
+    cluster = cluster or load(state_dir)
+    if _head_alive(cluster):  # `ray start --block` stops its node's processes on SIGTERM
+        _signal_all([cluster.pid], signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while pid_alive(cluster.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    stragglers = marked_pids(cluster.cluster_id)  # workers, job drivers (own sessions)
+    _signal_all(stragglers, signal.SIGTERM)
+    _signal_all(_wait_gone(cluster.cluster_id, min(grace_s, DEFAULT_STRAGGLER_GRACE_S)),
+                signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(cluster.pid, os.WNOHANG)  # reap it when this process started it
+    _wait_gone(cluster.cluster_id, grace_s)
+    shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        _state_path(cluster.state_dir).unlink()
+    return len(stragglers)
+
+
+def status(state_dir: str | os.PathLike = DEFAULT_STATE_DIR) -> dict[str, Any]:
+    """What the recorded head looks like now: alive, healthy, address, processes."""
+    cluster = load(state_dir)
+    alive = _head_alive(cluster)
+    healthy = alive and _http_status(cluster.dashboard_url + _HEALTH_PATH) == 200
+    return {"running": bool(alive), "healthy": bool(healthy), "address": cluster.address,
+            "dashboard": cluster.dashboard_url, "token_file": cluster.token_file,
+            "pid": cluster.pid, "processes": len(marked_pids(cluster.cluster_id)),
+            "submit": cluster.submit_command()}

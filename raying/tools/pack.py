@@ -1,0 +1,119 @@
+"""`raying pack`: an image folder to Parquet shards, one Ray task per shard."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from raying.dataset.manifest import Manifest
+from raying.dataset.pack import SHARD_NAME, PackResult, pack_shard
+from raying.errors import ConfigError
+from raying.options import DEFAULT_PACK_ROW_GROUP_ROWS, DEFAULT_PACK_SHARD_ROWS, StorageOptions
+from raying.storage import files as _storage
+
+
+def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
+         shard_rows: int = DEFAULT_PACK_SHARD_ROWS,
+         row_group_rows: int = DEFAULT_PACK_ROW_GROUP_ROWS,
+         storage: StorageOptions | dict | None = None,
+         dst_storage: StorageOptions | dict | None = None, on_error: str = "skip",
+         verify: bool = False, progress: bool = True, label: str | None = "folder",
+         overwrite: bool = False) -> PackResult:
+    """Write an image dataset as Parquet shards, one Ray task per shard.
+
+    Columns: ``id``, ``label``, ``image`` (the encoded file bytes as ``binary``) and ``path``;
+    with ``decode_size=S`` the image is decoded, resized (shorter side) and center-cropped to
+    SxS and stored as ``fixed_size_binary`` uint8 HWC plus ``height``, ``width``,
+    ``channels``. Row groups of ``row_group_rows`` keep reads local; the class names travel in
+    the schema metadata. Bad files are skipped and listed (``on_error="skip"``) or stop the
+    pack (``"raise"``). Scan the result with ``Manifest.scan(dst, format="parquet",
+    label="label")``.
+
+    ``label="folder"`` takes each image's class from its subfolder; ``label=None`` packs a
+    flat, unlabelled folder (label -1). A destination that already holds Parquet files is
+    refused (their rows would be read with the new shards'); ``overwrite=True`` deletes them
+    first.
+    """
+    import ray
+
+    from raying.engine.ray_setup import ensure_ray
+
+    if shard_rows < 1 or row_group_rows < 1:
+        msg = (f"shard_rows and row_group_rows must be >= 1, got {shard_rows} and "
+               f"{row_group_rows}")
+        raise ConfigError(msg)
+    if decode_size is not None and decode_size < 1:
+        msg = f"decode_size must be a positive number of pixels, got {decode_size!r}"
+        raise ConfigError(msg)
+    t0 = time.perf_counter()
+    manifest = src if isinstance(src, Manifest) else Manifest.scan(
+        src, format="images", label=label, storage=storage)
+    if manifest.format != "images":
+        msg = f"pack reads image folders; {manifest.root} is {manifest.format}"
+        raise ConfigError(msg)
+    out_opts = StorageOptions.coerce(dst_storage if dst_storage is not None else storage)
+    out_fs, out_root = _storage.resolve(dst, out_opts)
+    _clear_destination(out_fs, out_root, dst, overwrite=overwrite)
+    _storage.make_dirs(out_fs, out_root)
+    ensure_ray()
+    task: Any = ray.remote(num_cpus=1, max_retries=3)(pack_shard)  # type: ignore[arg-type]
+    src_ref = ray.put(manifest)
+    n = len(manifest)
+    refs = []
+    for k, start in enumerate(range(0, n, shard_rows)):
+        ids = np.arange(start, min(n, start + shard_rows), dtype=np.int64)
+        refs.append(task.remote(src_ref, ids, dst, out_opts, SHARD_NAME.format(k),
+                                decode_size=decode_size, row_group_rows=row_group_rows,
+                                on_error=on_error, verify=verify))
+    results = _wait_all(refs, total=n, progress=progress)
+    results.sort(key=lambda r: r["shard"])
+    skipped = [s for r in results for s in r["skipped"]]
+    return PackResult(dst=dst, shards=[r["shard"] for r in results],
+                      rows=sum(r["rows"] for r in results),
+                      bytes_written=sum(r["bytes"] for r in results), skipped=skipped,
+                      seconds=time.perf_counter() - t0)
+
+
+def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None:
+    """Refuse (or, with ``overwrite``, delete) Parquet files already under the destination."""
+    try:
+        old = _storage.list_files(fs, root, extensions=(".parquet",))
+    except _storage.NotFoundError:
+        return
+    if not old:
+        return
+    if not overwrite:
+        name = old[0].path.rsplit("/", 1)[-1]
+        msg = (f"{dst} already holds {len(old)} Parquet file(s) ({name}, ...): a scan of it "
+               f"would read their rows with the new shards'. Pack into an empty folder, or "
+               f"pass overwrite=True (raying pack --overwrite) to delete them first")
+        raise ConfigError(msg)
+    for info in old:
+        try:
+            fs.delete_file(info.path)
+        except Exception as exc:
+            raise _storage.storage_error(exc, info.path, action="delete") from None
+
+
+def _wait_all(refs: list[Any], *, total: int, progress: bool) -> list[dict[str, Any]]:
+    import ray
+
+    from raying.tools.progress import progress_bar
+
+    out = []
+    pending = list(refs)
+    with progress_bar(total=total, desc="pack", unit="img", enabled=progress) as bar:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                res = ray.get(done[0])
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
+                    raise cause from None
+                raise
+            out.append(res)
+            bar.update(res["rows"] + len(res["skipped"]))
+    return out

@@ -1,6 +1,7 @@
 """raying: a Ray Data loader for deep-learning training that learns which samples matter."""
 
 from raying.dataset.manifest import Manifest
+from raying.engine.pack import pack
 from raying.errors import (
     ConfigError,
     CredentialsError,
@@ -18,7 +19,6 @@ from raying.sampling.feedback import report
 from raying.sampling.prioritized import PrioritizedSampler
 from raying.sampling.table import PriorityTable
 from raying.sampling.uniform import UniformSampler
-from raying.tools.pack import pack
 
 __version__ = "0.1.0"
 

@@ -74,7 +74,7 @@ def cmd_scan(ns: argparse.Namespace) -> int:
 
 
 def cmd_pack(ns: argparse.Namespace) -> int:
-    from raying.tools.pack import pack
+    from raying.engine.pack import pack
 
     res = pack(ns.src, ns.dst, decode_size=ns.decode_size, shard_rows=ns.shard_rows,
                row_group_rows=ns.row_group_rows, storage=_storage(ns),

@@ -232,7 +232,7 @@ def ensure_demo_data(cache_dir: str | os.PathLike | None = None,
         msg = (f"cannot write the demo dataset under {base}: {exc.strerror}; pass a writable "
                f"folder with --data")
         raise ConfigError(msg) from None
-    from raying.tools.progress import progress_bar
+    from raying.engine.progress import progress_bar
 
     rng = np.random.default_rng([spec.seed, 0xDA7A])
     counts = [spec.rare_per_class if c in spec.rare_classes else spec.common_per_class

@@ -173,7 +173,7 @@ def train_arm(train_manifest: Any, val: tuple[Any, Any], cfg: ArmConfig, *,
     import torch.nn.functional as F
 
     import raying
-    from raying.tools.progress import progress_bar
+    from raying.engine.progress import progress_bar
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, cfg.torch_threads))

@@ -1,4 +1,4 @@
-"""`raying pack`: an image folder to Parquet shards, one Ray task per shard."""
+"""Packing an image folder into Parquet shards on Ray, one task per shard (`raying pack`)."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None
 def _wait_all(refs: list[Any], *, total: int, progress: bool) -> list[dict[str, Any]]:
     import ray
 
-    from raying.tools.progress import progress_bar
+    from raying.engine.progress import progress_bar
 
     out = []
     pending = list(refs)

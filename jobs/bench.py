@@ -1,6 +1,6 @@
 """Ray job: `raying bench` on the cluster (raying vs torch DataLoader, tf.data, Ray Data).
 
-The benchmark itself lives in raying.bench (DESIGN.md section 4); this entrypoint gives it a
+The benchmark itself lives in raying.bench (docs/benchmarks.md); this entrypoint gives it a
 config file, a smoke test, and the run summary line every job prints.
 
 Examples:

@@ -339,7 +339,7 @@ class PipelineConfig:
             ``"off"``, or a budget in bytes. See :mod:`raying.read.decoded_cache`.
         ray_remote_args: extra Ray options of the read tasks, fast path and ``dataset()``
             alike, e.g. ``{"resources": {"ingest": 0.01}}`` to keep decode on ingest nodes.
-        io: read planning and the tiered cache (issue 5): a ``raying.options.IOConfig`` or
+        io: read planning and the tiered cache: a ``raying.options.IOConfig`` or
             a dict of its fields; None reads every file directly (see docs/io.md).
     """
 
@@ -352,7 +352,7 @@ class PipelineConfig:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     ray_remote_args: dict[str, Any] | None = None
     decoded_cache: Any = "auto"
-    io: Any = None  # issue 5: IOConfig | dict | None, passed to ReadSpec
+    io: Any = None  # IOConfig | dict | None, passed to ReadSpec
 
     def __post_init__(self) -> None:
         def whole(v: Any) -> bool:

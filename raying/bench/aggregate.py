@@ -31,7 +31,7 @@ from typing import Any
 
 from raying.bench.child import REFERENCE_PEERS, steady
 
-# issue 4's "Must show" thresholds, checked in the iterate mode at every batch size.
+# The speed targets' thresholds, checked in the iterate mode at every batch size.
 TARGET_VS_BEST_OF_TORCH_TF = 1.15
 TARGET_VS_LIMIT = 0.85
 TARGET_W4_VS_PYARROW = 0.6
@@ -139,7 +139,7 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """issue 4's "Must show" checks for raying, in the iterate mode at every batch size."""
+    """The speed targets for raying, in the iterate mode at every batch size."""
     out = []
 
     def add(name: str, value: float | None, limit: float | None, *, most: bool = False,

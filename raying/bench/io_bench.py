@@ -1,4 +1,4 @@
-"""I/O scheduling benchmark (issue 5): read planner and tiered cache vs direct reads, slow tier.
+"""I/O scheduling benchmark: read planner and tiered cache vs direct reads, slow tier.
 
 All in this process, on a simulated tier (``raying.storage.slow``; default 5 ms per request and
 50 MB/s, shared by every thread):
@@ -242,8 +242,8 @@ def hit_ratio_study(paths: np.ndarray, sizes: np.ndarray, args: argparse.Namespa
 def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     """Part 3: read amplification of uniform and prioritized Parquet epochs."""
     from raying.dataset.manifest import Manifest
-    from raying.read.parquet import read_chunks
-    from raying.read.task import ReadSpec, _read_parquet_rows
+    from raying.read.parquet import read_chunks, read_rows
+    from raying.read.spec import ReadSpec
     from raying.sampling.uniform import UniformSampler
 
     m = Manifest.scan(str(root), format="parquet", label="label")
@@ -272,7 +272,7 @@ def parquet_study(root: Path, args: argparse.Namespace, work: Path) -> list[dict
                     groups = np.unique(pos)
                     ru = ReadUnit(epoch=0, index=0, draw=len(ids), ids=ids,
                                   row_groups=np.stack([f[groups], g[groups], starts[groups]], 1))
-                    _read_parquet_rows(spec, fs, m.root, ru, ids)
+                    read_rows(spec, fs, m.root, ru, ids)
                     return
                 mass: dict[int, float] = {}
                 for p, pr in zip(pos.tolist(), np.asarray(unit.probs).tolist(), strict=True):

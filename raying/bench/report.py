@@ -71,7 +71,7 @@ def table(rows: list[dict[str, Any]], workloads: dict[str, dict[str, Any]]) -> s
 def targets_table(checks: list[dict[str, Any]]) -> str:
     if not checks:
         return ""
-    lines = ["\nissue 4 targets (iterate mode; median of rounds):"]
+    lines = ["\nspeed targets (iterate mode; median of rounds):"]
     for c in checks:
         verdict = {True: "PASS", False: "MISS", None: "n/a "}[c["pass"]]
         value = "-" if c["value"] is None else f"{c['value']:.3f}"

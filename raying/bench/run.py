@@ -1,6 +1,6 @@
 """`raying bench`: raying against the limit, torch DataLoader, tf.data and Ray Data, side by side.
 
-The protocol of DESIGN.md section 4, in one command and one run:
+The benchmark protocol (docs/benchmarks.md), in one command and one run:
 
 1. Workloads W1-W5 are generated (or found in ``--data``), see :mod:`raying.bench.workloads`.
 2. For every round, every (workload, peer) measurement runs in its own child process
@@ -9,7 +9,7 @@ The protocol of DESIGN.md section 4, in one command and one run:
    The orchestrator watches each child's process tree from outside for CPU-seconds and peak
    PSS (:mod:`raying.bench.launch`, :mod:`raying.bench.measure`). Each measurement runs every (batch size, consumer mode)
    cell with a fresh loader and ``--epochs`` epochs; the first is the cold epoch.
-3. Medians over rounds, ratios to the limit and to the best peer, issue 4's targets
+3. Medians over rounds, ratios to the limit and to the best peer, the speed targets
    (:mod:`raying.bench.aggregate`); ``bench.json``, ``bench.png`` and a console table in
    ``--out`` (:mod:`raying.bench.report`), with one log per measurement in ``--out/logs``.
 

@@ -7,8 +7,11 @@ import functools
 from typing import Any
 
 from raying.engine.metrics import RunAccount
-from raying.read.task import ReadSpec, empty_block, iter_unit
-from raying.sampling.plan import ManifestLookup, ReadUnit
+from raying.read.account import UnitAccount
+from raying.read.spec import ReadSpec
+from raying.read.task import empty_block, iter_unit
+from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
+from raying.sampling.protocol import Sampler
 
 # Ray options that read_datasource takes by name (ray_remote_args is deprecated in 2.60).
 _READ_ARG_NAMES = ("num_cpus", "num_gpus", "memory", "resources", "label_selector",
@@ -27,10 +30,10 @@ def _account_actor_cls():
             self.account = RunAccount()
             self.store = store
 
-        def add(self, account: dict[str, Any]) -> None:
+        def add(self, account: UnitAccount) -> None:
             fresh = self.account.add(account)
             if fresh:
-                self.account.end_epoch(int(account.get("epoch", 0)))
+                self.account.end_epoch(account.epoch)
                 if self.store is not None:
                     import numpy as np
 
@@ -64,84 +67,87 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
         yield BlockAccessor.batch_to_block(block)
 
 
-def build_dataset(pipe: Any, epoch: int):
-    """The ``ray.data.Dataset`` of ``pipe``'s epoch ``epoch``: one read task per plan unit."""
-    import ray
-    from ray.data.block import BlockMetadata
-    from ray.data.datasource import Datasource, ReadTask
+class DatasetReads:
+    """The Ray Data side of one pipeline: what its read tasks share, and their account.
 
-    plan = pipe.plan(epoch)
-    refs = getattr(pipe, "_dataset_refs", None)
-    if refs is None:  # once per pipeline: the spec and the per-id lookup
-        refs = (ray.put(pipe._ready_spec()), ray.put(ManifestLookup(pipe.manifest)),
-                _account_actor_cls().remote(getattr(pipe.sampler, "handle", None)))
-        pipe._dataset_refs = refs
-    spec_ref, lookup_ref, accounts = refs
-    size = pipe.transform.size
-    sampler = pipe.sampler
-    units = plan.units
-    name = f"Raying({pipe.manifest.format})"
-    block_rows = pipe.block_rows()
-    # Ray Data spreads read tasks over nodes by default; other options go by name.
-    remote_args = {k: v for k, v in (pipe.config.ray_remote_args or {}).items()
-                   if k in _READ_ARG_NAMES}
-    # Nothing below may close over ``pipe``: Ray Train pickles the dataset, and a Pipeline
-    # holds locks and threads.
+    Made by the first ``pipe.dataset(e)``: the read spec and the per-id lookup go to the object
+    store once, and an account actor collects what the read tasks did (rows, skips, bytes),
+    so ``pipe.stats()`` covers reads run by Ray Data, e.g. in Ray Train workers.
+    :meth:`release` stops the actor and keeps its final account.
+    """
 
-    class _PlanDatasource(Datasource):
-        def get_name(self) -> str:
-            return name
-
-        def estimate_inmemory_data_size(self) -> int:
-            return int(plan.num_rows * size * size * 3)
-
-        def get_read_tasks(  # type: ignore[override]
-                self, parallelism: int, per_task_row_limit: int | None = None,
-                **_: Any) -> list[ReadTask]:
-            tasks = []
-            for unit in units:
-                meta = BlockMetadata(num_rows=None, size_bytes=int(unit.num_rows * size * size * 3),
-                                     exec_stats=None, input_files=None)
-                fn = functools.partial(_read, spec_ref, unit, lookup_ref, sampler, accounts,
-                                       block_rows)
-                tasks.append(ReadTask(fn, meta))
-            return tasks
-
-    return ray.data.read_datasource(_PlanDatasource(), override_num_blocks=max(1, len(units)),
-                                    **remote_args)
-
-
-def dataset_account(pipe: Any) -> dict[str, Any] | None:
-    """The account of reads run by Ray Data for ``pipe`` (None if it made no dataset)."""
-    import ray
-
-    refs = getattr(pipe, "_dataset_refs", None)
-    if refs is None:
-        return None
-    return ray.get(refs[2].summary.remote())
-
-
-def release_dataset(pipe: Any) -> None:
-    """Stop ``pipe``'s account actor (``Pipeline.close``), keeping its final account."""
-    if pipe._dataset_refs is None:
-        return
-    pipe._dataset_final = dataset_reads(pipe)
-    with contextlib.suppress(Exception):
+    def __init__(self, spec: ReadSpec, lookup: ManifestLookup, store: Any) -> None:
         import ray
 
-        ray.kill(pipe._dataset_refs[2])
-    pipe._dataset_refs = None
+        self.spec_ref = ray.put(spec)
+        self.lookup_ref = ray.put(lookup)
+        self.accounts: Any = _account_actor_cls().remote(store)
+        self._final: dict[str, Any] | None = None
 
+    def dataset(self, plan: EpochPlan, *, sampler: Sampler, block_rows: int, fmt: str,
+                size: int, ray_remote_args: dict[str, Any] | None):
+        """The ``ray.data.Dataset`` of ``plan``: one read task per plan unit."""
+        import ray
+        from ray.data.block import BlockMetadata
+        from ray.data.datasource import Datasource, ReadTask
 
-def dataset_reads(pipe: Any) -> dict[str, Any] | None:
-    """The account of ``pipe``'s dataset() reads: live, or as ``close()`` kept it; on error
-    (Ray shut down) ``{"error": ...}``."""
-    if pipe._dataset_refs is None:
-        return pipe._dataset_final
-    try:
-        return dataset_account(pipe)
-    except Exception as exc:  # noqa: BLE001 - Ray gone (shut down): say so, keep the rest
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        if self.accounts is None:
+            msg = "this pipeline's dataset reads were released (the pipeline is closed)"
+            raise RuntimeError(msg)
+        spec_ref, lookup_ref, accounts = self.spec_ref, self.lookup_ref, self.accounts
+        units = plan.units
+        name = f"Raying({fmt})"
+        # Ray Data spreads read tasks over nodes by default; other options go by name.
+        remote_args = {k: v for k, v in (ray_remote_args or {}).items()
+                       if k in _READ_ARG_NAMES}
+        # Nothing below may close over a Pipeline or this object: Ray Train pickles the
+        # dataset, and a Pipeline holds locks and threads.
+
+        class _PlanDatasource(Datasource):
+            def get_name(self) -> str:
+                return name
+
+            def estimate_inmemory_data_size(self) -> int:
+                return int(plan.num_rows * size * size * 3)
+
+            def get_read_tasks(  # type: ignore[override]
+                    self, parallelism: int, per_task_row_limit: int | None = None,
+                    **_: Any) -> list[ReadTask]:
+                tasks = []
+                for unit in units:
+                    meta = BlockMetadata(num_rows=None,
+                                         size_bytes=int(unit.num_rows * size * size * 3),
+                                         exec_stats=None, input_files=None)
+                    fn = functools.partial(_read, spec_ref, unit, lookup_ref, sampler, accounts,
+                                           block_rows)
+                    tasks.append(ReadTask(fn, meta))
+                return tasks
+
+        return ray.data.read_datasource(_PlanDatasource(), override_num_blocks=max(1, len(units)),
+                                        **remote_args)
+
+    def account(self) -> dict[str, Any] | None:
+        """The account of the reads Ray Data ran: live, or as :meth:`release` kept it; on error
+        (Ray shut down) ``{"error": ...}``."""
+        if self.accounts is None:
+            return self._final
+        try:
+            import ray
+
+            return ray.get(self.accounts.summary.remote())
+        except Exception as exc:  # noqa: BLE001 - Ray gone (shut down): say so, keep the rest
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def release(self) -> None:
+        """Stop the account actor, keeping its final account."""
+        if self.accounts is None:
+            return
+        self._final = self.account()
+        with contextlib.suppress(Exception):
+            import ray
+
+            ray.kill(self.accounts)
+        self.accounts = None
 
 
 def merge_dataset_account(out: dict[str, Any], reads: dict[str, Any]) -> None:

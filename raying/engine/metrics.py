@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from raying.read.account import UnitAccount
+
 logger = logging.getLogger("raying")
 
 # Skipped samples kept with their details; beyond this only counts by reason are kept.
@@ -79,7 +81,7 @@ class RunAccount:
                 "weight_mean": mean, "weight_std": std,
                 "weight_min": low if count else None, "weight_max": high if count else None}
 
-    def add(self, account: dict[str, Any]) -> list[int]:
+    def add(self, account: UnitAccount) -> list[int]:
         """One read task's account (called in plan order by the executor).
 
         Returns the ids set aside for the first time (a bad file is bad in every epoch: it is
@@ -88,19 +90,17 @@ class RunAccount:
         fresh: list[int] = []
         with self._lock:
             self.units += 1
-            self.rows_in += account["rows_in"]
-            self.rows_out += account["rows_out"]
-            self.bytes_read += account.get("bytes_read", 0)
-            self.read_s += account.get("read_s", 0.0)
-            self.decode_s += account.get("decode_s", 0.0)
-            self.retries += account.get("retries", 0)
-            node = account.get("node")
+            self.rows_in += account.rows_in
+            self.rows_out += account.rows_out
+            self.bytes_read += account.bytes_read
+            self.read_s += account.read_s
+            self.decode_s += account.decode_s
+            node = account.node
             if node is not None:
-                self.rows_by_node[node] = self.rows_by_node.get(node, 0) + account["rows_out"]
-            for key, value in account.items():
-                if key.startswith(("io_", "cache_")) and isinstance(value, (int, float)):
-                    self.io[key] = self.io.get(key, 0) + value
-            for sid, path, reason, detail in account.get("skipped", ()):
+                self.rows_by_node[node] = self.rows_by_node.get(node, 0) + account.rows_out
+            for key, value in account.io.items():
+                self.io[key] = self.io.get(key, 0) + value
+            for sid, path, reason, detail in account.skipped:
                 self.skip_events += 1
                 if int(sid) in self._skipped_ids:
                     continue
@@ -109,7 +109,7 @@ class RunAccount:
                 self.skipped_by_reason[reason] += 1
                 if len(self.skipped) < MAX_SKIPPED_LISTED:
                     self.skipped.append({"id": int(sid), "path": path, "reason": reason,
-                                         "detail": detail, "epoch": account.get("epoch", 0)})
+                                         "detail": detail, "epoch": account.epoch})
         return fresh
 
     def delivered(self, n: int) -> None:
@@ -183,11 +183,11 @@ class EpochTally:
         self.first_skips: list[Any] = []
         self._next = on_account
 
-    def add(self, account: dict[str, Any]) -> None:
-        self.rows_in += account["rows_in"]
-        self.rows_out += account["rows_out"]
+    def add(self, account: UnitAccount) -> None:
+        self.rows_in += account.rows_in
+        self.rows_out += account.rows_out
         if len(self.first_skips) < 3:
-            self.first_skips.extend(account.get("skipped", ())[:3])
+            self.first_skips.extend(account.skipped[:3])
         self._next(account)
 
     def refuse_all_bad(self, n: int, root: str, epoch: int) -> None:

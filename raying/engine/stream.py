@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 
 from raying.errors import RayingError, SupersededError
-from raying.read.task import ReadSpec, iter_unit
+from raying.read.account import UnitAccount
+from raying.read.spec import ReadSpec
+from raying.read.task import iter_unit
 from raying.sampling.plan import EpochPlan, ReadUnit
 
 logger = logging.getLogger(__name__)
@@ -136,7 +138,7 @@ class BlockStream:
 
     # -- consumption ---------------------------------------------------------------------------
     def iter_epoch(self, epoch: int, *, start_unit: int = 0, skip_rows: int = 0,
-                   on_account: Callable[[dict[str, Any]], None] | None = None
+                   on_account: Callable[[UnitAccount], None] | None = None
                    ) -> Iterator[tuple[int, dict[str, np.ndarray], bool]]:
         """Yield ``(unit index, block, last block of the unit)`` for the units of ``epoch``
         from ``start_unit`` on; a unit yields one block per ``block_rows`` rows, in order."""
@@ -172,7 +174,7 @@ class BlockStream:
                     self._check(mine)
                 if on_account is not None:
                     on_account(account)
-                yield index, block, bool(account.get("final", True))
+                yield index, block, account.final
             with self._lock:
                 self._check(mine)
                 self._top_up()

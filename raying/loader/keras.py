@@ -31,7 +31,7 @@ from typing import Any
 
 from raying.errors import ConfigError, require
 
-# Keys of the pipeline's batch dicts (DESIGN.md, batch contract).
+# Keys of the pipeline's batch dicts (the batch contract).
 DEFAULT_KEYS = {"x": "image", "y": "label", "weight": "weight", "id": "id"}
 
 # Both are built on first access (module __getattr__), so importing this module loads no Keras.

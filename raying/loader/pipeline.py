@@ -18,12 +18,7 @@ from typing import Any
 import numpy as np
 
 from raying.dataset.manifest import Manifest
-from raying.engine.datasource import (
-    build_dataset,
-    dataset_reads,
-    merge_dataset_account,
-    release_dataset,
-)
+from raying.engine.datasource import DatasetReads, merge_dataset_account
 from raying.engine.metrics import EpochTally, RunAccount
 from raying.engine.ray_setup import ensure_ray
 from raying.errors import ConfigError
@@ -35,8 +30,10 @@ from raying.options import (
     DEFAULT_PREFETCH_BATCHES,
     PipelineConfig,
 )
-from raying.read.task import ReadSpec, dataset_key
+from raying.read.account import UnitAccount
+from raying.read.spec import ReadSpec, dataset_key
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
+from raying.sampling.protocol import Sampler
 from raying.sampling.uniform import UniformSampler
 
 _ON_ERROR = ("skip", "raise")
@@ -57,7 +54,7 @@ class Pipeline:
     """
 
     def __init__(self, manifest: Manifest, *, transform: ImageTransform | None = None,
-                 sampler: Any = None, on_error: str = "skip",
+                 sampler: Sampler | None = None, on_error: str = "skip",
                  config: PipelineConfig | None = None) -> None:
         if not isinstance(manifest, Manifest):
             msg = (f"Pipeline needs a raying.Manifest, got {type(manifest).__name__}; build one "
@@ -68,7 +65,12 @@ class Pipeline:
             raise ConfigError(msg)
         self.manifest = manifest
         self.transform = transform or ImageTransform()
-        self.sampler = sampler if sampler is not None else UniformSampler()
+        if sampler is not None and not isinstance(sampler, Sampler):
+            msg = (f"Pipeline(sampler=...) must be a raying sampler (UniformSampler, "
+                   f"PrioritizedSampler, or an object with the raying.sampling.protocol.Sampler "
+                   f"methods), got {type(sampler).__name__}")
+            raise ConfigError(msg)
+        self.sampler: Sampler = sampler if sampler is not None else UniformSampler()
         self.on_error = on_error
         self.config = config or PipelineConfig()
         self.name = self.config.name or f"raying-{uuid.uuid4().hex[:8]}"
@@ -80,13 +82,12 @@ class Pipeline:
         self._resume: tuple[int, int, int, int] | None = None
         self._bound = False
         self._closed = False
-        self._dataset_refs: Any = None  # (spec, lookup, accounts actor) once dataset() ran
-        self._dataset_final: dict[str, Any] | None = None  # its account, kept by close()
+        self._dataset_reads: DatasetReads | None = None  # once dataset() ran
         self._lookup: ManifestLookup | None = None
         self._spec_ready = False
-        self._spec = ReadSpec.of(manifest, self.transform, getattr(self.sampler, "seed", 0),
+        self._spec = ReadSpec.of(manifest, self.transform, self.sampler.seed,
                                  on_error, max_pixels=self.config.max_image_pixels,
-                                 io=self.config.io)  # issue 5
+                                 io=self.config.io)
         if self._spec.io is not None and self._spec.io.cache is not None:
             self._spec.io.cache.check_dirs()
 
@@ -98,7 +99,7 @@ class Pipeline:
                    f"this one's state_dict() continues where it stood)")
             raise ConfigError(msg)
         if not self._bound:
-            if getattr(self.sampler, "lazy", False):
+            if self.sampler.lazy:
                 ensure_ray()
             self.sampler.bind(self.manifest, name=self.name)
             self._bound = True
@@ -114,7 +115,7 @@ class Pipeline:
         cores. Batches of a size that divides the block are zero-copy views; others straddle
         blocks and are copied. It depends only on the dataset, so a resumed run cuts its
         epochs the same way on any cluster."""
-        rows = getattr(self.sampler, "samples_per_epoch", None) or len(self.manifest)
+        rows = self.sampler.samples_per_epoch or len(self.manifest)
         wanted = self.config.block_rows
         if rows >= 8 * wanted:
             return wanted
@@ -165,11 +166,10 @@ class Pipeline:
         return self._stream
 
     # -- iteration -----------------------------------------------------------------------------
-    def _on_account(self, account: dict[str, Any]) -> None:
+    def _on_account(self, account: UnitAccount) -> None:
         fresh = self.account.add(account)
-        set_aside = getattr(self.sampler, "set_aside", None)
-        if fresh and set_aside is not None:
-            set_aside(fresh)  # a bad sample must not keep drawing reads
+        if fresh:
+            self.sampler.set_aside(fresh)  # a bad sample must not keep drawing reads
 
     def start(self) -> Pipeline:
         """Start Ray (if needed), the priority store and the read workers now, not at the
@@ -226,7 +226,7 @@ class Pipeline:
                            mean: tuple[float, float, float] | None = None,
                            std: tuple[float, float, float] | None = None,
                            pin_memory: bool | None = None) -> Iterator[dict[str, Any]]:
-        """torch batches on ``device``: the batch contract of DESIGN.md.
+        """torch batches on ``device``: the batch contract (README, "torch").
 
         ``image`` is float32 NCHW normalized on the device (``normalize=True``), or uint8
         NHWC (``normalize=False``). ``id``/``label`` int64, ``weight`` float32, ``prob``
@@ -272,14 +272,21 @@ class Pipeline:
         """
         ensure_ray()
         self._bind()
-        return build_dataset(self, _epoch(epoch))
+        plan = self.plan(_epoch(epoch))
+        if self._dataset_reads is None:
+            self._dataset_reads = DatasetReads(self._ready_spec(), ManifestLookup(self.manifest),
+                                               self.sampler.handle)
+        return self._dataset_reads.dataset(plan, sampler=self.sampler,
+                                           block_rows=self.block_rows(),
+                                           fmt=self.manifest.format, size=self.transform.size,
+                                           ray_remote_args=self.config.ray_remote_args)
 
     # -- feedback, stats, state ----------------------------------------------------------------
     @property
     def store_name(self) -> str | None:
         """Name of the priority store (for ``raying.report(..., store=...)`` in Train workers)."""
         self._bind()
-        return getattr(self.sampler, "store_name", None)
+        return self.sampler.store_name
 
     def report(self, ids: Any, losses: Any) -> None:
         """Per-sample losses for ``ids`` (torch, tf or numpy); never blocks the step."""
@@ -289,12 +296,12 @@ class Pipeline:
     def priorities(self) -> np.ndarray | None:
         """Every id's current priority (prioritized sampling), or None (uniform)."""
         self._bind()  # a prioritized pipeline not started yet starts its store here
-        handle = getattr(self.sampler, "handle", None)
+        handle = self.sampler.handle
         if handle is None:
             return None
         from raying.sampling import store
 
-        self.sampler.flush()  # type: ignore[union-attr]
+        self.sampler.flush()
         return store.priorities(handle)
 
     def stats(self, *, sampling: bool = True) -> dict[str, Any]:
@@ -304,7 +311,8 @@ class Pipeline:
         waiting for a batch. ``sampling=False`` skips the round trip to the priority store.
         """
         out = self.account.summary()
-        reads = dataset_reads(self)  # epochs read through dataset(), e.g. by Ray Train
+        # epochs read through dataset(), e.g. by Ray Train
+        reads = self._dataset_reads.account() if self._dataset_reads is not None else None
         if reads is not None:
             merge_dataset_account(out, reads)
         if sampling:
@@ -350,10 +358,9 @@ class Pipeline:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-        release_dataset(self)  # the dataset() reads' account actor; its account is kept
-        close = getattr(self.sampler, "close", None)
-        if close is not None:
-            close(release_store=release_store)
+        if self._dataset_reads is not None:
+            self._dataset_reads.release()  # the dataset() reads' account actor; account kept
+        self.sampler.close(release_store=release_store)
         if self._spec.decoded_cache_bytes:
             from raying.read import decoded_cache as decoded
 

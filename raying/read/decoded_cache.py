@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError, DecodeError
+from raying.read.cache.arrays import decode_array, encode_array
 from raying.read.cache.pids import alive as pid_alive
 
 # Share of the node's available memory (and of free tmpfs) the auto budget may take.
@@ -165,13 +166,42 @@ def _sweep_tombstones(path: str) -> None:
             pass
 
 
-def _cache(spec: Any):
-    from raying.options import CacheConfig
-    from raying.read.cache.tiered import open_cache
+class DecodedCache:
+    """Pre-augment pixels of one pipeline, in the pipeline's own memory-tier directory.
 
-    cfg = CacheConfig(memory_bytes=int(spec.decoded_cache_bytes),
-                      memory_dir=spec.decoded_cache_dir, policy="lru")
-    return open_cache(cfg, namespace=spec.cache_namespace)
+    A thing apart from the bytes cache in front of slow storage (:mod:`raying.read.cache`):
+    its own directory and budget, keys that are sample ids, LRU eviction (a whole epoch reads
+    every id once, so no id is likelier than another), and entries that are arrays. It uses
+    the same size-bounded, process-shared tier underneath.
+    """
+
+    def __init__(self, directory: str, budget_bytes: int, namespace: str) -> None:
+        from raying.options import CacheConfig
+        from raying.read.cache.tiered import open_cache
+
+        self.directory = directory
+        self._tier = open_cache(CacheConfig(memory_bytes=int(budget_bytes),
+                                            memory_dir=directory, policy="lru"),
+                                namespace=namespace)
+
+    @classmethod
+    def of(cls, spec: Any) -> DecodedCache | None:
+        """The cache of ``spec``'s pipeline, or None when it is off or was released."""
+        if not spec.decoded_cache_bytes or released(spec.decoded_cache_dir):
+            return None
+        return cls(spec.decoded_cache_dir, spec.decoded_cache_bytes, spec.cache_namespace)
+
+    def get(self, ids: np.ndarray) -> list[np.ndarray | None]:
+        """The cached pixels of each id, None for a miss."""
+        got = self._tier.get_many([str(int(i)) for i in ids])
+        return [None if g is None else decode_array(g) for g in got]
+
+    def put(self, ids: list[int], arrays: list[np.ndarray]) -> None:
+        """Offer freshly decoded pixels; dropped once the pipeline was released."""
+        if released(self.directory):
+            return
+        self._tier.put_many([str(int(i)) for i in ids],
+                            [memoryview(encode_array(a)) for a in arrays])
 
 
 def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
@@ -188,9 +218,8 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
     """
     from raying.image.decode import decode_image
 
-    cache = None if released(spec.decoded_cache_dir) else _cache(spec)
-    keys = [str(int(i)) for i in ids]
-    arrays: list[Any] = list(cache.get_arrays(keys)) if cache is not None else [None] * len(ids)
+    cache = DecodedCache.of(spec)
+    arrays: list[Any] = cache.get(ids) if cache is not None else [None] * len(ids)
     miss = [k for k, a in enumerate(arrays) if a is None]
     account = {"cache_decoded_hits": len(ids) - len(miss),
                "cache_decoded_lookups": len(ids)}
@@ -199,7 +228,7 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
         datas, io_account = fetch(miss)
         for key, value in io_account.items():
             account[key] = account.get(key, 0) + value
-        fresh_keys, fresh = [], []
+        fresh_ids, fresh = [], []
         for k, data in zip(miss, datas, strict=True):
             if data is None or isinstance(data, BaseException):
                 reason = "missing" if data is None else "read_error"
@@ -214,22 +243,11 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
                                         sample_id=int(ids[k]))
                 continue
             arrays[k] = arr
-            fresh_keys.append(keys[k])
+            fresh_ids.append(int(ids[k]))
             fresh.append(arr)
-        if fresh and cache is not None and not released(spec.decoded_cache_dir):
-            cache.put_arrays(fresh_keys, fresh)
+        if fresh and cache is not None:
+            cache.put(fresh_ids, fresh)
     return arrays, account, nbytes
-
-
-def transform_arrays(spec: Any, unit: Any, ids: np.ndarray, arrays: list[Any],
-                     out: np.ndarray | None):
-    """Augment cached or freshly decoded pixels; entries that are errors are set aside."""
-    ok = np.array([not isinstance(a, DecodeError) for a in arrays], dtype=bool)
-    good = [a for a, g in zip(arrays, ok, strict=True) if g]
-    errors = [a for a in arrays if isinstance(a, DecodeError)]
-    images = spec.transform.apply_decoded(good, ids[ok], seed=spec.seed, epoch=unit.epoch,
-                                          out=out)
-    return images, ok, errors
 
 
 def header_sizes(manifest: Any, ids: np.ndarray) -> list[tuple[int, int] | None]:

@@ -1,4 +1,6 @@
-"""Planned Parquet reads: a window's row groups as few ranged requests, through the cache.
+"""Reading a unit's Parquet rows: plainly with pyarrow, or planned through the cache.
+
+Planned reads fetch a window's row groups as few ranged requests, through the cache.
 
 For the (file, row group) pairs of a window, the byte range of the wanted column's chunk in
 each row group comes from the file's footer (read once per process). Ranges of one file are
@@ -20,11 +22,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raying.errors import DataError, StorageError
+from raying.errors import CredentialsError, DataError, StorageError
 from raying.options import IOConfig
 from raying.read.cache.tiered import CacheStats, open_cache
 from raying.read.fetch import ACCOUNT_KEYS, fetch_missing
 from raying.read.planner import OpStats, coalesce_ranges, run_ops
+from raying.read.spec import ReadSpec
+from raying.read.views import Rows, binary_views
+from raying.sampling.plan import ReadUnit
 from raying.storage import files as _storage
 from raying.storage.tiers import profile_for
 
@@ -270,3 +275,113 @@ class _RangeFile:
 
     def close(self) -> None:
         self.closed = True
+
+
+def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
+                       account: dict[str, int] | None = None):
+    """The image values of ``ids``, reading each needed row group once.
+
+    With ``spec.io`` set, the row groups' image chunks are fetched as a planned window
+    through the cache (:func:`raying.read.parquet.read_unit_groups`) and ``account`` gets the
+    ``io_*``/``cache_*`` counters; else each file's row groups are read with pyarrow.
+
+    Returns (values, locations, bytes): values is a list of buffers (encoded images, None for
+    nulls) or, for pre-decoded data, one (n, h, w, c) uint8 array; bytes are those fetched
+    (planned path) or the Arrow size of what was read.
+    """
+    groups = unit.row_groups
+    if groups is None or len(groups) == 0:
+        msg = "a Parquet read unit needs its row groups"
+        raise DataError(msg)
+    col = spec.image_column or "image"
+    order = np.lexsort((groups[:, 1], groups[:, 0]))
+    groups = groups[order]
+    chunks: list[pa.Array] = []
+    starts: list[tuple[int, int]] = []
+    nbytes = 0
+    io = IOConfig.coerce(spec.io)
+    if io is not None:  # planned, coalesced, cached column chunks
+        paths = [_file_path(spec, root, int(f)) for f in groups[:, 0]]
+        try:
+            arrays, acct = read_unit_groups(spec, fs, paths, groups, col, unit, io)
+        except UnitGroupError as exc:
+            raise _parquet_error(spec, spec.files[exc.file], exc.groups, exc.cause) from None
+        offset = 0
+        for (_, _, g_start), arr in zip(groups.tolist(), arrays, strict=True):
+            starts.append((int(g_start), offset))
+            offset += len(arr)
+            chunks.append(arr)
+        nbytes = acct.pop("io_bytes_fetched", 0)
+        if account is not None:
+            account.update(acct)
+    for f in (np.unique(groups[:, 0]) if io is None else ()):  # else: read above
+        sel = groups[groups[:, 0] == f]
+        rel = spec.files[int(f)]
+        try:
+            with _storage.open_input(fs, _file_path(spec, root, int(f))) as fh:
+                pf = pq.ParquetFile(fh)
+                table = pf.read_row_groups([int(g) for g in sel[:, 1]], columns=[col])
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise _parquet_error(spec, rel, sel[:, 1].tolist(), exc) from None
+        arr = table.column(col)
+        nbytes += table.nbytes
+        # read_row_groups returns the groups in the order asked; track each group's first row.
+        offset = sum(len(c) for c in chunks)
+        for g_start, g_rows in _group_rows(sel, pf):
+            starts.append((g_start, offset))
+            offset += g_rows
+        chunks.extend(arr.chunks)
+    first_ids = np.array([s for s, _ in starts], dtype=np.int64)
+    offsets = np.array([o for _, o in starts], dtype=np.int64)
+    sort = np.argsort(first_ids)
+    first_ids, offsets = first_ids[sort], offsets[sort]
+    k = np.searchsorted(first_ids, ids, side="right") - 1
+    pos = offsets[k] + (ids - first_ids[k])
+    if chunks and pa.types.is_struct(chunks[0].type):  # {bytes, path}: Hugging Face Image
+        k = chunks[0].type.get_field_index("bytes")
+        chunks = [c.flatten()[k] for c in chunks]  # flatten keeps the struct's nulls
+    values = pa.chunked_array(chunks) if chunks else pa.chunked_array([], pa.binary())
+    if spec.decoded is not None:
+        flat = values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)
+        h, w, c = spec.decoded
+        buf = np.frombuffer(flat.buffers()[1], dtype=np.uint8)
+        buf = buf[flat.offset * h * w * c:(flat.offset + len(flat)) * h * w * c]
+        return Rows(buf.reshape(len(flat), h, w, c), pos), None, nbytes
+    return binary_views(values, pos), row_locations(spec, unit, ids), nbytes
+
+
+def _file_path(spec: ReadSpec, root: str, f: int) -> str:
+    """Path on the filesystem of the dataset's ``f``-th Parquet file."""
+    rel = spec.files[f] if spec.files else root
+    return f"{root.rstrip('/')}/{rel}" if rel != root else root
+
+
+def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseException
+                   ) -> DataError | StorageError:
+    if isinstance(exc, StorageError) and not isinstance(exc, FileNotFoundError):
+        # Unreachable or refused storage says nothing about the file: keep the storage error.
+        kind = type(exc) if isinstance(exc, CredentialsError) else StorageError
+        return kind(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups}: "
+                    f"{_first_line(exc)}")
+    return DataError(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups} "
+                     f"({_first_line(exc)}); the file may be corrupt or changed since the "
+                     f"manifest was scanned: rescan it")
+
+
+def _group_rows(sel: np.ndarray, pf: pq.ParquetFile):
+    for _, g, start in sel:
+        yield int(start), pf.metadata.row_group(int(g)).num_rows
+
+
+def row_locations(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray) -> list[str]:
+    groups: Any = unit.row_groups
+    first = groups[:, 2]
+    sort = np.argsort(first)
+    k = sort[np.searchsorted(first[sort], ids, side="right") - 1]
+    return [f"{spec.files[int(groups[j, 0])]}#rg{int(groups[j, 1])}/row{int(i - groups[j, 2])}"
+            for i, j in zip(ids, k, strict=True)]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]

@@ -32,6 +32,9 @@ class UniformSampler:
 
     name = "uniform"
     lazy = False
+    samples_per_epoch = None  # one read of every id per epoch
+    handle = None  # no priority store
+    store_name = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
@@ -69,6 +72,12 @@ class UniformSampler:
 
     def report(self, ids: Any, losses: Any) -> None:
         """Losses do not change a uniform plan; they are accepted and dropped."""
+
+    def set_aside(self, ids: Any) -> None:
+        """A uniform epoch reads every id once, bad ones included; they are reported."""
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
 
     def close(self, *, release_store: bool = True) -> None:
         """Nothing to release."""

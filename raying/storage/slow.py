@@ -52,7 +52,7 @@ class SlowTier:
             raise ConfigError(msg)
 
 
-# Rough shapes of common media; issue 5's benchmark tier is (0.005, 50e6).
+# Rough shapes of common media; the I/O benchmark's tier is (0.005, 50e6).
 TIERS = {
     "ssd": SlowTier(latency_s=0.0001, bandwidth_bytes_per_s=500e6),
     "hdd": SlowTier(latency_s=0.008, bandwidth_bytes_per_s=120e6, concurrency=1),

@@ -1,7 +1,7 @@
 """`raying advise URI`: measure a dataset, its storage and this machine; recommend a config.
 
 The seed document's decision table (dataset size, data format, storage medium, CPU, GPU,
-latency needs; DESIGN.md §6) made measurable: each factor becomes a number measured here,
+latency needs) made measurable: each factor becomes a number measured here,
 and each recommendation names the number it rests on::
 
     dataset  (one listing, one footer)   -> size, format, file-size spread
@@ -41,7 +41,7 @@ GPU_IMAGES_PER_S = 2500
 # the disk tier at most this share of the free local disk.
 MEMORY_TIER_SHARE = 0.25
 DISK_TIER_SHARE = 0.5
-# Decode work per read task (DESIGN.md §1: blocks of ~100 ms keep Ray's overheads small).
+# Decode work per read task (blocks of ~100 ms keep Ray's per-task overheads small).
 TASK_DECODE_MS = 100.0
 # Side of pre-decoded pixels (`raying pack --decode-size`), so 224 crops can still move.
 DECODED_SIDE = 256

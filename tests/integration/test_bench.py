@@ -148,7 +148,7 @@ def test_quick_bench_every_peer_runs_and_counts_rows(quick_bench):
     assert doc["targets"] and doc["definitions"]
     assert all(not run_["leftover_pids"] for run_ in doc["runs"])
     assert os.path.getsize(out / "bench.png") > 10_000
-    assert "issue 4 targets" in res.stdout
+    assert "speed targets" in res.stdout
 
 
 def test_first_touch_counts_new_ids_per_epoch(image_folder, ray_local):

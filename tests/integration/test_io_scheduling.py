@@ -8,7 +8,8 @@ import pytest
 import raying
 from raying.options import CacheConfig, IOConfig
 from raying.read import fetch
-from raying.read.task import ReadSpec, run_unit
+from raying.read.spec import ReadSpec
+from raying.read.task import run_unit
 from raying.sampling.plan import ManifestLookup, chunk_units
 
 
@@ -36,6 +37,7 @@ def test_run_unit_with_io_gives_the_same_block_and_accounts_for_the_cache(manife
         unit, paths = lookup.complete(unit)
         results.append(run_unit(spec, unit, paths))
     (b0, a0), (b1, a1), (b2, a2) = results
+    a0, a1, a2 = a0.io, a1.io, a2.io  # the io_*/cache_* counters of each unit's account
     for k in b0:
         assert np.array_equal(b0[k], b1[k]) and np.array_equal(b0[k], b2[k])
     # The plain path reports only its read amplification; no cache counters.
@@ -63,7 +65,7 @@ def _collect(pipe, epoch):
         ids.append(b["id"])
         images.append(b["image"])
     pipe.account.add = add
-    totals = {k: sum(a.get(k, 0) for a in accounts) for k in fetch.ACCOUNT_KEYS}
+    totals = {k: sum(a.io.get(k, 0) for a in accounts) for k in fetch.ACCOUNT_KEYS}
     return np.concatenate(ids), np.concatenate(images), totals
 
 
@@ -196,6 +198,7 @@ def test_parquet_unit_with_io_reads_planned_chunks_and_hits_the_cache(packs, kin
     groups = len(set(np.searchsorted(starts, ids, side="right").tolist()))
     results = [run_unit(spec, *_parquet_unit(m, ids)) for spec in (plain, cached, cached)]
     (b0, _), (b1, a1), (b2, a2) = results
+    a1, a2 = a1.io, a2.io
     for k in b0:
         assert np.array_equal(b0[k], b1[k]) and np.array_equal(b0[k], b2[k]), k
     assert sorted(b1["id"].tolist()) == sorted(ids)

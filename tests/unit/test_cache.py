@@ -175,11 +175,17 @@ def test_namespaces_keep_datasets_apart(tmp_path):
 
 
 def test_decoded_arrays_round_trip(tmp_path):
-    cache = TieredCache(CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path),
-                                    background_writes=False))
+    import time
+
+    from raying.read.decoded_cache import DecodedCache
+
+    cache = DecodedCache(str(tmp_path / "pipe"), 10**6, namespace="ds")
     arr = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
-    cache.put_arrays(["img"], [arr])
-    out = cache.get_arrays(["img", "other"])
+    cache.put([7], [arr])
+    deadline = time.monotonic() + 10
+    while cache.get(np.array([7]))[0] is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # entries are written by the tier's background writer
+    out = cache.get(np.array([7, 8]))
     assert np.array_equal(out[0], arr) and out[0].dtype == np.uint8 and out[1] is None
     assert np.array_equal(decode_array(encode_array(arr.astype(np.float32))), arr)
 

@@ -1,4 +1,4 @@
-"""The priority tier's advantage over LRU, as a statistical claim (docs/io.md, issue 5).
+"""The priority tier's advantage over LRU, as a statistical claim (docs/io.md).
 
 Seeded prioritized traces (raying.bench._io_data.make_trace: the sampler of the benchmark,
 with simulated loss feedback) replayed through the real tiers at 10% capacity. For every

@@ -26,8 +26,6 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from raying.options import DEFAULT_CACHE_QUEUE_BYTES, CacheConfig
 from raying.read.cache.arrays import decode_array, encode_array
 from raying.read.cache.dirtier import DirTier, digest_of, entry_bytes
@@ -98,7 +96,7 @@ def _bump(d: dict[str, int], key: str, n: int) -> None:
 
 
 class TieredCache(SingleFlight):
-    """Memory tier, then disk tier, for raw bytes (and decoded arrays) keyed by location.
+    """Memory tier, then disk tier, for raw bytes keyed by location.
 
     Args:
         config: the tiers' capacities, directories and policy.
@@ -302,21 +300,6 @@ class TieredCache(SingleFlight):
             self.stats.add(local)
         if stats is not None:
             stats.add(local)
-
-    # -- decoded arrays (pre-augment pixels) ----------------------------------------------------
-    def get_arrays(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
-                   stats: CacheStats | None = None) -> list[np.ndarray | None]:
-        """Decoded arrays cached under ``keys`` (a namespace apart from the raw bytes)."""
-        got = self.get_many([f"decoded:{k}" for k in keys], scores, stats=stats)
-        return [None if g is None else decode_array(g) for g in got]
-
-    def put_arrays(self, keys: Sequence[str], arrays: Sequence[np.ndarray],
-                   scores: Sequence[float] | None = None, *,
-                   stats: CacheStats | None = None) -> None:
-        """Offer decoded arrays (e.g. pixels before augmentation) to the tiers."""
-        self.put_many([f"decoded:{k}" for k in keys],
-                      [memoryview(encode_array(a)) for a in arrays],
-                      scores, stats=stats)
 
     def used_bytes(self) -> dict[str, int]:
         """Bytes held per tier (all namespaces)."""

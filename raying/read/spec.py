@@ -1,0 +1,51 @@
+"""ReadSpec: what every read task of a pipeline needs besides its unit; small and picklable."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from raying.options import DEFAULT_MAX_IMAGE_PIXELS, IOConfig, StorageOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadSpec:
+    """What every read task of a pipeline needs besides its unit; small and picklable."""
+
+    root: str
+    storage: StorageOptions
+    fmt: str
+    files: tuple[str, ...]
+    image_column: str | None
+    decoded: tuple[int, int, int] | None
+    transform: Any
+    seed: int
+    on_error: str = "skip"
+    max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    io: Any = None  # a raying.options.IOConfig; None reads every file directly
+    # Bytes of the node's memory tier for decoded pixels (0 = off; see raying.read.decoded_cache).
+    decoded_cache_bytes: int = 0
+    decoded_cache_dir: str = ""
+    cache_namespace: str = ""
+
+    @property
+    def dataset_key(self) -> str:
+        """The dataset's identity in cache keys: its URI and the S3 endpoint, if any (the same
+        bucket and prefix on two endpoints are two datasets)."""
+        return dataset_key(self.root, self.storage)
+
+    @classmethod
+    def of(cls, manifest: Any, transform: Any, seed: int, on_error: str, *,
+           max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, io: Any = None) -> ReadSpec:
+        decoded = manifest.meta.get("decoded")
+        return cls(root=manifest.root, storage=manifest.storage, fmt=manifest.format,
+                   files=tuple(manifest.files), image_column=manifest.meta.get("image_column"),
+                   decoded=tuple(decoded) if decoded else None, transform=transform,
+                   seed=int(seed), on_error=on_error, max_pixels=int(max_pixels),
+                   io=IOConfig.coerce(io))
+
+
+def dataset_key(root: str, storage: StorageOptions | None) -> str:
+    """See :attr:`ReadSpec.dataset_key`."""
+    endpoint = storage.endpoint_url if storage is not None else None
+    return f"{root}@{endpoint}" if endpoint else root

@@ -44,14 +44,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Pack, scan the result back, and return the summary."""
     import raying
     from raying.engine.ray_setup import ensure_ray
-    from raying.options import DEFAULT_PACK_ROW_GROUP_ROWS, DEFAULT_PACK_SHARD_ROWS
+    from raying.options import settings
 
     ensure_ray()
     t0 = time.perf_counter()
     src = _common.manifest(args)
     dst = args.dst or tempfile.mkdtemp(prefix="raying-packed-")
-    shard_rows = args.shard_rows or (32 if args.smoke_test else DEFAULT_PACK_SHARD_ROWS)
-    group_rows = args.row_group_rows or (16 if args.smoke_test else DEFAULT_PACK_ROW_GROUP_ROWS)
+    shard_rows = args.shard_rows or (32 if args.smoke_test else settings().pack_shard_rows)
+    group_rows = args.row_group_rows or (16 if args.smoke_test else settings().pack_row_group_rows)
     res = raying.pack(src, dst, decode_size=args.decode_size, shard_rows=shard_rows,
                       row_group_rows=group_rows, storage=_common.storage_options(args),
                       dst_storage=_common.storage_options(args), on_error=args.on_error,

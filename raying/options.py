@@ -4,6 +4,7 @@ and the public configuration dataclasses (storage, pipeline, I/O, cache)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -13,58 +14,36 @@ import numpy as np
 
 from raying.errors import ConfigError
 
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        msg = f"environment variable {name} must be an integer, got {raw!r}; unset it or fix it"
-        raise ConfigError(msg) from None
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        msg = f"environment variable {name} must be a number, got {raw!r}; unset it or fix it"
-        raise ConfigError(msg) from None
-
-
 # --- decode ------------------------------------------------------------------------------------
 # PIL's own default: images above this many pixels are treated as decompression bombs.
-DEFAULT_MAX_IMAGE_PIXELS = _env_int("RAYING_MAX_IMAGE_PIXELS", 89_478_485)
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 
 # --- reads and blocks --------------------------------------------------------------------------
 # Images per read task: about 100 ms of decode work on one core for 256px JPEGs.
-DEFAULT_BLOCK_ROWS = _env_int("RAYING_BLOCK_ROWS", 256)
+DEFAULT_BLOCK_ROWS = 256
 # Parquet row groups shuffled together inside one read task (uniform mode).
-DEFAULT_PARQUET_WINDOW_ROW_GROUPS = _env_int("RAYING_PARQUET_WINDOW_ROW_GROUPS", 4)
+DEFAULT_PARQUET_WINDOW_ROW_GROUPS = 4
 # Rows per row group written by `raying pack`.
-DEFAULT_PACK_ROW_GROUP_ROWS = _env_int("RAYING_PACK_ROW_GROUP_ROWS", 256)
+DEFAULT_PACK_ROW_GROUP_ROWS = 256
 # Rows per Parquet shard written by `raying pack`.
-DEFAULT_PACK_SHARD_ROWS = _env_int("RAYING_PACK_SHARD_ROWS", 4096)
+DEFAULT_PACK_SHARD_ROWS = 4096
 # Read tasks in flight per CPU the executor may use.
-DEFAULT_INFLIGHT_TASKS_PER_CPU = _env_int("RAYING_INFLIGHT_TASKS_PER_CPU", 2)
+DEFAULT_INFLIGHT_TASKS_PER_CPU = 2
 # Object store of a local Ray that raying starts itself (``ensure_ray``): this many MB per CPU,
 # at least the floor, at most Ray's own default (30% of memory). Ray's default lets the shared
 # memory that read tasks write through grow to gigabytes on a small node with no gain in speed
 # (``python -m raying.bench.mem_profile``). RAYING_OBJECT_STORE_MB fixes it; 0 keeps Ray's.
-DEFAULT_OBJECT_STORE_MB_PER_CPU = _env_int("RAYING_OBJECT_STORE_MB_PER_CPU", 256)
-DEFAULT_OBJECT_STORE_MIN_MB = _env_int("RAYING_OBJECT_STORE_MIN_MB", 512)
+DEFAULT_OBJECT_STORE_MB: int | None = None  # None: sized per CPU as below
+DEFAULT_OBJECT_STORE_MB_PER_CPU = 256
+DEFAULT_OBJECT_STORE_MIN_MB = 512
 # Threads a read task uses to fetch objects from remote storage.
-DEFAULT_REMOTE_READ_THREADS = _env_int("RAYING_REMOTE_READ_THREADS", 16)
+DEFAULT_REMOTE_READ_THREADS = 16
 # Attempts for a storage read before the error surfaces.
-DEFAULT_READ_RETRIES = _env_int("RAYING_READ_RETRIES", 5)
-DEFAULT_READ_RETRY_BACKOFF_S = _env_float("RAYING_READ_RETRY_BACKOFF_S", 0.2)
+DEFAULT_READ_RETRIES = 5
+DEFAULT_READ_RETRY_BACKOFF_S = 0.2
 
 # --- iterators ---------------------------------------------------------------------------------
-DEFAULT_PREFETCH_BATCHES = _env_int("RAYING_PREFETCH_BATCHES", 4)
+DEFAULT_PREFETCH_BATCHES = 4
 DEFAULT_BATCH_SIZE = 256
 
 # ImageNet statistics, the usual normalization on the device.
@@ -72,16 +51,120 @@ DEFAULT_MEAN = (0.485, 0.456, 0.406)
 DEFAULT_STD = (0.229, 0.224, 0.225)
 
 # --- priority store ----------------------------------------------------------------------------
-DEFAULT_STORE_TICK_S = _env_float("RAYING_STORE_TICK_S", 0.02)
-DEFAULT_PLAN_CHUNK_IDS = _env_int("RAYING_PLAN_CHUNK_IDS", 4096)
+DEFAULT_STORE_TICK_S = 0.02
+DEFAULT_PLAN_CHUNK_IDS = 4096
 # The largest p**alpha a leaf of a priority table holds: sums of n leaves, and of their
 # squares (the effective sample size), stay finite for any n below 1e100.
 MAX_PRIORITY_LEAF = 1e100
-DEFAULT_SNAPSHOT_EVERY_UPDATES = _env_int("RAYING_SNAPSHOT_EVERY_UPDATES", 200_000)
-DEFAULT_SNAPSHOT_INTERVAL_S = _env_float("RAYING_SNAPSHOT_INTERVAL_S", 30.0)
-DEFAULT_STORE_SHARD_ROWS = _env_int("RAYING_STORE_SHARD_ROWS", 10_000_000)
-DEFAULT_REPORT_FLUSH_IDS = _env_int("RAYING_REPORT_FLUSH_IDS", 1024)
-DEFAULT_REPORT_FLUSH_S = _env_float("RAYING_REPORT_FLUSH_S", 0.05)
+DEFAULT_SNAPSHOT_EVERY_UPDATES = 200_000
+DEFAULT_SNAPSHOT_INTERVAL_S = 30.0
+DEFAULT_STORE_SHARD_ROWS = 10_000_000
+DEFAULT_REPORT_FLUSH_IDS = 1024
+DEFAULT_REPORT_FLUSH_S = 0.05
+# Share of the gap to the mean that a stale priority closes per update call (see `age`).
+DEFAULT_AGE_RATE = 0.05
+# How the updates of one store tick fold per id.
+COALESCE_MODES = ("last", "max", "ema")
+
+
+# --- the environment -----------------------------------------------------------------------------
+# Every RAYING_* variable raying reads, the Settings field it sets, and its type. They are read
+# once, when a Pipeline is built (Settings.from_env), and travel to the read tasks and the
+# priority store with the pipeline, so every worker runs with the driver's values.
+ENVIRONMENT: dict[str, tuple[str, type]] = {
+    "RAYING_MAX_IMAGE_PIXELS": ("max_image_pixels", int),
+    "RAYING_BLOCK_ROWS": ("block_rows", int),
+    "RAYING_PARQUET_WINDOW_ROW_GROUPS": ("parquet_window_row_groups", int),
+    "RAYING_PACK_ROW_GROUP_ROWS": ("pack_row_group_rows", int),
+    "RAYING_PACK_SHARD_ROWS": ("pack_shard_rows", int),
+    "RAYING_INFLIGHT_TASKS_PER_CPU": ("inflight_tasks_per_cpu", int),
+    "RAYING_OBJECT_STORE_MB": ("object_store_mb", int),
+    "RAYING_OBJECT_STORE_MB_PER_CPU": ("object_store_mb_per_cpu", int),
+    "RAYING_OBJECT_STORE_MIN_MB": ("object_store_min_mb", int),
+    "RAYING_REMOTE_READ_THREADS": ("remote_read_threads", int),
+    "RAYING_READ_RETRIES": ("read_retries", int),
+    "RAYING_READ_RETRY_BACKOFF_S": ("read_retry_backoff_s", float),
+    "RAYING_PREFETCH_BATCHES": ("prefetch_batches", int),
+    "RAYING_STORE_TICK_S": ("store_tick_s", float),
+    "RAYING_PLAN_CHUNK_IDS": ("plan_chunk_ids", int),
+    "RAYING_SNAPSHOT_EVERY_UPDATES": ("snapshot_every_updates", int),
+    "RAYING_SNAPSHOT_INTERVAL_S": ("snapshot_interval_s", float),
+    "RAYING_STORE_SHARD_ROWS": ("store_shard_rows", int),
+    "RAYING_REPORT_FLUSH_IDS": ("report_flush_ids", int),
+    "RAYING_REPORT_FLUSH_S": ("report_flush_s", float),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The defaults that the RAYING_* environment may override, as one picklable value.
+
+    A Pipeline reads them once when it is built (:meth:`from_env`) and ships them with its
+    read spec; read tasks and the priority store make them theirs (:func:`use`), so a worker
+    whose environment differs still runs with the driver's values. See ``ENVIRONMENT`` for
+    the variable of each field; docs/configuration.md lists them all.
+    """
+
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    block_rows: int = DEFAULT_BLOCK_ROWS
+    parquet_window_row_groups: int = DEFAULT_PARQUET_WINDOW_ROW_GROUPS
+    pack_row_group_rows: int = DEFAULT_PACK_ROW_GROUP_ROWS
+    pack_shard_rows: int = DEFAULT_PACK_SHARD_ROWS
+    inflight_tasks_per_cpu: int = DEFAULT_INFLIGHT_TASKS_PER_CPU
+    object_store_mb: int | None = DEFAULT_OBJECT_STORE_MB
+    object_store_mb_per_cpu: int = DEFAULT_OBJECT_STORE_MB_PER_CPU
+    object_store_min_mb: int = DEFAULT_OBJECT_STORE_MIN_MB
+    remote_read_threads: int = DEFAULT_REMOTE_READ_THREADS
+    read_retries: int = DEFAULT_READ_RETRIES
+    read_retry_backoff_s: float = DEFAULT_READ_RETRY_BACKOFF_S
+    prefetch_batches: int = DEFAULT_PREFETCH_BATCHES
+    store_tick_s: float = DEFAULT_STORE_TICK_S
+    plan_chunk_ids: int = DEFAULT_PLAN_CHUNK_IDS
+    snapshot_every_updates: int = DEFAULT_SNAPSHOT_EVERY_UPDATES
+    snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S
+    store_shard_rows: int = DEFAULT_STORE_SHARD_ROWS
+    report_flush_ids: int = DEFAULT_REPORT_FLUSH_IDS
+    report_flush_s: float = DEFAULT_REPORT_FLUSH_S
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The defaults with every RAYING_* variable set in ``environ`` (``os.environ``).
+
+        Raises:
+            ConfigError: a variable that does not parse as its type, naming it.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name, (field, kind) in ENVIRONMENT.items():
+            raw = env.get(name)
+            if raw is None or not raw.strip():
+                continue
+            try:
+                values[field] = kind(raw)
+            except ValueError:
+                what = "an integer" if kind is int else "a number"
+                msg = (f"environment variable {name} must be {what}, got {raw!r}; unset it "
+                       f"or fix it")
+                raise ConfigError(msg) from None
+        return cls(**values)
+
+
+_active: Settings | None = None
+
+
+def settings() -> Settings:
+    """This process's settings: those last given to :func:`use`, else its environment's
+    (read once)."""
+    global _active
+    if _active is None:
+        _active = Settings.from_env()
+    return _active
+
+
+def use(value: Settings) -> None:
+    """Make ``value`` this process's settings (read tasks and the store, with the driver's)."""
+    global _active
+    _active = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,13 +410,15 @@ class PipelineConfig:
     """Knobs of the read path; the defaults are what `raying bench` measures.
 
     Args:
-        block_rows: images per read task (~100 ms of decode work at 256 px).
+        block_rows: images per read task (~100 ms of decode work at 256 px); None takes
+            ``Settings.block_rows`` (RAYING_BLOCK_ROWS, default ``DEFAULT_BLOCK_ROWS``).
         window: read tasks in flight; None = ``DEFAULT_INFLIGHT_TASKS_PER_CPU`` x cluster CPUs.
         keep_warm: start the next epoch's reads while the current one drains.
         task_num_cpus: CPUs each read task reserves.
         spread: spread read tasks over nodes (``SPREAD``) instead of packing them.
         name: names the pipeline's actors (priority store); default a fresh id.
-        max_image_pixels: images claiming more pixels are set aside as decompression bombs.
+        max_image_pixels: images claiming more pixels are set aside as decompression bombs;
+            None takes ``Settings.max_image_pixels`` (RAYING_MAX_IMAGE_PIXELS).
         decoded_cache: keep decoded pixels in the node's memory tier across epochs:
             ``"auto"`` (on when the decoded dataset fits in a quarter of free memory),
             ``"off"``, or a budget in bytes. See :mod:`raying.read.decoded_cache`.
@@ -343,13 +428,13 @@ class PipelineConfig:
             a dict of its fields; None reads every file directly (see docs/io.md).
     """
 
-    block_rows: int = DEFAULT_BLOCK_ROWS
+    block_rows: int | None = None
     window: int | None = None
     keep_warm: bool = True
     task_num_cpus: float = 1.0
     spread: bool = False
     name: str | None = None
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_image_pixels: int | None = None
     ray_remote_args: dict[str, Any] | None = None
     decoded_cache: Any = "auto"
     io: Any = None  # IOConfig | dict | None, passed to ReadSpec
@@ -358,8 +443,9 @@ class PipelineConfig:
         def whole(v: Any) -> bool:
             return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
-        if not whole(self.block_rows) or self.block_rows < 1:
-            msg = f"PipelineConfig(block_rows=...) must be an integer >= 1, got {self.block_rows!r}"
+        if self.block_rows is not None and (not whole(self.block_rows) or self.block_rows < 1):
+            msg = (f"PipelineConfig(block_rows=...) must be an integer >= 1 or None, got "
+                   f"{self.block_rows!r}")
             raise ConfigError(msg)
         if self.window is not None and (not whole(self.window) or self.window < 1):
             msg = f"PipelineConfig(window=...) must be an integer >= 1 or None, got {self.window!r}"
@@ -372,3 +458,159 @@ class PipelineConfig:
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
             msg = f"PipelineConfig(task_num_cpus=...) must be a number > 0, got {cpus!r}"
             raise ConfigError(msg)
+
+
+# --- priorities: the table and its store ---------------------------------------------------
+def _number(name: str, value: Any, *, low: float, high: float = math.inf,
+            low_open: bool = False, hint: str) -> float:
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if ok:
+        value = float(value)
+        ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bound = f"> {low}" if low_open else f">= {low}"
+        upper = f" and <= {high}" if math.isfinite(high) else ""
+        msg = f"{name} must be a finite number {bound}{upper}, got {value!r}; {hint}"
+        raise ConfigError(msg)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """The settings of a PriorityTable; see PriorityTable for what each one does.
+
+    Args:
+        alpha: priority exponent (0 = uniform, 1 = proportional).
+        uniform_mix: share ``eps`` of the uniform floor in the sampling mixture.
+        beta: default importance-weight exponent.
+        cap_quantile: clip priorities above this quantile, or None.
+        age_after: update calls without a refresh after which a priority starts aging, or None.
+        age_rate: share of the gap to the mean closed per update call once aging.
+        initial_priority: the priority every row starts with.
+        seed: seed of the table's random generator.
+    """
+
+    alpha: float = 1.0
+    uniform_mix: float = 0.0
+    beta: float = 0.0
+    cap_quantile: float | None = None
+    age_after: int | None = None
+    age_rate: float = DEFAULT_AGE_RATE
+    initial_priority: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _number("alpha", self.alpha, low=0.0,
+                hint="pass e.g. alpha=0.6 (0 samples uniformly, 1 in proportion to priority)")
+        _number("uniform_mix", self.uniform_mix, low=0.0, high=1.0,
+                hint="pass the share of uniform draws, e.g. uniform_mix=0.1")
+        _number("beta", self.beta, low=0.0,
+                hint="pass e.g. beta=0.4 (0 = no importance correction, 1 = full)")
+        if self.cap_quantile is not None:
+            _number("cap_quantile", self.cap_quantile, low=0.0, high=1.0, low_open=True,
+                    hint="pass e.g. cap_quantile=0.99, or None for no cap")
+        if self.age_after is not None and (
+                isinstance(self.age_after, bool) or not isinstance(self.age_after, (int, np.integer))
+                or self.age_after < 1):
+            msg = (f"age_after must be an integer >= 1 (update calls) or None, got "
+                   f"{self.age_after!r}; pass e.g. age_after=100, or None to disable aging")
+            raise ConfigError(msg)
+        _number("age_rate", self.age_rate, low=0.0, high=1.0, low_open=True,
+                hint="pass the share of the gap to the mean closed per update, e.g. 0.05")
+        _number("initial_priority", self.initial_priority, low=0.0,
+                hint="pass the priority rows start with, e.g. initial_priority=1.0")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
+                or self.seed < 0:
+            msg = f"seed must be an integer >= 0, got {self.seed!r}; pass e.g. seed=0"
+            raise ConfigError(msg)
+
+    @classmethod
+    def coerce(cls, value: TableConfig | Mapping[str, Any] | None) -> TableConfig:
+        """Accept a TableConfig, a dict of its fields, or None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - fields)
+            if unknown:
+                msg = (f"table option(s) {unknown} not known; expected some of "
+                       f"{sorted(fields)}")
+                raise ConfigError(msg)
+            return cls(**value)
+        msg = f"table config must be a TableConfig, a dict or None, got {type(value).__name__}"
+        raise ConfigError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """How the priority store runs.
+
+    Args:
+        coalesce: how the updates of one tick fold per id: ``"last"`` (latest report wins),
+            ``"max"`` (largest report wins) or ``"ema"`` (each report moves the stored
+            priority by ``ema``, in arrival order).
+        ema: the EMA step in ``(0, 1]`` for ``coalesce="ema"``.
+        tick_s: seconds between two applications of the queued updates.
+        snapshot_uri: a directory URI (local, ``file://``, ``s3://``, ``hdfs://``) for
+            snapshots, or None for none. A store restores from it when one exists.
+        snapshot_every_updates: snapshot after this many applied updates...
+        snapshot_interval_s: ...or this many seconds, whichever comes first (only when
+            something changed). A restart loses at most the updates applied since then.
+        shard_rows: ids per actor; a larger store shards by id range.
+        storage: StorageOptions (or a dict) for the snapshot URI.
+        restore: restore from an existing snapshot at creation (restarts always do).
+        actor_options: extra Ray options of the store's actors. By default they ask for a
+            sliver of the head node's resource (``node:__internal_head__``), so the store
+            lives on the node the cluster cannot lose, apart from trainers and decode
+            workers, and comes back there when restarted; ``{}`` lets Ray place it.
+    """
+
+    coalesce: str = "last"
+    ema: float = 0.5
+    tick_s: float = dataclasses.field(default_factory=lambda: settings().store_tick_s)
+    snapshot_uri: str | None = None
+    snapshot_every_updates: int = dataclasses.field(
+        default_factory=lambda: settings().snapshot_every_updates)
+    snapshot_interval_s: float = dataclasses.field(
+        default_factory=lambda: settings().snapshot_interval_s)
+    shard_rows: int = dataclasses.field(default_factory=lambda: settings().store_shard_rows)
+    storage: StorageOptions | Mapping[str, Any] | None = None
+    restore: bool = True
+    actor_options: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.coalesce not in COALESCE_MODES:
+            msg = (f"coalesce must be one of {list(COALESCE_MODES)}, got {self.coalesce!r}; "
+                   f"'last' keeps the latest report of each id")
+            raise ConfigError(msg)
+        checks = [("ema", self.ema, 0.0, 1.0), ("tick_s", self.tick_s, 0.0, math.inf),
+                  ("snapshot_interval_s", self.snapshot_interval_s, 0.0, math.inf)]
+        for name, value, low, high in checks:
+            if not isinstance(value, (int, float)) or not low < value <= high:
+                msg = f"{name} must be a number in ({low}, {high}], got {value!r}"
+                raise ConfigError(msg)
+        for name in ("snapshot_every_updates", "shard_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                msg = f"{name} must be an integer >= 1, got {value!r}"
+                raise ConfigError(msg)
+        object.__setattr__(self, "storage", StorageOptions.coerce(self.storage))
+
+    @classmethod
+    def coerce(cls, value: StoreConfig | Mapping[str, Any] | None) -> StoreConfig:
+        """Accept a StoreConfig, a dict of its fields, or None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - fields)
+            if unknown:
+                msg = f"store option(s) {unknown} not known; expected some of {sorted(fields)}"
+                raise ConfigError(msg)
+            return cls(**value)
+        msg = f"store config must be a StoreConfig, a dict or None, got {type(value).__name__}"
+        raise ConfigError(msg)

@@ -12,7 +12,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raying.errors import ConfigError, DataError, StorageError
-from raying.options import DEFAULT_REMOTE_READ_THREADS, StorageOptions
+from raying.options import StorageOptions, settings
 from raying.storage import files as _storage
 
 DECODED_SHAPE_COLUMNS = ("height", "width", "channels")
@@ -147,7 +147,7 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     rels = [_relative(root, i.path) for i in infos]
     uris = [f"{uri.rstrip('/')}/{r}" if len(infos) > 1 or infos[0].path != root else uri
             for r in rels]
-    workers = 1 if isinstance(fs, pafs.LocalFileSystem) else DEFAULT_REMOTE_READ_THREADS
+    workers = 1 if isinstance(fs, pafs.LocalFileSystem) else settings().remote_read_threads
     with cf.ThreadPoolExecutor(max_workers=workers) as pool:
         footers = list(pool.map(lambda a: _read_footer(fs, a[0].path, a[1]),
                                 zip(infos, uris, strict=True)))

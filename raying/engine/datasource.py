@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 from raying.engine.metrics import RunAccount
+from raying.options import use
 from raying.read.account import UnitAccount
 from raying.read.spec import ReadSpec
 from raying.read.task import empty_block, iter_unit
@@ -55,6 +56,7 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
     from ray.data.block import BlockAccessor
 
     spec: ReadSpec = ray.get(spec_ref) if isinstance(spec_ref, ray.ObjectRef) else spec_ref
+    use(spec.settings)  # before a lazy unit is drawn: the driver's plan chunk and retries
     if unit.ids is None:  # prioritized: draw now, so losses reported so far shape this read
         unit = sampler.fill(unit)
     lookup: ManifestLookup = ray.get(lookup_ref)

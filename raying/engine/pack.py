@@ -10,13 +10,13 @@ import numpy as np
 from raying.dataset.manifest import Manifest
 from raying.dataset.pack import SHARD_NAME, PackResult, pack_shard
 from raying.errors import ConfigError
-from raying.options import DEFAULT_PACK_ROW_GROUP_ROWS, DEFAULT_PACK_SHARD_ROWS, StorageOptions
+from raying.options import StorageOptions, settings
 from raying.storage import files as _storage
 
 
 def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
-         shard_rows: int = DEFAULT_PACK_SHARD_ROWS,
-         row_group_rows: int = DEFAULT_PACK_ROW_GROUP_ROWS,
+         shard_rows: int | None = None,
+         row_group_rows: int | None = None,
          storage: StorageOptions | dict | None = None,
          dst_storage: StorageOptions | dict | None = None, on_error: str = "skip",
          verify: bool = False, progress: bool = True, label: str | None = "folder",
@@ -40,6 +40,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
 
     from raying.engine.ray_setup import ensure_ray
 
+    shard_rows = settings().pack_shard_rows if shard_rows is None else shard_rows
+    row_group_rows = settings().pack_row_group_rows if row_group_rows is None else row_group_rows
     if shard_rows < 1 or row_group_rows < 1:
         msg = (f"shard_rows and row_group_rows must be >= 1, got {shard_rows} and "
                f"{row_group_rows}")

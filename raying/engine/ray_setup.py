@@ -5,28 +5,22 @@ from __future__ import annotations
 import logging
 import os
 
-from raying.errors import ConfigError
-from raying.options import DEFAULT_OBJECT_STORE_MB_PER_CPU, DEFAULT_OBJECT_STORE_MIN_MB
+from raying.options import settings
 
 
 def default_object_store_bytes(num_cpus: int | None = None) -> int | None:
     """Object store size raying gives a local Ray it starts (None: Ray's own default).
 
-    ``RAYING_OBJECT_STORE_MB`` sets it (0: Ray's default); otherwise
-    ``DEFAULT_OBJECT_STORE_MB_PER_CPU`` per CPU, at least ``DEFAULT_OBJECT_STORE_MIN_MB``, at
-    most 30% of the node's memory (Ray's default). Read tasks keep about
-    ``2 x CPUs`` blocks of ~40 MB in flight, so this leaves them several times what they use.
+    ``Settings.object_store_mb`` (RAYING_OBJECT_STORE_MB) sets it (0: Ray's default);
+    otherwise ``object_store_mb_per_cpu`` per CPU, at least ``object_store_min_mb``, at most
+    30% of the node's memory (Ray's default). Read tasks keep about ``2 x CPUs`` blocks of
+    ~40 MB in flight, so this leaves them several times what they use.
     """
-    raw = os.environ.get("RAYING_OBJECT_STORE_MB")
-    if raw is not None and raw.strip():
-        try:
-            mb = int(raw)
-        except ValueError:
-            msg = f"RAYING_OBJECT_STORE_MB must be a whole number of MB (0: Ray's default), got {raw!r}"
-            raise ConfigError(msg) from None
-        return mb * 2**20 if mb > 0 else None
+    s = settings()
+    if s.object_store_mb is not None:
+        return s.object_store_mb * 2**20 if s.object_store_mb > 0 else None
     cpus = num_cpus or len(os.sched_getaffinity(0))
-    want = max(DEFAULT_OBJECT_STORE_MIN_MB, DEFAULT_OBJECT_STORE_MB_PER_CPU * cpus) * 2**20
+    want = max(s.object_store_min_mb, s.object_store_mb_per_cpu * cpus) * 2**20
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(min(want, 0.3 * total))
 

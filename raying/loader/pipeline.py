@@ -24,12 +24,7 @@ from raying.engine.ray_setup import ensure_ray
 from raying.errors import ConfigError
 from raying.image.transform import ImageTransform
 from raying.loader.batches import BatchAssembler, TorchConverter, prefetch
-from raying.options import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_INFLIGHT_TASKS_PER_CPU,
-    DEFAULT_PREFETCH_BATCHES,
-    PipelineConfig,
-)
+from raying.options import DEFAULT_BATCH_SIZE, PipelineConfig, Settings, use
 from raying.read.account import UnitAccount
 from raying.read.spec import ReadSpec, dataset_key
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
@@ -73,6 +68,9 @@ class Pipeline:
         self.sampler: Sampler = sampler if sampler is not None else UniformSampler()
         self.on_error = on_error
         self.config = config or PipelineConfig()
+        # The RAYING_* environment, read once here; read tasks and the store get these values.
+        self.settings = Settings.from_env()
+        use(self.settings)
         self.name = self.config.name or f"raying-{uuid.uuid4().hex[:8]}"
         self.account = RunAccount(manifest)
         self._stream = None
@@ -87,6 +85,7 @@ class Pipeline:
         self._spec_ready = False
         self._spec = ReadSpec.of(manifest, self.transform, self.sampler.seed,
                                  on_error, max_pixels=self.config.max_image_pixels,
+                                 settings=self.settings,
                                  io=self.config.io)
         if self._spec.io is not None and self._spec.io.cache is not None:
             self._spec.io.cache.check_dirs()
@@ -116,7 +115,7 @@ class Pipeline:
         blocks and are copied. It depends only on the dataset, so a resumed run cuts its
         epochs the same way on any cluster."""
         rows = self.sampler.samples_per_epoch or len(self.manifest)
-        wanted = self.config.block_rows
+        wanted = self.config.block_rows or self.settings.block_rows
         if rows >= 8 * wanted:
             return wanted
         small = -(-rows // 8)
@@ -155,7 +154,7 @@ class Pipeline:
             window = self.config.window
             if window is None:
                 cpus = int(ray.cluster_resources().get("CPU", 1))
-                window = max(2, DEFAULT_INFLIGHT_TASKS_PER_CPU * cpus)
+                window = max(2, self.settings.inflight_tasks_per_cpu * cpus)
             opts: dict[str, Any] = {"num_cpus": self.config.task_num_cpus}
             if self.config.spread:
                 opts["scheduling_strategy"] = "SPREAD"
@@ -201,7 +200,7 @@ class Pipeline:
         tally.refuse_all_bad(len(self.manifest), self.manifest.root, int(epoch))
 
     def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
-                     prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
+                     prefetch_batches: int | None = None,
                      drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
         """numpy batches: ``id``, ``label``, ``image`` (uint8 NHWC), ``weight``, ``prob``."""
         epoch = _epoch(epoch)  # here, not in the prefetch thread
@@ -213,7 +212,8 @@ class Pipeline:
                 yield from assembler.push(block)
             yield from assembler.finish()
 
-        for batch in prefetch(batches(), prefetch_batches, stall=self.account.stall,
+        depth = self.settings.prefetch_batches if prefetch_batches is None else prefetch_batches
+        for batch in prefetch(batches(), depth, stall=self.account.stall,
                               timed=self.account.iterated):
             self._cursor["delivered"] += len(batch["id"])
             self.account.delivered(len(batch["id"]))
@@ -221,7 +221,7 @@ class Pipeline:
 
     def iter_torch_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
                            device: Any = "auto",
-                           prefetch_batches: int = DEFAULT_PREFETCH_BATCHES,
+                           prefetch_batches: int | None = None,
                            normalize: bool = True, drop_last: bool = False,
                            mean: tuple[float, float, float] | None = None,
                            std: tuple[float, float, float] | None = None,
@@ -247,7 +247,8 @@ class Pipeline:
             for b in assembler.finish():
                 yield conv.device_put(conv.host(b))
 
-        for batch in prefetch(batches(), prefetch_batches, stall=self.account.stall,
+        depth = self.settings.prefetch_batches if prefetch_batches is None else prefetch_batches
+        for batch in prefetch(batches(), depth, stall=self.account.stall,
                               timed=self.account.iterated):
             n = int(batch["id"].shape[0])
             self._cursor["delivered"] += n
@@ -256,7 +257,7 @@ class Pipeline:
 
     def to_tf(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int | None = 0,
               normalize: bool = False, as_supervised: bool = False,
-              prefetch_batches: int = DEFAULT_PREFETCH_BATCHES, drop_last: bool = False):
+              prefetch_batches: int | None = None, drop_last: bool = False):
         """A tf.data.Dataset of the same batch dicts (see :mod:`raying.loader.tf`)."""
         from raying.loader.tf import to_tf
 

@@ -14,7 +14,7 @@ def _tf():
 
 
 def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
-          as_supervised: bool, prefetch_batches: int, drop_last: bool):
+          as_supervised: bool, prefetch_batches: int | None, drop_last: bool):
     """A tf.data.Dataset over ``pipe``'s batches.
 
     Each pass over the dataset (each Keras epoch) reads the next epoch of the plan, starting

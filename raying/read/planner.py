@@ -25,11 +25,7 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from raying.errors import ConfigError
-from raying.options import (
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_READ_RETRIES,
-    DEFAULT_READ_RETRY_BACKOFF_S,
-)
+from raying.options import DEFAULT_MAX_REQUEST_BYTES, settings
 from raying.storage import errors as _storage_errors
 from raying.storage import files as _storage
 from raying.storage.tiers import observe, tier_pool
@@ -188,7 +184,7 @@ class OpStats:
 
 
 def run_ops(fs: pafs.FileSystem, ops: Sequence[ReadOp], n_slots: int, *, concurrency: int,
-            retries: int = DEFAULT_READ_RETRIES, backoff: float = DEFAULT_READ_RETRY_BACKOFF_S,
+            retries: int | None = None, backoff: float | None = None,
             stats: OpStats | None = None) -> list[Any]:
     """Run requests on the tier's pool; a failure fills its own slots and never the others'.
 
@@ -206,6 +202,8 @@ def run_ops(fs: pafs.FileSystem, ops: Sequence[ReadOp], n_slots: int, *, concurr
     out: list[Any] = [None] * n_slots
     lock = threading.Lock()
     mine = OpStats()
+    retries = settings().read_retries if retries is None else retries
+    backoff = settings().read_retry_backoff_s if backoff is None else backoff
 
     def one(op: ReadOp) -> None:
         try:

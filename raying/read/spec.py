@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from raying.options import DEFAULT_MAX_IMAGE_PIXELS, IOConfig, StorageOptions
+from raying.options import DEFAULT_MAX_IMAGE_PIXELS, IOConfig, Settings, StorageOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,9 @@ class ReadSpec:
     decoded_cache_bytes: int = 0
     decoded_cache_dir: str = ""
     cache_namespace: str = ""
+    # The driver's settings (the RAYING_* environment as the Pipeline read it); read tasks
+    # make them theirs before they read.
+    settings: Settings = dataclasses.field(default_factory=Settings)
 
     @property
     def dataset_key(self) -> str:
@@ -36,13 +39,21 @@ class ReadSpec:
 
     @classmethod
     def of(cls, manifest: Any, transform: Any, seed: int, on_error: str, *,
-           max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS, io: Any = None) -> ReadSpec:
+           max_pixels: int | None = None, io: Any = None,
+           settings: Settings | None = None) -> ReadSpec:
+        """The spec of ``manifest`` read through ``transform``; ``settings`` default to the
+        process's, and ``max_pixels`` to theirs."""
+        from raying.options import settings as current
+
+        settings = settings if settings is not None else current()
+        if max_pixels is None:
+            max_pixels = settings.max_image_pixels
         decoded = manifest.meta.get("decoded")
         return cls(root=manifest.root, storage=manifest.storage, fmt=manifest.format,
                    files=tuple(manifest.files), image_column=manifest.meta.get("image_column"),
                    decoded=tuple(decoded) if decoded else None, transform=transform,
                    seed=int(seed), on_error=on_error, max_pixels=int(max_pixels),
-                   io=IOConfig.coerce(io))
+                   io=IOConfig.coerce(io), settings=settings)
 
 
 def dataset_key(root: str, storage: StorageOptions | None) -> str:

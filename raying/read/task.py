@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from raying.errors import RAISE_FIX, DecodeError
+from raying.options import use
 from raying.read.account import UnitAccount
 from raying.read.sources import open_source
 from raying.read.spec import ReadSpec, dataset_key
@@ -64,6 +65,7 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     only for callers that copy each block out before asking for the next (a Ray generator
     task stores each yielded value in the object store before it resumes).
     """
+    use(spec.settings)  # the driver's RAYING_* settings, whatever this worker's environment
     t0 = time.perf_counter()
     ids = np.asarray(unit.ids, dtype=np.int64)
     n = len(ids)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError
-from raying.options import DEFAULT_REPORT_FLUSH_IDS, DEFAULT_REPORT_FLUSH_S
+from raying.options import settings
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,11 @@ class Reporter:
         flush_s: ... or when the oldest buffered report is this old.
     """
 
-    def __init__(self, handle: Any, *, flush_ids: int = DEFAULT_REPORT_FLUSH_IDS,
-                 flush_s: float = DEFAULT_REPORT_FLUSH_S) -> None:
+    def __init__(self, handle: Any, *, flush_ids: int | None = None,
+                 flush_s: float | None = None) -> None:
         self.handle = handle
-        self.flush_ids = int(flush_ids)
-        self.flush_s = float(flush_s)
+        self.flush_ids = int(settings().report_flush_ids if flush_ids is None else flush_ids)
+        self.flush_s = float(settings().report_flush_s if flush_s is None else flush_s)
         self._ids: list[np.ndarray] = []
         self._values: list[np.ndarray] = []
         self._count = 0

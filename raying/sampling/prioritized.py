@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError
-from raying.options import DEFAULT_PLAN_CHUNK_IDS
+from raying.options import settings
 from raying.sampling.plan import EpochPlan, ReadUnit
 
 # A buffered plan is dropped (and a fresh one drawn) once this process has sent reports since
@@ -159,7 +159,7 @@ class PrioritizedSampler:
     def _draw(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         from raying.sampling import store as st
 
-        chunk = k if self._copy else max(DEFAULT_PLAN_CHUNK_IDS, k)
+        chunk = k if self._copy else max(settings().plan_chunk_ids, k)
         if self._starts is not None:
             plan = st.sample_grouped_plan(self.handle, chunk, self._starts, self.rows_per_group)
             order = np.argsort(plan.ids, kind="stable")  # group draws by row group

@@ -13,8 +13,8 @@ import numpy as np
 import ray
 
 from raying.errors import ConfigError, RayingError
-from raying.options import StorageOptions
-from raying.sampling.store_actor import StoreActor, StoreConfig
+from raying.options import StorageOptions, StoreConfig
+from raying.sampling.store_actor import StoreActor
 from raying.sampling.table import TableConfig
 from raying.sampling.weights import REJECT_REASONS, check_updates, importance_weights
 

@@ -1,105 +1,23 @@
-"""The priority store's settings and actor body: queue, tick loop, snapshots and restore."""
+"""The priority store's actor body: queue, tick loop, snapshots and restore."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from raying.errors import ConfigError
-from raying.options import (
-    DEFAULT_SNAPSHOT_EVERY_UPDATES,
-    DEFAULT_SNAPSHOT_INTERVAL_S,
-    DEFAULT_STORE_SHARD_ROWS,
-    DEFAULT_STORE_TICK_S,
-    StorageOptions,
-)
 from raying.sampling.table import PriorityTable
 
 logger = logging.getLogger(__name__)
 
 # How often a capped table recomputes its quantile threshold (a full pass over the rows).
 DEFAULT_CAP_REFRESH_S = 1.0
-COALESCE_MODES = ("last", "max", "ema")
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreConfig:
-    """How the priority store runs.
-
-    Args:
-        coalesce: how the updates of one tick fold per id: ``"last"`` (latest report wins),
-            ``"max"`` (largest report wins) or ``"ema"`` (each report moves the stored
-            priority by ``ema``, in arrival order).
-        ema: the EMA step in ``(0, 1]`` for ``coalesce="ema"``.
-        tick_s: seconds between two applications of the queued updates.
-        snapshot_uri: a directory URI (local, ``file://``, ``s3://``, ``hdfs://``) for
-            snapshots, or None for none. A store restores from it when one exists.
-        snapshot_every_updates: snapshot after this many applied updates...
-        snapshot_interval_s: ...or this many seconds, whichever comes first (only when
-            something changed). A restart loses at most the updates applied since then.
-        shard_rows: ids per actor; a larger store shards by id range.
-        storage: StorageOptions (or a dict) for the snapshot URI.
-        restore: restore from an existing snapshot at creation (restarts always do).
-        actor_options: extra Ray options of the store's actors. By default they ask for a
-            sliver of the head node's resource (``node:__internal_head__``), so the store
-            lives on the node the cluster cannot lose, apart from trainers and decode
-            workers, and comes back there when restarted; ``{}`` lets Ray place it.
-    """
-
-    coalesce: str = "last"
-    ema: float = 0.5
-    tick_s: float = DEFAULT_STORE_TICK_S
-    snapshot_uri: str | None = None
-    snapshot_every_updates: int = DEFAULT_SNAPSHOT_EVERY_UPDATES
-    snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S
-    shard_rows: int = DEFAULT_STORE_SHARD_ROWS
-    storage: StorageOptions | Mapping[str, Any] | None = None
-    restore: bool = True
-    actor_options: Mapping[str, Any] | None = None
-
-    def __post_init__(self) -> None:
-        if self.coalesce not in COALESCE_MODES:
-            msg = (f"coalesce must be one of {list(COALESCE_MODES)}, got {self.coalesce!r}; "
-                   f"'last' keeps the latest report of each id")
-            raise ConfigError(msg)
-        checks = [("ema", self.ema, 0.0, 1.0), ("tick_s", self.tick_s, 0.0, math.inf),
-                  ("snapshot_interval_s", self.snapshot_interval_s, 0.0, math.inf)]
-        for name, value, low, high in checks:
-            if not isinstance(value, (int, float)) or not low < value <= high:
-                msg = f"{name} must be a number in ({low}, {high}], got {value!r}"
-                raise ConfigError(msg)
-        for name in ("snapshot_every_updates", "shard_rows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                msg = f"{name} must be an integer >= 1, got {value!r}"
-                raise ConfigError(msg)
-        object.__setattr__(self, "storage", StorageOptions.coerce(self.storage))
-
-    @classmethod
-    def coerce(cls, value: StoreConfig | Mapping[str, Any] | None) -> StoreConfig:
-        """Accept a StoreConfig, a dict of its fields, or None (the defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, Mapping):
-            fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - fields)
-            if unknown:
-                msg = f"store option(s) {unknown} not known; expected some of {sorted(fields)}"
-                raise ConfigError(msg)
-            return cls(**value)
-        msg = f"store config must be a StoreConfig, a dict or None, got {type(value).__name__}"
-        raise ConfigError(msg)
 
 
 

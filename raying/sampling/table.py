@@ -10,12 +10,10 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError
-from raying.options import MAX_PRIORITY_LEAF
+from raying.options import DEFAULT_AGE_RATE, MAX_PRIORITY_LEAF, TableConfig
 from raying.sampling.sumtree import LeafMinima, SumTree
 from raying.sampling.weights import (
-    DEFAULT_AGE_RATE,
     REJECT_REASONS,
-    TableConfig,
     check_state,
     check_updates,
     importance_weights,

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError
-from raying.options import DEFAULT_PARQUET_WINDOW_ROW_GROUPS
+from raying.options import settings
 from raying.sampling.plan import EpochPlan, ReadUnit, chunk_units, row_group_units
 
 
@@ -28,7 +28,8 @@ class UniformSampler:
 
     seed: int = 0
     shuffle: bool = True
-    window_row_groups: int = DEFAULT_PARQUET_WINDOW_ROW_GROUPS
+    window_row_groups: int = dataclasses.field(
+        default_factory=lambda: settings().parquet_window_row_groups)
 
     name = "uniform"
     lazy = False

@@ -1,9 +1,7 @@
-"""Checks of table settings and priority updates, and the importance-weight formula."""
+"""Checks of priority updates and table states, and the importance-weight formula."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,8 +9,6 @@ import numpy as np
 
 from raying.errors import ConfigError
 
-# Share of the gap to the mean that a stale priority closes per update call (see `age`).
-DEFAULT_AGE_RATE = 0.05
 # Why an update entry was refused; each entry counts under its first reason in this order.
 REJECT_REASONS = ("length_mismatch", "not_integer", "out_of_range", "nan", "inf", "negative")
 
@@ -96,88 +92,6 @@ def importance_weights(probs: Any, *, size: int, min_prob: float, beta: float) -
     if beta == 0.0:
         return np.ones_like(probs)
     return np.power(size * probs, -beta) / np.power(size * min_prob, -beta)
-
-
-def _number(name: str, value: Any, *, low: float, high: float = math.inf,
-            low_open: bool = False, hint: str) -> float:
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if ok:
-        value = float(value)
-        ok = math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bound = f"> {low}" if low_open else f">= {low}"
-        upper = f" and <= {high}" if math.isfinite(high) else ""
-        msg = f"{name} must be a finite number {bound}{upper}, got {value!r}; {hint}"
-        raise ConfigError(msg)
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class TableConfig:
-    """The settings of a PriorityTable; see PriorityTable for what each one does.
-
-    Args:
-        alpha: priority exponent (0 = uniform, 1 = proportional).
-        uniform_mix: share ``eps`` of the uniform floor in the sampling mixture.
-        beta: default importance-weight exponent.
-        cap_quantile: clip priorities above this quantile, or None.
-        age_after: update calls without a refresh after which a priority starts aging, or None.
-        age_rate: share of the gap to the mean closed per update call once aging.
-        initial_priority: the priority every row starts with.
-        seed: seed of the table's random generator.
-    """
-
-    alpha: float = 1.0
-    uniform_mix: float = 0.0
-    beta: float = 0.0
-    cap_quantile: float | None = None
-    age_after: int | None = None
-    age_rate: float = DEFAULT_AGE_RATE
-    initial_priority: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        _number("alpha", self.alpha, low=0.0,
-                hint="pass e.g. alpha=0.6 (0 samples uniformly, 1 in proportion to priority)")
-        _number("uniform_mix", self.uniform_mix, low=0.0, high=1.0,
-                hint="pass the share of uniform draws, e.g. uniform_mix=0.1")
-        _number("beta", self.beta, low=0.0,
-                hint="pass e.g. beta=0.4 (0 = no importance correction, 1 = full)")
-        if self.cap_quantile is not None:
-            _number("cap_quantile", self.cap_quantile, low=0.0, high=1.0, low_open=True,
-                    hint="pass e.g. cap_quantile=0.99, or None for no cap")
-        if self.age_after is not None and (
-                isinstance(self.age_after, bool) or not isinstance(self.age_after, (int, np.integer))
-                or self.age_after < 1):
-            msg = (f"age_after must be an integer >= 1 (update calls) or None, got "
-                   f"{self.age_after!r}; pass e.g. age_after=100, or None to disable aging")
-            raise ConfigError(msg)
-        _number("age_rate", self.age_rate, low=0.0, high=1.0, low_open=True,
-                hint="pass the share of the gap to the mean closed per update, e.g. 0.05")
-        _number("initial_priority", self.initial_priority, low=0.0,
-                hint="pass the priority rows start with, e.g. initial_priority=1.0")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
-                or self.seed < 0:
-            msg = f"seed must be an integer >= 0, got {self.seed!r}; pass e.g. seed=0"
-            raise ConfigError(msg)
-
-    @classmethod
-    def coerce(cls, value: TableConfig | Mapping[str, Any] | None) -> TableConfig:
-        """Accept a TableConfig, a dict of its fields, or None (the defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, Mapping):
-            fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - fields)
-            if unknown:
-                msg = (f"table option(s) {unknown} not known; expected some of "
-                       f"{sorted(fields)}")
-                raise ConfigError(msg)
-            return cls(**value)
-        msg = f"table config must be a TableConfig, a dict or None, got {type(value).__name__}"
-        raise ConfigError(msg)
 
 
 def check_state(state: Mapping[str, Any], n: int, own: dict[str, Any], *, strict: bool,

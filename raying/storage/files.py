@@ -17,12 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow.fs as pafs
 
 from raying.errors import CredentialsError, StorageError
-from raying.options import (
-    DEFAULT_READ_RETRIES,
-    DEFAULT_READ_RETRY_BACKOFF_S,
-    DEFAULT_REMOTE_READ_THREADS,
-    StorageOptions,
-)
+from raying.options import StorageOptions, settings
 from raying.storage import errors as _errors
 from raying.storage.errors import NotFoundError
 from raying.storage.spec import StorageSpec, clear_cache
@@ -141,15 +136,15 @@ def _drop_symlink_loops(infos: list[pafs.FileInfo], base: str) -> list[pafs.File
     return keep
 
 
-def read_bytes(fs: pafs.FileSystem, path: str, *, retries: int = DEFAULT_READ_RETRIES,
-               backoff: float = DEFAULT_READ_RETRY_BACKOFF_S,
+def read_bytes(fs: pafs.FileSystem, path: str, *, retries: int | None = None,
+               backoff: float | None = None,
                on_retry: OnRetry | None = None) -> bytes:
     """Read a whole file, retrying transient failures (never a missing file or a refusal).
 
     Args:
         fs: the filesystem, from :func:`resolve`.
         path: the file's path on ``fs``.
-        retries: attempts in all before the error surfaces (at least 1).
+        retries: attempts in all before the error surfaces (at least 1); None: the settings'.
         backoff: seconds before the second attempt; doubles each time, with jitter, up to
             5 s.
         on_retry: called as ``on_retry(path, attempt, error)`` before each new attempt.
@@ -164,8 +159,8 @@ def read_bytes(fs: pafs.FileSystem, path: str, *, retries: int = DEFAULT_READ_RE
 
 
 def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
-              threads: int | None = None, retries: int = DEFAULT_READ_RETRIES,
-              backoff: float = DEFAULT_READ_RETRY_BACKOFF_S,
+              threads: int | None = None, retries: int | None = None,
+              backoff: float | None = None,
               on_retry: OnRetry | None = None) -> list[bytes | Exception]:
     """Read many whole files; a failure takes its own slot and never the others'.
 
@@ -175,7 +170,7 @@ def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
     Args:
         fs: the filesystem, from :func:`resolve`.
         paths: paths on ``fs`` or FileInfo objects from :func:`list_files`.
-        threads: concurrent reads for remote stores; ``DEFAULT_REMOTE_READ_THREADS`` if None.
+        threads: concurrent reads for remote stores; ``Settings.remote_read_threads`` if None.
         retries, backoff, on_retry: as in :func:`read_bytes`.
 
     Returns:
@@ -189,7 +184,7 @@ def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
         except Exception as exc:  # noqa: BLE001 - each failure is returned in its slot
             return exc
 
-    workers = min(threads or DEFAULT_REMOTE_READ_THREADS, len(names))
+    workers = min(threads or settings().remote_read_threads, len(names))
     if isinstance(fs, pafs.LocalFileSystem) or workers <= 1:
         return [one(n) for n in names]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="raying-read") as pool:
@@ -316,6 +311,8 @@ def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
         logger.debug("could not remove temp file %s", path)
 
 
-def _retry(call, fs, path, retries=DEFAULT_READ_RETRIES, backoff=DEFAULT_READ_RETRY_BACKOFF_S,
+def _retry(call, fs, path, retries=None, backoff=None,
            on_retry=None, uri=None):
-    return _errors.retrying(call, fs, path, retries, backoff, on_retry, uri)
+    s = settings()
+    return _errors.retrying(call, fs, path, s.read_retries if retries is None else retries,
+                            s.read_retry_backoff_s if backoff is None else backoff, on_retry, uri)

@@ -11,7 +11,7 @@ from urllib.parse import unquote
 import pyarrow.fs as pafs
 
 from raying.errors import ConfigError
-from raying.options import DEFAULT_READ_RETRIES, StorageOptions
+from raying.options import StorageOptions, settings
 from raying.storage import errors as _errors
 from raying.storage import hdfs as _hdfs
 from raying.storage import s3 as _s3
@@ -96,7 +96,7 @@ class StorageSpec:
         if self.scheme == "file":
             fs = _LOCAL
         elif self.scheme == "s3":
-            fs = _s3.s3_filesystem(self.options, attempts=DEFAULT_READ_RETRIES)
+            fs = _s3.s3_filesystem(self.options, attempts=settings().read_retries)
         else:
             fs = _hdfs.hdfs_filesystem(self.host, self.port, self.options.hdfs_user)
         if self.options.slow is not None:

@@ -88,7 +88,7 @@ def test_a_spec_rebuilds_the_filesystem_in_another_process(dataset_uri, s3_endpo
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
     spec, path = StorageSpec.from_uri(dataset_uri)
     monkeypatch.delenv("AWS_ENDPOINT_URL")
-    code = ("import pickle, sys\nfrom raying import storage\n"
+    code = ("import pickle, sys\nfrom raying.storage import files as storage\n"
             "spec, path = pickle.loads(sys.stdin.buffer.read())\n"
             "print(storage.read_bytes(spec.filesystem(), path + '/dogs/readme.txt').decode())")
     out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((spec, path)),

@@ -11,7 +11,7 @@ import ray
 from raying.errors import ConfigError
 from raying.sampling import PriorityTable
 from raying.sampling import store as st
-from tests.unit.test_table import chi2_pvalue, spanning_priorities
+from tests.unit.sampling.test_table import chi2_pvalue, spanning_priorities
 
 TICK_S = 0.01
 

@@ -78,3 +78,56 @@ def test_classes_must_be_a_list_not_a_string(tmp_path):
     root = make_image_folder(tmp_path / "imgs", n=4, classes=2, size=(8, 8))
     with pytest.raises(ConfigError, match="list of class names, got the string"):
         raying.Manifest.scan(str(root), classes="class_00")
+
+
+def test_settings_read_every_raying_variable_once_from_the_environment():
+    from raying.options import ENVIRONMENT, Settings
+
+    env = {"RAYING_BLOCK_ROWS": "64", "RAYING_READ_RETRY_BACKOFF_S": "0.5",
+           "RAYING_OBJECT_STORE_MB": "0", "RAYING_PREFETCH_BATCHES": " "}
+    s = Settings.from_env(env)
+    assert (s.block_rows, s.read_retry_backoff_s, s.object_store_mb) == (64, 0.5, 0)
+    assert s.prefetch_batches == Settings().prefetch_batches  # blank: the default
+    # Every variable names a field of Settings, so none is read anywhere else.
+    fields = {f.name for f in __import__("dataclasses").fields(Settings)}
+    assert {field for field, _ in ENVIRONMENT.values()} == fields
+
+
+def test_a_bad_environment_value_names_the_variable():
+    from raying.options import Settings
+
+    with pytest.raises(ConfigError, match=r"environment variable RAYING_READ_RETRIES must be "
+                                          r"an integer, got 'five'; unset it or fix it"):
+        Settings.from_env({"RAYING_READ_RETRIES": "five"})
+
+
+def test_the_library_reads_no_raying_variable_outside_options():
+    import pathlib
+    import re
+
+    root = pathlib.Path(raying.__file__).parent
+    readers = []
+    for path in root.rglob("*.py"):
+        if path.name == "options.py" or "bench" in path.parts:
+            continue
+        for k, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"environ(\.get)?\s*[\[(]\s*[\"']RAYING_", line):
+                readers.append(f"{path.relative_to(root)}:{k}")
+    assert readers == [], readers
+
+
+def test_a_pipeline_ships_its_settings_with_the_read_spec(monkeypatch, tmp_path):
+    from raying.options import Settings, use
+    from raying.tools.datagen import make_image_folder
+
+    monkeypatch.setattr("raying.options._active", None)  # restored after the test
+
+    root = make_image_folder(tmp_path / "imgs", n=8, classes=2, size=(16, 16))
+    monkeypatch.setenv("RAYING_MAX_IMAGE_PIXELS", "100")
+    monkeypatch.setenv("RAYING_BLOCK_ROWS", "8")
+    pipe = raying.Pipeline(raying.Manifest.scan(str(root)))
+    monkeypatch.delenv("RAYING_MAX_IMAGE_PIXELS")  # read once: later changes do not count
+    assert pipe._spec.settings.max_image_pixels == 100 and pipe._spec.max_pixels == 100
+    assert pipe.config.block_rows is None and pipe.settings.block_rows == 8
+    assert pipe.block_rows() == 8  # 32 with the default of 256
+    use(Settings())

@@ -11,7 +11,7 @@ import pytest
 
 from raying.tools import cli
 
-JOBS = Path(__file__).resolve().parents[2] / "jobs"
+JOBS = Path(__file__).resolve().parents[3] / "jobs"
 
 
 @pytest.mark.parametrize(("args", "says"), [

@@ -12,7 +12,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 jsonschema = pytest.importorskip("jsonschema")
 
-CLUSTER_YAML = Path(__file__).resolve().parents[2] / "cluster.yaml"
+CLUSTER_YAML = Path(__file__).resolve().parents[3] / "cluster.yaml"
 KEY_LINE = re.compile(r"""^\s*(?:-\s+)?(?:"[^"]+"|[\w.~/-]+):(?:\s|$)""")
 
 

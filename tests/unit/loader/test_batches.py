@@ -1,0 +1,62 @@
+"""BatchAssembler cuts blocks into batches; the resume position finds the next row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raying.errors import ConfigError
+from raying.loader.batches import BatchAssembler
+from raying.loader.pipeline import _position
+
+
+def _block(start: int, n: int) -> dict[str, np.ndarray]:
+    ids = np.arange(start, start + n, dtype=np.int64)
+    return {"id": ids, "image": np.zeros((n, 2, 2, 3), np.uint8) + (ids % 251)[:, None, None,
+                                                                                None].astype(np.uint8)}
+
+
+@pytest.mark.parametrize("sizes", [[10, 10, 10], [3, 17, 1, 9], [64], [0, 5, 0, 7]])
+@pytest.mark.parametrize("batch_size", [1, 4, 10, 64])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batches_keep_every_row_in_order(sizes, batch_size, drop_last):
+    asm = BatchAssembler(batch_size, drop_last=drop_last)
+    batches, start = [], 0
+    for n in sizes:
+        batches.extend(asm.push(_block(start, n)))
+        start += n
+    batches.extend(asm.finish())
+    total = sum(sizes)
+    kept = total - total % batch_size if drop_last else total
+    ids = np.concatenate([b["id"] for b in batches]) if batches else np.zeros(0, np.int64)
+    assert ids.tolist() == list(range(kept))
+    assert all(len(b["id"]) == batch_size for b in batches[:-1])
+    assert not batches or 0 < len(batches[-1]["id"]) <= batch_size
+    for b in batches:  # columns stay aligned row by row
+        assert np.array_equal(b["image"][:, 0, 0, 0], (b["id"] % 251).astype(np.uint8))
+
+
+def test_a_batch_inside_one_block_is_a_view_not_a_copy():
+    block = _block(0, 8)
+    (first, second) = list(BatchAssembler(4).push(block))
+    assert np.shares_memory(first["image"], block["image"])
+    assert np.shares_memory(second["id"], block["id"])
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4"])
+def test_batch_size_must_be_a_positive_int(bad):
+    with pytest.raises(ConfigError, match="batch_size must be a positive int"):
+        BatchAssembler(bad)
+
+
+def test_resume_position_counts_rows_across_units_and_blocks():
+    # unit 0 came as two blocks (rows 0-4, 4-6, last), unit 1 as one block of 5, not last
+    units = [(0, 0, 4, False), (0, 4, 6, True), (1, 0, 5, False)]
+    assert _position(units, 0) == (0, 0)
+    assert _position(units, 3) == (0, 3)
+    assert _position(units, 4) == (0, 4)
+    assert _position(units, 6) == (1, 0)
+    assert _position(units, 10) == (1, 4)
+    assert _position(units, 11) == (1, 5)  # unit 1 goes on: its next block starts at row 5
+    assert _position(units[:2], 6) == (1, 0)  # unit 0 finished: the next unit, from its start
+    assert _position([], 0, start=(3, 7)) == (3, 7)  # nothing yet since a resume at (3, 7)

@@ -1,0 +1,75 @@
+"""UnitAccount: a unit's block accounts merge into one, and a run adds them up."""
+
+from __future__ import annotations
+
+import functools
+
+from raying.engine.metrics import EpochTally, RunAccount
+from raying.read.account import UnitAccount
+
+
+def _blocks():
+    first = UnitAccount(epoch=2, unit=7, rows_in=4, rows_out=3,
+                        skipped=[(11, "a.jpg", "truncated", "x")], bytes_read=100, read_s=0.5,
+                        decode_s=0.25, node="n1", final=False,
+                        io={"io_bytes_fetched": 100, "io_requests": 2})
+    second = UnitAccount(epoch=2, unit=7, rows_in=2, rows_out=2, bytes_read=0, read_s=0.0,
+                         decode_s=0.125, node="n1", final=True,
+                         io={"io_bytes_fetched": 0, "cache_hits_memory": 2})
+    return first, second
+
+
+def test_merge_adds_counts_and_seconds_and_keeps_the_last_final():
+    first, second = _blocks()
+    merged = first.merge(second)
+    assert (merged.epoch, merged.unit, merged.node) == (2, 7, "n1")
+    assert (merged.rows_in, merged.rows_out, merged.bytes_read) == (6, 5, 100)
+    assert (merged.read_s, merged.decode_s) == (0.5, 0.375)
+    assert merged.skipped == [(11, "a.jpg", "truncated", "x")] and merged.final is True
+    assert merged.io == {"io_bytes_fetched": 100, "io_requests": 2, "cache_hits_memory": 2}
+    # merging leaves both inputs as they were
+    assert first.io == {"io_bytes_fetched": 100, "io_requests": 2} and first.final is False
+
+
+def test_merge_is_associative_over_a_units_blocks():
+    first, second = _blocks()
+    third = UnitAccount(epoch=2, unit=7, rows_in=1, rows_out=0,
+                        skipped=[(12, "b.jpg", "empty", "")], io={"io_requests": 1})
+    left = first.merge(second).merge(third)
+    right = first.merge(second.merge(third))
+    assert left == right == functools.reduce(UnitAccount.merge, [first, second, third])
+
+
+def test_a_run_account_lists_each_bad_sample_once_and_sums_io():
+    first, second = _blocks()
+    run = RunAccount()
+    assert run.add(first) == [11]
+    assert run.add(second) == []
+    again = UnitAccount(epoch=3, unit=0, rows_in=1, rows_out=0,
+                        skipped=[(11, "a.jpg", "truncated", "x")])
+    assert run.add(again) == []  # a bad file is listed once, counted again in skip_events
+    out = run.summary()
+    assert out["rows_read"] == 7 and out["units"] == 3 and out["skip_events"] == 2
+    assert out["skipped_count"] == 1 and out["skipped"][0]["epoch"] == 2
+    assert out["rows_by_node"] == {"n1": 5}
+    assert out["io"]["io_requests"] == 2 and out["io"]["io_bytes_fetched"] == 100
+
+
+def test_an_epoch_tally_refuses_an_epoch_where_every_read_was_bad():
+    import pytest
+
+    from raying.errors import DataError
+
+    seen = []
+    tally = EpochTally(seen.append)
+    for k in range(3):
+        tally.add(UnitAccount(epoch=0, unit=k, rows_in=4, rows_out=0,
+                              skipped=[(4 * k + j, f"{k}{j}.jpg", "not_an_image", "")
+                                       for j in range(4)]))
+    assert len(seen) == 3
+    with pytest.raises(DataError, match=r"every one of the 12 samples read in epoch 0 of /d"):
+        tally.refuse_all_bad(12, "/d", 0)
+    fine = EpochTally(seen.append)
+    fine.add(UnitAccount(epoch=0, unit=0, rows_in=12, rows_out=1,
+                         skipped=[(1, "1.jpg", "empty", "")]))
+    fine.refuse_all_bad(12, "/d", 0)  # one good row: not refused

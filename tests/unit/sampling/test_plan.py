@@ -1,0 +1,51 @@
+"""Epoch plans: row-group units read every row group once; chunk units keep the order."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from raying.sampling.plan import chunk_units, row_group_units, row_groups_of
+
+
+def _row_groups():
+    # 3 files; row groups of uneven sizes, ids dense in file order
+    rows = np.array([5, 3, 4, 4, 1, 6, 2])
+    files = np.array([0, 0, 0, 1, 1, 2, 2])
+    index = np.array([0, 1, 2, 0, 1, 0, 1])
+    start = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    return files, index, start, rows
+
+
+def test_row_group_units_read_each_group_once_and_deliver_every_id_once():
+    files, index, start, rows = _row_groups()
+    rng = np.random.default_rng(0)
+    order = rng.permutation(len(start))
+    units = row_group_units(3, files, index, start, rows, order, 2, rng)
+    assert [u.index for u in units] == list(range(4)) and all(u.epoch == 3 for u in units)
+    groups = np.concatenate([u.row_groups for u in units])
+    assert sorted(map(tuple, groups.tolist())) == sorted(
+        zip(files.tolist(), index.tolist(), start.tolist(), strict=True))
+    ids = np.concatenate([u.ids for u in units])
+    assert sorted(ids.tolist()) == list(range(int(rows.sum())))
+    for u in units:  # a unit's ids all live in its own row groups
+        assert set(row_groups_of(u.ids, files, index, start)[:, 2]) == set(u.row_groups[:, 2])
+        assert u.num_rows == len(u.ids) == u.draw
+
+
+def test_row_group_units_without_an_rng_keep_the_row_order():
+    files, index, start, rows = _row_groups()
+    units = row_group_units(0, files, index, start, rows, np.arange(len(start)), 3, None)
+    assert np.concatenate([u.ids for u in units]).tolist() == list(range(int(rows.sum())))
+
+
+def test_chunk_units_cut_in_order():
+    ids = np.array([9, 3, 4, 1, 0, 2, 8], dtype=np.int64)
+    units = chunk_units(1, ids, 3)
+    assert [u.ids.tolist() for u in units] == [[9, 3, 4], [1, 0, 2], [8]]
+    assert [u.num_rows for u in units] == [3, 3, 1]
+
+
+def test_row_groups_of_names_the_groups_holding_the_ids():
+    files, index, start, _ = _row_groups()
+    got = row_groups_of(np.array([0, 4, 5, 21, 20, 24]), files, index, start)
+    assert got.tolist() == [[0, 0, 0], [0, 1, 5], [2, 0, 17], [2, 1, 23]]

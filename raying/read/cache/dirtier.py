@@ -60,7 +60,7 @@ INSERT OR IGNORE INTO meta VALUES ('version', 2);
 """
 
 
-class DirTier(InflightClaims):
+class DirTier:
     """A size-bounded, checksummed, multi-process cache directory (see the module docstring).
 
     Args:
@@ -88,6 +88,8 @@ class DirTier(InflightClaims):
         self._pid = -1
         self._fd: int | None = None
         self._fd_pid = -1
+        # Claims on keys some read is fetching, in this tier's index (single flight).
+        self.claims_index = InflightClaims(self._db, self._lock, self._lock_fd)
         with self._lock:
             self._db()
         self.sweep_orphans()

@@ -15,7 +15,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from raying.options import DEFAULT_CACHE_INFLIGHT_S
@@ -25,15 +25,17 @@ from raying.read.cache.sqlite import _chunks, _marks, _write
 
 
 class InflightClaims:
-    """Mixed into DirTier: claim / release / list the claims on keys (see module docstring)."""
+    """The claims on keys held in one tier's index: claim, release, list (module docstring).
 
-    _lock: threading.Lock
+    Args:
+        db: the tier's SQLite connection of this process (opened on first use).
+        lock: the tier's lock, held around every use of the connection.
+        lock_fd: the tier's writers' lock file, taken around every write transaction.
+    """
 
-    def _db(self) -> sqlite3.Connection:  # pragma: no cover - provided by DirTier
-        raise NotImplementedError
-
-    def _lock_fd(self) -> int | None:  # pragma: no cover - provided by DirTier
-        raise NotImplementedError
+    def __init__(self, db: Callable[[], sqlite3.Connection], lock: threading.Lock,
+                 lock_fd: Callable[[], int | None]) -> None:
+        self._db, self._lock, self._lock_fd = db, lock, lock_fd
 
     def claim(self, keys: Sequence[str], owner: str, *,
               stale_s: float = DEFAULT_CACHE_INFLIGHT_S) -> list[bool]:
@@ -99,51 +101,46 @@ def _alive(pid: int) -> bool:
 
 
 class SingleFlight:
-    """Mixed into TieredCache: claim misses, release them, wait for other owners' reads."""
+    """A cache's single flight: claim misses, release them, wait for other owners' reads.
 
-    tiers: list[tuple[str, Any]]
-    _pending: dict[str, Any]
-    _wake: threading.Condition
+    Args:
+        tiers: the cache's tiers, fastest first; claims live in the first one's index.
+        queued: ``full keys -> {position: payload}`` of entries this process offered to the
+            cache and has not written yet (a thread of this process fetched them).
+    """
 
-    def _keys(self, keys: Sequence[str]) -> list[str]:  # pragma: no cover - TieredCache's
-        raise NotImplementedError
+    def __init__(self, tiers: list[tuple[str, Any]],
+                 queued: Callable[[list[str]], dict[int, memoryview]]) -> None:
+        self.tiers, self._queued = tiers, queued
 
-    def claim(self, keys: Sequence[str], owner: str) -> list[bool]:
-        """Claim the fetch of each key (True: ours to fetch; False: another read has it).
+    def claim(self, full: list[str], owner: str) -> list[bool]:
+        """Claim the fetch of each (namespaced) key: True where it is ours to fetch."""
+        return self.tiers[0][1].claims_index.claim(full, owner)
 
-        Claims live in the first tier's index, so every process of the node sees them.
-        Release ours with :meth:`release` (``put_many(on_done=...)`` once admitted) and wait
-        for the others' with :meth:`wait_shared`.
-        """
-        return self.tiers[0][1].claim(self._keys(keys), owner)
+    def release(self, full: list[str], owner: str) -> None:
+        """Drop ``owner``'s claims on ``full``."""
+        if full:
+            self.tiers[0][1].claims_index.release(full, owner)
 
-    def release(self, keys: Sequence[str], owner: str) -> None:
-        """Drop ``owner``'s claims on ``keys``."""
-        if keys:
-            self.tiers[0][1].release(self._keys(keys), owner)
-
-    def wait_shared(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
+    def wait_shared(self, full: list[str], scores: Sequence[float] | None = None, *,
                     timeout_s: float = DEFAULT_CACHE_INFLIGHT_S) -> list[memoryview | None]:
-        """Wait for the reads other owners claimed on ``keys``; their payloads, or None.
+        """Wait for the reads other owners claimed on ``full``; their payloads, or None.
 
         A key's payload comes from this process's writer queue (a thread of this process
         fetched it) or from a tier once its owner's admission landed; None where the owner
         released its claim without an entry (not admitted, failed), died, or ``timeout_s``
         passed: the caller fetches those itself.
         """
-        full = self._keys(keys)
-        out: list[memoryview | None] = [None] * len(keys)
-        left = list(range(len(keys)))
-        claims = self.tiers[0][1]
+        out: list[memoryview | None] = [None] * len(full)
+        left = list(range(len(full)))
+        claims = self.tiers[0][1].claims_index
         deadline = time.monotonic() + timeout_s
         delay = 0.001
         while left:
-            if self._pending:
-                with self._wake:
-                    for i in left:
-                        p = self._pending.get(full[i])
-                        if p is not None:
-                            out[i] = memoryview(p)
+            queued = self._queued([full[i] for i in left])
+            if queued:
+                for j, payload in queued.items():
+                    out[left[j]] = payload
                 left = [i for i in left if out[i] is None]
             if not left:
                 break

@@ -26,7 +26,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from raying.options import DEFAULT_CACHE_QUEUE_BYTES, CacheConfig
+from raying.options import DEFAULT_CACHE_INFLIGHT_S, DEFAULT_CACHE_QUEUE_BYTES, CacheConfig
 from raying.read.cache.arrays import decode_array, encode_array
 from raying.read.cache.dirtier import DirTier, digest_of, entry_bytes
 from raying.read.cache.inflight import SingleFlight
@@ -95,7 +95,7 @@ def _bump(d: dict[str, int], key: str, n: int) -> None:
         d[key] = d.get(key, 0) + n
 
 
-class TieredCache(SingleFlight):
+class TieredCache:
     """Memory tier, then disk tier, for raw bytes keyed by location.
 
     Args:
@@ -133,9 +133,42 @@ class TieredCache(SingleFlight):
         # stay small next to the tiers or it would act as an unbounded extra tier.
         self._queue_limit = min(DEFAULT_CACHE_QUEUE_BYTES,
                                 (config.memory_bytes + config.disk_bytes) // 16)
+        self._flight = SingleFlight(self.tiers, self._queued) if self.tiers else None
 
     def _keys(self, keys: Sequence[str]) -> list[str]:
         return [f"{self.namespace}\0{k}" for k in keys]
+
+    def _queued(self, full: list[str]) -> dict[int, memoryview]:
+        """Entries offered to the writer and not written yet, by position in ``full``."""
+        if not self._pending:
+            return {}
+        with self._wake:
+            return {i: memoryview(self._pending[k]) for i, k in enumerate(full)
+                    if k in self._pending}
+
+    # -- single flight -------------------------------------------------------------------------
+    def claim(self, keys: Sequence[str], owner: str) -> list[bool]:
+        """Claim the fetch of each key (True: ours to fetch; False: another read has it).
+
+        Claims live in the first tier's index, so every process of the node sees them.
+        Release ours with :meth:`release` (``put_many(on_done=...)`` once admitted) and wait
+        for the others' with :meth:`wait_shared`.
+        """
+        if self._flight is None:
+            return [True] * len(keys)
+        return self._flight.claim(self._keys(keys), owner)
+
+    def release(self, keys: Sequence[str], owner: str) -> None:
+        """Drop ``owner``'s claims on ``keys``."""
+        if self._flight is not None and keys:
+            self._flight.release(self._keys(keys), owner)
+
+    def wait_shared(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
+                    timeout_s: float = DEFAULT_CACHE_INFLIGHT_S) -> list[memoryview | None]:
+        """Wait for the reads other owners claimed on ``keys``: see SingleFlight.wait_shared."""
+        if self._flight is None:
+            return [None] * len(keys)
+        return self._flight.wait_shared(self._keys(keys), scores, timeout_s=timeout_s)
 
     def get_many(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
                  stats: CacheStats | None = None) -> list[memoryview | None]:
@@ -149,10 +182,8 @@ class TieredCache(SingleFlight):
         local = CacheStats(lookups=len(keys))
         full = self._keys(keys)
         out: list[memoryview | None] = [None] * len(keys)
-        if self._pending:  # offered to the writer, not written yet: still in this memory
-            with self._wake:
-                queued = {i: memoryview(self._pending[k]) for i, k in enumerate(full)
-                          if k in self._pending}
+        queued = self._queued(full)  # offered to the writer, not written yet: in this memory
+        if queued:
             for i, view in queued.items():
                 out[i] = view
             _bump(local.hits, "memory", len(queued))

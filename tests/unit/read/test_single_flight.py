@@ -21,6 +21,7 @@ import pytest
 from raying.options import DEFAULT_CACHE_INFLIGHT_S, CacheConfig, IOConfig
 from raying.read import fetch
 from raying.read.cache.dirtier import DirTier
+from raying.read.cache.inflight import InflightClaims
 from raying.read.cache.tiered import open_cache
 from raying.storage import slow
 
@@ -215,7 +216,7 @@ def test_local_files_take_no_claims(tmp_path, monkeypatch):
     paths = _files(tmp_path / "src", 2)
     io = _io(tmp_path, background=False)
     calls = []
-    monkeypatch.setattr(DirTier, "claim", lambda self, keys, owner: calls.append(keys))
+    monkeypatch.setattr(InflightClaims, "claim", lambda self, keys, owner: calls.append(keys))
     _, account = fetch.fetch_files(pafs.LocalFileSystem(), paths, io=io, scores=[0.5] * 2,
                                    namespace="ns")
     assert account["io_requests"] == 2 and account["io_reads_shared"] == 0

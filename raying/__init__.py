@@ -45,3 +45,56 @@ __all__ = [
 
 if __all__ != sorted(__all__):  # pragma: no cover - a guard for maintainers, as torchdata does
     raise RuntimeError("raying.__all__ must stay sorted")
+
+
+# Import paths of the flat layout, kept for one release: importing one warns and gives the
+# module that now holds its names.
+_MOVED = {
+    "raying.advise": "raying.tools.advise", "raying.cli": "raying.tools.cli",
+    "raying.cluster": "raying.tools.cluster", "raying.config": "raying.options",
+    "raying.datagen": "raying.tools.datagen", "raying.datasource": "raying.engine.datasource",
+    "raying.decode": "raying.image.decode", "raying.demo": "raying.tools.demo",
+    "raying.executor": "raying.engine.stream", "raying.io": "raying.read",
+    "raying.io.options": "raying.options", "raying.iterators": "raying.loader.batches",
+    "raying.keras": "raying.loader.keras", "raying.manifest": "raying.dataset.manifest",
+    "raying.metrics": "raying.engine.metrics", "raying.pipeline": "raying.loader.pipeline",
+    "raying.pipeline_config": "raying.options", "raying.plan": "raying.sampling.plan",
+    "raying.reader": "raying.read.task", "raying.tf": "raying.loader.tf",
+    "raying.transforms": "raying.image.transform",
+}
+
+
+class _MovedModules:
+    """Finds the old flat module names and hands out their new modules, with a warning."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name not in _MOVED:
+            return None
+        import importlib.machinery
+
+        return importlib.machinery.ModuleSpec(name, _MovedModules, is_package=name == "raying.io")
+
+    @staticmethod
+    def create_module(spec):
+        import importlib
+        import warnings
+
+        new = _MOVED[spec.name]
+        warnings.warn(f"{spec.name} moved to {new}; import it from there (the old path goes "
+                      f"in the next release)", DeprecationWarning, stacklevel=3)
+        return importlib.import_module(new)
+
+    @staticmethod
+    def exec_module(module):
+        pass
+
+
+def _install_moved_modules() -> None:
+    import sys
+
+    if not any(f is _MovedModules for f in sys.meta_path):
+        sys.meta_path.append(_MovedModules)
+
+
+_install_moved_modules()

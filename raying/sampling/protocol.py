@@ -26,12 +26,23 @@ class Sampler(Protocol):
         store_name: the store's actor name (``raying.report(..., store=...)``), or None.
     """
 
-    name: str
-    seed: int
-    lazy: bool
-    samples_per_epoch: int | None
-    handle: Any
-    store_name: str | None
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def lazy(self) -> bool: ...
+
+    @property
+    def samples_per_epoch(self) -> int | None: ...
+
+    @property
+    def handle(self) -> Any: ...
+
+    @property
+    def store_name(self) -> str | None: ...
 
     def bind(self, manifest: Any, *, name: str) -> None:
         """Set up what the plans need (a priority store named after the pipeline)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -31,11 +31,11 @@ class UniformSampler:
     window_row_groups: int = dataclasses.field(
         default_factory=lambda: settings().parquet_window_row_groups)
 
-    name = "uniform"
-    lazy = False
-    samples_per_epoch = None  # one read of every id per epoch
-    handle = None  # no priority store
-    store_name = None
+    name: ClassVar[str] = "uniform"
+    lazy: ClassVar[bool] = False
+    samples_per_epoch: ClassVar[int | None] = None  # one read of every id per epoch
+    handle: ClassVar[Any] = None  # no priority store
+    store_name: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:

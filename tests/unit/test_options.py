@@ -131,3 +131,14 @@ def test_a_pipeline_ships_its_settings_with_the_read_spec(monkeypatch, tmp_path)
     assert pipe.config.block_rows is None and pipe.settings.block_rows == 8
     assert pipe.block_rows() == 8  # 32 with the default of 256
     use(Settings())
+
+
+def test_the_configuration_guide_lists_every_variable():
+    import pathlib
+
+    from raying.options import ENVIRONMENT
+
+    guide = (pathlib.Path(raying.__file__).parents[1] / "docs" / "configuration.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in guide.splitlines()
+            if line.startswith("| `RAYING_")}
+    assert rows == set(ENVIRONMENT)

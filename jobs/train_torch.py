@@ -230,9 +230,7 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     fit_s = time.perf_counter() - t_fit
     records = ray.get(ledger.all.remote())
     coverage = _common.epoch_coverage(records, len(m))
-    from raying.engine.datasource import dataset_account
-
-    reads = dataset_account(pipe) or {}
+    reads = pipe.stats(sampling=False).get("dataset") or {}
     summary = {
         "job": "train_torch", "samples": len(m), "sampler": args.sampler,
         "workers": args.num_workers,

@@ -82,7 +82,7 @@ def test_s3_parquet_through_the_cache_matches_local(s3_server, s3_endpoint, imag
             cached.account.add = add
             for x, y in zip(a, b, strict=True):
                 assert np.array_equal(x, y)
-            totals = {k: sum(acc.get(k, 0) for acc in accounts) for k in ACCOUNT_KEYS}
+            totals = {k: sum(acc.io.get(k, 0) for acc in accounts) for k in ACCOUNT_KEYS}
             assert totals["cache_lookups"] > 0
             if epoch == 0:
                 assert totals["io_requests"] > 0 and totals["io_bytes_fetched"] > 0

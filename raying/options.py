@@ -426,6 +426,10 @@ class PipelineConfig:
             alike, e.g. ``{"resources": {"ingest": 0.01}}`` to keep decode on ingest nodes.
         io: read planning and the tiered cache: a ``raying.options.IOConfig`` or
             a dict of its fields; None reads every file directly (see docs/io.md).
+        shard: ``(index, count)``: this pipeline reads only its share of every epoch, the
+            plan's units ``index, index + count, ...`` (data-parallel training: each of
+            ``count`` trainers builds the same pipeline with its own index; together they
+            read every id of a uniform epoch exactly once). ``raying.train`` sets it.
     """
 
     block_rows: int | None = None
@@ -438,6 +442,7 @@ class PipelineConfig:
     ray_remote_args: dict[str, Any] | None = None
     decoded_cache: Any = "auto"
     io: Any = None  # IOConfig | dict | None, passed to ReadSpec
+    shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         def whole(v: Any) -> bool:
@@ -458,6 +463,15 @@ class PipelineConfig:
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
             msg = f"PipelineConfig(task_num_cpus=...) must be a number > 0, got {cpus!r}"
             raise ConfigError(msg)
+        if self.shard is not None:
+            ok = (isinstance(self.shard, (tuple, list)) and len(self.shard) == 2
+                  and all(whole(v) for v in self.shard)
+                  and 0 <= self.shard[0] < self.shard[1])
+            if not ok:
+                msg = (f"PipelineConfig(shard=...) must be (index, count) with 0 <= index < "
+                       f"count, got {self.shard!r}")
+                raise ConfigError(msg)
+            object.__setattr__(self, "shard", (int(self.shard[0]), int(self.shard[1])))
 
 
 # --- priorities: the table and its store ---------------------------------------------------

@@ -46,11 +46,14 @@ class Pipeline:
         on_error: ``"skip"`` sets bad samples aside and reports them (``stats()["skipped"]``);
             ``"raise"`` stops at the first one with an error naming the file.
         config: a :class:`PipelineConfig`.
+        settings: the ``RAYING_*`` defaults (:class:`raying.options.Settings`); None reads
+            them from the environment now.
     """
 
     def __init__(self, manifest: Manifest, *, transform: ImageTransform | None = None,
                  sampler: Sampler | None = None, on_error: str = "skip",
-                 config: PipelineConfig | None = None) -> None:
+                 config: PipelineConfig | None = None,
+                 settings: Settings | None = None) -> None:
         if not isinstance(manifest, Manifest):
             msg = (f"Pipeline needs a raying.Manifest, got {type(manifest).__name__}; build one "
                    f"with raying.Manifest.scan(uri)")
@@ -69,9 +72,13 @@ class Pipeline:
         self.on_error = on_error
         self.config = config or PipelineConfig()
         # The RAYING_* environment, read once here; read tasks and the store get these values.
-        self.settings = Settings.from_env()
+        self.settings = settings if settings is not None else Settings.from_env()
         use(self.settings)
         self.name = self.config.name or f"raying-{uuid.uuid4().hex[:8]}"
+        # The decoded cache's directory: one per pipeline, and per share of a sharded one
+        # (trainers of one run share the name, and the store, but each closes its own).
+        shard = self.config.shard
+        self._cache_name = self.name if shard is None else f"{self.name}-{shard[0]}of{shard[1]}"
         self.account = RunAccount(manifest)
         self._stream = None
         # Where the consumer stands: units seen so far as (index, first row, end row) and rows
@@ -106,7 +113,15 @@ class Pipeline:
     def plan(self, epoch: int) -> EpochPlan:
         """The explicit plan of ``epoch`` (units of ids; prioritized units are drawn later)."""
         self._bind()
-        return self.sampler.plan(self.manifest, _epoch(epoch), block_rows=self.block_rows())
+        plan = self.sampler.plan(self.manifest, _epoch(epoch), block_rows=self.block_rows())
+        if self.config.shard is None:
+            return plan
+        index, count = self.config.shard
+        # This pipeline's share: every count-th unit, renumbered so that resume positions and
+        # the stream's order refer to the share (the same for a restarted trainer).
+        mine = [dataclasses.replace(u, index=k)
+                for k, u in enumerate(plan.units[index::count])]
+        return dataclasses.replace(plan, units=mine)
 
     def block_rows(self) -> int:
         """Rows per read task (and per block): ``config.block_rows``, or for a small epoch (under
@@ -135,9 +150,9 @@ class Pipeline:
                                          size_of=lambda ids: decoded.header_sizes(
                                              self.manifest, ids))
             if budget:
-                decoded.claim(self.name)
+                decoded.claim(self._cache_name)
             self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
-                                             decoded_cache_dir=decoded.cache_dir(self.name),
+                                             decoded_cache_dir=decoded.cache_dir(self._cache_name),
                                              cache_namespace=dataset_key(
                 self.manifest.fingerprint(), self.manifest.storage))
             self._spec_ready = True
@@ -365,7 +380,7 @@ class Pipeline:
         if self._spec.decoded_cache_bytes:
             from raying.read import decoded_cache as decoded
 
-            decoded.release(self.name)  # this node's copy; other nodes' go with their tmpfs
+            decoded.release(self._cache_name)  # this node's copy; other nodes' go with their tmpfs
         self._bound = False
         self._closed = True
 

@@ -1,0 +1,76 @@
+"""The driver's side of Ray Train: a pipeline's description, handed to every Train worker."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
+
+from raying.errors import ConfigError
+from raying.loader.pipeline import Pipeline
+from raying.options import PipelineConfig, Settings
+
+# The name under which Train hands the description to the workers.
+FEED_DATASET = "raying_feed"
+
+
+@dataclasses.dataclass
+class Feed:
+    """What a Train worker needs to build its share of the driver's pipeline; picklable.
+
+    The workers' pipelines share the driver's name, so a prioritized sampler finds the
+    driver's priority store, and its settings (the driver's ``RAYING_*`` environment).
+    """
+
+    manifest: Any
+    transform: Any
+    sampler: Any
+    on_error: str
+    config: PipelineConfig
+    settings: Settings
+    name: str
+    epochs: int
+
+    @classmethod
+    def of(cls, pipe: Pipeline, epochs: int) -> Feed:
+        return cls(manifest=pipe.manifest, transform=pipe.transform, sampler=pipe.sampler,
+                   on_error=pipe.on_error, config=pipe.config, settings=pipe.settings,
+                   name=pipe.name, epochs=int(epochs))
+
+
+def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[str, Any]:
+    """Keyword arguments for ``TorchTrainer`` / ``TensorflowTrainer`` that feed it ``pipe``.
+
+    ``TorchTrainer(loop, scaling_config=..., **raying.train.datasets(pipe, epochs=10))``.
+    Nothing is read here: each worker's :func:`raying.train.loader` reads its share of an
+    epoch when the epoch starts, so losses reported during epoch ``e`` shape epoch ``e + 1``.
+    A prioritized pipeline's store is started now, in the driver, and outlives restarts of
+    the workers.
+
+    Args:
+        pipe: the pipeline to train from.
+        epochs: epochs ``loader.epochs()`` runs (a restarted run continues where it stood).
+        name: the dataset name the description travels under (one per pipeline if a
+            trainer reads several; pass the same name to ``raying.train.loader``).
+
+    Returns:
+        ``{"datasets": {name: ...}, "dataset_config": ...}``: the description as a one-row
+        Ray dataset that every worker receives whole.
+    """
+    import ray.data
+    from ray.train import DataConfig
+
+    from raying.engine.ray_setup import ensure_ray
+
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        msg = f"raying.train.datasets(epochs=...) must be an integer >= 1, got {epochs!r}"
+        raise ConfigError(msg)
+    if pipe.config.shard is not None:
+        msg = (f"raying.train.datasets() shards the pipeline over the Train workers itself; "
+               f"build it without PipelineConfig(shard={pipe.config.shard!r})")
+        raise ConfigError(msg)
+    ensure_ray()
+    _ = pipe.store_name  # binds the sampler: a prioritized pipeline starts its store here
+    feed = Feed.of(pipe, epochs)
+    ds = ray.data.from_items([{"feed": pickle.dumps(feed)}])
+    return {"datasets": {name: ds}, "dataset_config": DataConfig(datasets_to_split=[])}

@@ -1,0 +1,221 @@
+"""A Train worker's side: its share of every epoch, loss reports, checkpoints and resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from raying.errors import ConfigError
+from raying.loader.pipeline import Pipeline
+from raying.options import DEFAULT_BATCH_SIZE
+from raying.train.feed import FEED_DATASET, Feed
+
+# Files of a checkpoint: every worker writes its own position; rank 0 the user's state.
+_POSITION = "raying-position-rank{}.pkl"
+_STATE = "raying-state.pkl"
+
+
+def loader(*, name: str = FEED_DATASET) -> Loader:
+    """This Train worker's loader: its share of the pipeline given to ``datasets()``.
+
+    Call it once at the top of the training loop. After a restart (``FailureConfig``), it
+    picks up the latest checkpoint: :attr:`Loader.restored` holds the state given to
+    :meth:`Loader.checkpoint`, and :meth:`Loader.epochs` continues from the position.
+    """
+    import ray.train
+
+    try:
+        shard = ray.train.get_dataset_shard(name)
+    except (KeyError, ValueError) as exc:
+        msg = (f"this Train worker has no dataset {name!r}: pass "
+               f"**raying.train.datasets(pipe, epochs=...) to the trainer ({exc})")
+        raise ConfigError(msg) from None
+    if shard is None:
+        msg = (f"this Train worker has no dataset {name!r}: pass "
+               f"**raying.train.datasets(pipe, epochs=...) to the trainer")
+        raise ConfigError(msg)
+    row = next(iter(shard.iter_rows()))
+    feed: Feed = pickle.loads(row["feed"])
+    ctx = ray.train.get_context()
+    return Loader(feed, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
+                  checkpoint=ray.train.get_checkpoint())
+
+
+class Loader:
+    """One Train worker's share of a pipeline: the units ``rank, rank + W, ...`` of each epoch.
+
+    Args:
+        feed: the driver pipeline's description.
+        rank: this worker's rank; world_size: the number of workers.
+        checkpoint: a ``ray.train.Checkpoint`` made by :meth:`checkpoint`, or None.
+    """
+
+    def __init__(self, feed: Feed, *, rank: int, world_size: int,
+                 checkpoint: Any = None) -> None:
+        self.feed, self.rank, self.world_size = feed, int(rank), int(world_size)
+        config = dataclasses.replace(feed.config, name=feed.name,
+                                     shard=(self.rank, self.world_size))
+        self.pipe = Pipeline(feed.manifest, transform=feed.transform, sampler=feed.sampler,
+                             on_error=feed.on_error, config=config, settings=feed.settings)
+        _check_room_for_reads(self.pipe.config.task_num_cpus)
+        self.restored: Any = None
+        self.epoch = 0
+        self._first = 0
+        self._complete = False
+        if checkpoint is not None:
+            self._restore(checkpoint)
+
+    # -- epochs and batches --------------------------------------------------------------------
+    def epochs(self) -> Iterator[int]:
+        """The epochs left to run: from the checkpoint's (or 0) to ``epochs - 1``."""
+        for epoch in range(self._first, self.feed.epochs):
+            self.epoch, self._complete = epoch, False
+            yield epoch
+
+    def iter_torch_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, device: Any = "auto",
+                           normalize: bool = True, drop_last: bool = False,
+                           prefetch_batches: int | None = None,
+                           **kwargs: Any) -> Iterator[dict[str, Any]]:
+        """This worker's batches of the current epoch (``Pipeline.iter_torch_batches``):
+        ``image`` float32 NCHW normalized on the device (``normalize=False``: uint8 NHWC)."""
+        yield from self._track(self.pipe.iter_torch_batches(
+            batch_size=batch_size, epoch=self.epoch, device=device, normalize=normalize,
+            drop_last=drop_last, prefetch_batches=prefetch_batches, **kwargs))
+
+    def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, drop_last: bool = False,
+                     prefetch_batches: int | None = None) -> Iterator[dict[str, Any]]:
+        """This worker's numpy batches of the current epoch."""
+        yield from self._track(self.pipe.iter_batches(
+            batch_size=batch_size, epoch=self.epoch, drop_last=drop_last,
+            prefetch_batches=prefetch_batches))
+
+    def to_tf(self, *, batch_size: int = DEFAULT_BATCH_SIZE, normalize: bool = True,
+              as_supervised: bool = False, drop_last: bool = False,
+              prefetch_batches: int | None = None):
+        """This worker's share of the current epoch as a ``tf.data.Dataset``.
+
+        Its auto-sharding is off (the share is this worker's already). Under
+        ``MultiWorkerMirroredStrategy`` every worker must run the same number of steps:
+        pass ``steps_per_epoch=loader.steps_per_epoch(batch_size)`` to ``fit``.
+        """
+        import tensorflow as tf
+
+        ds = self.pipe.to_tf(batch_size=batch_size, epoch=self.epoch, normalize=normalize,
+                             as_supervised=as_supervised, drop_last=drop_last,
+                             prefetch_batches=prefetch_batches)
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF)
+        return ds.with_options(options)
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        """Batches every worker can deliver in the current epoch (the smallest share's), for
+        collectives that need the same number of steps on every worker."""
+        plan = self.pipe.sampler.plan(self.pipe.manifest, self.epoch,
+                                      block_rows=self.pipe.block_rows())
+        rows = [sum(u.num_rows for u in plan.units[r::self.world_size])
+                for r in range(self.world_size)]
+        return min(rows) // int(batch_size)
+
+    def _track(self, batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        yield from batches
+        self._complete = True  # the whole share of this epoch was delivered
+
+    # -- feedback ------------------------------------------------------------------------------
+    def report(self, ids: Any, losses: Any) -> None:
+        """Per-sample losses of a batch, to the priority store; never blocks the step."""
+        self.pipe.report(ids, losses)
+
+    def stats(self) -> dict[str, Any]:
+        """This worker's ``pipe.stats()``."""
+        return self.pipe.stats()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint(self, **state: Any):
+        """A ``ray.train.Checkpoint`` of ``state`` (e.g. ``model=model.state_dict()``), this
+        worker's position in the epoch and, from rank 0, a snapshot of the priorities.
+
+        Every worker must pass its own to ``ray.train.report``: each holds that worker's
+        position. Reports sent so far reach the store before the checkpoint is made.
+        """
+        from ray.train import Checkpoint
+        from ray.train.collective import barrier
+
+        self.pipe.sampler.flush()
+        if self.pipe.sampler.handle is not None:
+            from raying.sampling import store
+
+            store.flush(self.pipe.sampler.handle)  # this worker's reports applied
+            barrier()  # ... and every other worker's, before rank 0 takes the snapshot
+        position = self.pipe.state_dict()
+        if self.rank != 0:  # one copy of the priorities, from rank 0
+            position = {**position, "sampler": _without_tables(position["sampler"])}
+        folder = tempfile.mkdtemp(prefix="raying-checkpoint-")
+        with open(os.path.join(folder, _POSITION.format(self.rank)), "wb") as fh:
+            pickle.dump({"epoch": self.epoch, "complete": self._complete,
+                         "world_size": self.world_size, "position": position}, fh)
+        if self.rank == 0:
+            with open(os.path.join(folder, _STATE), "wb") as fh:
+                pickle.dump(state, fh)
+        return Checkpoint.from_directory(folder)
+
+    def _restore(self, checkpoint: Any) -> None:
+        with checkpoint.as_directory() as folder:
+            state_path = os.path.join(folder, _STATE)
+            if os.path.exists(state_path):
+                with open(state_path, "rb") as fh:
+                    self.restored = pickle.load(fh)
+            path = os.path.join(folder, _POSITION.format(self.rank))
+            if not os.path.exists(path):
+                return  # a checkpoint of another shape: restart the epochs' count only
+            with open(path, "rb") as fh:
+                saved = pickle.load(fh)
+        if saved["world_size"] != self.world_size:
+            msg = (f"the checkpoint was made by {saved['world_size']} Train workers, this run "
+                   f"has {self.world_size}; each worker's position is in its share, so resume "
+                   f"with ScalingConfig(num_workers={saved['world_size']})")
+            raise ConfigError(msg)
+        if saved["complete"]:
+            self._first = saved["epoch"] + 1
+            return
+        self._first = saved["epoch"]
+        position = saved["position"]
+        # The store lives with the driver and kept every report: resume the position only.
+        position = {**position, "sampler": _without_tables(position["sampler"])}
+        self.pipe.load_state_dict(position)
+
+    def close(self) -> None:
+        """Stop this worker's reads (the store belongs to the driver and stays)."""
+        self.pipe.close(release_store=False)
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _without_tables(sampler_state: dict[str, Any]) -> dict[str, Any]:
+    if "tables" in sampler_state:
+        return {**sampler_state, "tables": None}
+    return sampler_state
+
+
+def _check_room_for_reads(task_cpus: float) -> None:
+    """Warn when the cluster has no CPU left for read tasks: Train workers that take every
+    CPU leave the reads waiting forever."""
+    import logging
+
+    import ray
+
+    free = ray.available_resources().get("CPU", 0.0)
+    if free < task_cpus:
+        logging.getLogger("raying").warning(
+            "raying.train: %.2f CPU free in the cluster, and each read task needs %s: the "
+            "Train workers may hold every CPU, and the reads then wait for ever. Give the "
+            "workers fewer, e.g. ScalingConfig(resources_per_worker={'CPU': 0.5}), or the "
+            "reads less, PipelineConfig(task_num_cpus=0.5)", free, task_cpus)

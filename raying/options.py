@@ -63,10 +63,9 @@ DEFAULT_REPORT_FLUSH_IDS = 1024
 DEFAULT_REPORT_FLUSH_S = 0.05
 # Share of the gap to the mean that a stale priority closes per update call (see `age`).
 DEFAULT_AGE_RATE = 0.05
-# The noisy-label guard of prioritized sampling: a sample whose last DEFAULT_GUARD_AFTER reports
-# were all in the top (1 - DEFAULT_GUARD_QUANTILE) of priorities is drawn at the mean priority
-# (chosen by the sampler study in docs/concepts.md: it keeps the speed-up under 20 % label
-# noise and costs nothing measurable on clean labels).
+# The noisy-label guard of prioritized sampling (off unless asked for): a sample whose last
+# DEFAULT_GUARD_AFTER reports were all in the top (1 - DEFAULT_GUARD_QUANTILE) of priorities is
+# drawn at the mean priority. InfoBatch stores track the same streaks for their statistics.
 DEFAULT_GUARD_AFTER = 3
 DEFAULT_GUARD_QUANTILE = 0.9
 # How the updates of one store tick fold per id.

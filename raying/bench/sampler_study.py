@@ -241,7 +241,7 @@ PRUNING_EPOCHS = 16
 NOISE_TASK = TaskSpec(n=6000, classes=4, rare=0.03, rare_offset=3.0, test=6000)
 NOISE_TARGET = 0.985
 NOISE_MAX_STEPS = 600
-PRIORITIZED = {"alpha": 1.0, "beta": 0.0, "uniform_mix": 0.2}
+PRIORITIZED: dict[str, Any] = {"alpha": 1.0, "beta": 0.0, "uniform_mix": 0.2}
 BALANCED_COUNTS = (50, 250, 500, 1000)  # 1:20
 BALANCED_EPOCHS = 8
 
@@ -318,7 +318,7 @@ def part_noise(data: Path, seeds: list[int], say: Any) -> dict[str, Any]:
         u = results[labels]["uniform"][k].steps_to_target
         return None if a is None or u is None else a / u
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for k, seed in enumerate(seeds):
         r = {f"{arm}_{labels}": ratio(labels, arm, k) for labels in results
              for arm in ("unguarded", "guarded")}
@@ -326,7 +326,7 @@ def part_noise(data: Path, seeds: list[int], say: Any) -> dict[str, Any]:
                  for labels in results for arm in arms}
         acc = {f"{arm}_{labels}": results[labels][arm][k].final_acc
                for labels in results for arm in arms}
-        gn, gc, uc = r["guarded_noisy"], r["guarded_clean"], r["unguarded_clean"]
+        gn = r["guarded_noisy"]
         rows.append({"seed": seed, "ratio": r, "steps_to_target": steps, "final_acc": acc,
                      "held": {
                          "guarded_noisy_no_slower_than_uniform": gn is not None and gn <= 1.0,

@@ -16,9 +16,11 @@ from raying.image.transform import ImageTransform
 from raying.loader.pipeline import Pipeline, PipelineConfig
 from raying.options import StorageOptions
 from raying.sampling.feedback import report
+from raying.sampling.infobatch import InfoBatchSampler
 from raying.sampling.prioritized import PrioritizedSampler
 from raying.sampling.table import PriorityTable
 from raying.sampling.uniform import UniformSampler
+from raying.sampling.weighted import WeightedSampler
 
 __version__ = "0.1.0"
 
@@ -29,6 +31,7 @@ __all__ = [
     "DecodeError",
     "DependencyError",
     "ImageTransform",
+    "InfoBatchSampler",
     "Manifest",
     "Pipeline",
     "PipelineConfig",
@@ -39,6 +42,7 @@ __all__ = [
     "StorageOptions",
     "SupersededError",
     "UniformSampler",
+    "WeightedSampler",
     "pack",
     "report",
 ]

@@ -63,6 +63,11 @@ DEFAULT_REPORT_FLUSH_IDS = 1024
 DEFAULT_REPORT_FLUSH_S = 0.05
 # Share of the gap to the mean that a stale priority closes per update call (see `age`).
 DEFAULT_AGE_RATE = 0.05
+# The noisy-label guard of prioritized sampling (off unless asked for): a sample whose last
+# DEFAULT_GUARD_AFTER reports were all in the top (1 - DEFAULT_GUARD_QUANTILE) of priorities is
+# drawn at the mean priority. InfoBatch stores track the same streaks for their statistics.
+DEFAULT_GUARD_AFTER = 3
+DEFAULT_GUARD_QUANTILE = 0.9
 # How the updates of one store tick fold per id.
 COALESCE_MODES = ("last", "max", "ema")
 
@@ -502,6 +507,12 @@ class TableConfig:
         age_rate: share of the gap to the mean closed per update call once aging.
         initial_priority: the priority every row starts with.
         seed: seed of the table's random generator.
+        guard_after: the noisy-label guard: a row whose last ``guard_after`` reported
+            priorities were all at or above the ``guard_quantile`` of the stored priorities is
+            *persistently high-loss* (a mislabelled sample looks like this) and is drawn as if
+            its priority were the mean priority until a report falls below the threshold.
+            None disables the guard (and its statistics).
+        guard_quantile: the quantile of the stored priorities that counts as high loss.
     """
 
     alpha: float = 1.0
@@ -512,6 +523,8 @@ class TableConfig:
     age_rate: float = DEFAULT_AGE_RATE
     initial_priority: float = 1.0
     seed: int = 0
+    guard_after: int | None = None
+    guard_quantile: float = DEFAULT_GUARD_QUANTILE
 
     def __post_init__(self) -> None:
         _number("alpha", self.alpha, low=0.0,
@@ -531,6 +544,15 @@ class TableConfig:
             raise ConfigError(msg)
         _number("age_rate", self.age_rate, low=0.0, high=1.0, low_open=True,
                 hint="pass the share of the gap to the mean closed per update, e.g. 0.05")
+        if self.guard_after is not None and (
+                isinstance(self.guard_after, bool)
+                or not isinstance(self.guard_after, (int, np.integer)) or self.guard_after < 1):
+            msg = (f"guard_after must be an integer >= 1 (consecutive high-loss reports) or "
+                   f"None, got {self.guard_after!r}; pass e.g. guard_after="
+                   f"{DEFAULT_GUARD_AFTER}, or None to disable the noisy-label guard")
+            raise ConfigError(msg)
+        _number("guard_quantile", self.guard_quantile, low=0.0, high=1.0, low_open=True,
+                hint="pass the quantile of priorities that counts as high loss, e.g. 0.9")
         _number("initial_priority", self.initial_priority, low=0.0,
                 hint="pass the priority rows start with, e.g. initial_priority=1.0")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \

@@ -48,6 +48,8 @@ class RunAccount:
         self._seen_epoch = np.zeros(n, dtype=bool)
         self._epoch: int | None = None
         self._w = [0, 0.0, 0.0, np.inf, 0.0]  # count, sum, sum of squares, min, max
+        # Per epoch: rows read (delivered to the iterator), and their weights' min and max.
+        self._per_epoch: dict[int, list[float]] = {}
 
     def observe_block(self, epoch: int, block: dict[str, Any]) -> None:
         """Sampling health: which ids were drawn (this epoch, ever) and the weights' spread."""
@@ -60,6 +62,11 @@ class RunAccount:
         self._seen_epoch[ids] = True
         self._seen_ever[ids] = True
         w = np.asarray(block["weight"], dtype=np.float64)
+        rec = self._per_epoch.setdefault(int(epoch), [0, np.inf, -np.inf])
+        rec[0] += len(ids)
+        if w.size:
+            rec[1] = min(rec[1], float(w.min()))
+            rec[2] = max(rec[2], float(w.max()))
         if w.size:
             c = self._w
             c[0] += w.size
@@ -69,7 +76,8 @@ class RunAccount:
             c[4] = max(c[4], float(w.max()))
 
     def health(self) -> dict[str, Any]:
-        """Coverage of this epoch, share never drawn, importance-weight spread."""
+        """Coverage of this epoch, share never drawn, importance-weight spread, and per epoch
+        the samples read and the range of their weights."""
         n = len(self._seen_ever)
         count, total, squares, low, high = self._w
         mean = std = None
@@ -79,7 +87,11 @@ class RunAccount:
         return {"coverage_epoch": float(self._seen_epoch.mean()) if n else None,
                 "never_drawn_share": float(1.0 - self._seen_ever.mean()) if n else None,
                 "weight_mean": mean, "weight_std": std,
-                "weight_min": low if count else None, "weight_max": high if count else None}
+                "weight_min": low if count else None, "weight_max": high if count else None,
+                "per_epoch": [{"epoch": e, "samples_read": int(r[0]),
+                               "weight_min": r[1] if r[0] else None,
+                               "weight_max": r[2] if r[0] else None}
+                              for e, r in sorted(self._per_epoch.items())]}
 
     def add(self, account: UnitAccount) -> list[int]:
         """One read task's account (called in plan order by the executor).

@@ -42,7 +42,8 @@ class Pipeline:
     Args:
         manifest: the dataset (:meth:`raying.Manifest.scan`).
         transform: decode-side augmentation; default ``ImageTransform()`` (224, training).
-        sampler: ``UniformSampler`` (default) or ``PrioritizedSampler``.
+        sampler: ``UniformSampler`` (default), ``PrioritizedSampler``, ``InfoBatchSampler`` or
+            ``WeightedSampler``.
         on_error: ``"skip"`` sets bad samples aside and reports them (``stats()["skipped"]``);
             ``"raise"`` stops at the first one with an error naming the file.
         config: a :class:`PipelineConfig`.
@@ -105,7 +106,7 @@ class Pipeline:
                    f"this one's state_dict() continues where it stood)")
             raise ConfigError(msg)
         if not self._bound:
-            if self.sampler.lazy:
+            if self.sampler.lazy or self.sampler.uses_store:
                 ensure_ray()
             self.sampler.bind(self.manifest, name=self.name)
             self._bound = True
@@ -332,7 +333,13 @@ class Pipeline:
         if reads is not None:
             merge_dataset_account(out, reads)
         if sampling:
-            out["sampling"] = {**self.sampler.stats(), **self.account.health()}
+            own = self.sampler.stats()
+            health = self.account.health()
+            per_epoch = {int(e["epoch"]): dict(e) for e in own.get("per_epoch", [])}
+            for e in health.pop("per_epoch"):
+                per_epoch.setdefault(int(e["epoch"]), {}).update(e)
+            out["sampling"] = {**own, **health,
+                               "per_epoch": [per_epoch[k] for k in sorted(per_epoch)]}
         return out
 
     def state_dict(self) -> dict[str, Any]:

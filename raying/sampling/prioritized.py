@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError
-from raying.options import settings
+from raying.options import DEFAULT_GUARD_AFTER, settings
 from raying.sampling.plan import EpochPlan, ReadUnit
 
 # A buffered plan is dropped (and a fresh one drawn) once this process has sent reports since
@@ -45,8 +45,15 @@ class PrioritizedSampler:
         systematic: low-variance (stratified) plans instead of i.i.d. draws.
         samples_per_epoch: draws per epoch; default the dataset size.
         rows_per_group: Parquet rows drawn per chosen row group (1 = flat draws).
+        guard: the noisy-label guard: a sample whose last ``guard_after`` (default 3)
+            reported losses were all in the top 10 % of priorities is drawn at the mean
+            priority until its loss falls (a mislabelled sample never stops being "hard";
+            see PriorityTable). Off by default: in the sampler study (docs/concepts.md) it
+            slowed the rare-mode speed-up under 20 % label noise instead of protecting it.
+            ``table={"guard_after": k, "guard_quantile": q}`` tunes it.
         table: more table options (``cap_quantile``, ``age_after``, ``age_rate``,
-            ``initial_priority``), a dict or ``TableConfig``.
+            ``initial_priority``, ``guard_after``, ``guard_quantile``), a dict or
+            ``TableConfig``.
         store: store options (``coalesce``, ``ema``, ``snapshot_uri``,
             ``snapshot_every_updates``, ``snapshot_interval_s``, ``shard_rows``), a dict or
             ``StoreConfig``.
@@ -54,11 +61,12 @@ class PrioritizedSampler:
 
     name = "prioritized"
     lazy = True
+    uses_store = True
 
     def __init__(self, alpha: float = 1.0, beta: float = 0.0, uniform_mix: float = 0.1,
                  seed: int = 0, *, systematic: bool = True,
                  samples_per_epoch: int | None = None, rows_per_group: int = 16,
-                 table: Mapping[str, Any] | Any = None,
+                 guard: bool = False, table: Mapping[str, Any] | Any = None,
                  store: Mapping[str, Any] | Any = None) -> None:
         if not (0.0 <= beta <= 1.0):
             msg = f"PrioritizedSampler(beta=...) must be in [0, 1], got {beta!r}"
@@ -84,6 +92,11 @@ class PrioritizedSampler:
             msg = f"PrioritizedSampler(table=...) must be a dict or TableConfig, got {table!r}"
             raise ConfigError(msg)
         extra.update(alpha=alpha, uniform_mix=uniform_mix, seed=seed, beta=beta)
+        if not guard:
+            extra["guard_after"] = None
+        elif extra.get("guard_after") is None:
+            extra["guard_after"] = DEFAULT_GUARD_AFTER
+        self.guard = bool(guard)
         self.table_config = TableConfig(**extra)
         self.alpha, self.beta, self.uniform_mix, self.seed = alpha, beta, uniform_mix, seed
         self.systematic = systematic
@@ -102,6 +115,7 @@ class PrioritizedSampler:
         self._created = False
         self._copy = False
         self._shuffle = np.random.default_rng()
+        self._per_epoch: dict[int, dict[str, Any]] = {}
 
     # -- picklable for Ray Data read tasks (the handle travels; buffers stay behind) -----------
     def __getstate__(self) -> dict[str, Any]:
@@ -118,30 +132,19 @@ class PrioritizedSampler:
 
     def __repr__(self) -> str:
         return (f"PrioritizedSampler(alpha={self.alpha}, beta={self.beta}, "
-                f"uniform_mix={self.uniform_mix}, seed={self.seed})")
+                f"uniform_mix={self.uniform_mix}, seed={self.seed}, guard={self.guard})")
 
     # -- set-up --------------------------------------------------------------------------------
     def bind(self, manifest: Any, *, name: str) -> None:
         """Create (or find, after a driver restart) the pipeline's priority store."""
-        from raying.sampling import store as st
+        from raying.sampling.binding import bind_store
         from raying.sampling.feedback import Reporter
 
         self._n = len(manifest)
         self.store_name = f"{name}-priorities"
-        self._created = False
-        try:
-            self.handle = st.get_store(self.store_name)
-            if self.handle.n != self._n:
-                msg = (f"a priority store named {self.store_name!r} exists with "
-                       f"{self.handle.n} rows, but the dataset has {self._n}; use another "
-                       f"PipelineConfig(name=...)")
-                raise ConfigError(msg)
-        except ConfigError as exc:
-            if "exists with" in str(exc):
-                raise
-            self.handle = st.create_store(self.store_name, self._n, table=self.table_config,
-                                          config=self.store_options)
-            self._created = True
+        self.handle, self._created = bind_store(self.store_name, self._n,
+                                                table=self.table_config,
+                                                store=self.store_options)
         self._reporter = Reporter(self.handle)
         if manifest.format == "parquet" and self.rows_per_group > 1:
             self._starts = manifest.row_group_table()[2]
@@ -150,6 +153,16 @@ class PrioritizedSampler:
     def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:
         """Lazy units: ids are drawn from the store when each unit is submitted."""
         total = self.samples_per_epoch or len(manifest)
+        if self.handle is not None and self.table_config.guard_after is not None \
+                and epoch not in self._per_epoch:
+            from raying.sampling import store as st
+
+            self.flush()
+            guard = st.stats(self.handle)["guard"]
+            # The guard as the epoch starts: persistently high-loss share of the top priorities.
+            self._per_epoch[epoch] = {
+                "epoch": int(epoch), "persistent_top_share": guard["persistent_top_share"],
+                "guarded_rows": guard["guarded_rows"]}
         units = []
         for k in range(math.ceil(total / block_rows)):
             draw = min(block_rows, total - k * block_rows)
@@ -216,6 +229,7 @@ class PrioritizedSampler:
         out["sampler"] = self.name
         out["reports_sent"] = self._reporter.sent if self._reporter else 0
         out["reports_rejected_length"] = self._reporter.rejected_length if self._reporter else 0
+        out["per_epoch"] = [self._per_epoch[e] for e in sorted(self._per_epoch)]
         return out
 
     def state_dict(self) -> dict[str, Any]:

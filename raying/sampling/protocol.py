@@ -21,6 +21,7 @@ class Sampler(Protocol):
         name: a short name (``"uniform"``, ``"prioritized"``), saved in states and stats.
         seed: the seed plans are derived from.
         lazy: units are drawn when read (the store must be up before the first read).
+        uses_store: ``bind`` creates or finds a priority store (Ray must be up first).
         samples_per_epoch: draws per epoch, or None for one per id.
         handle: the priority store this sampler reads, or None.
         store_name: the store's actor name (``raying.report(..., store=...)``), or None.
@@ -34,6 +35,9 @@ class Sampler(Protocol):
 
     @property
     def lazy(self) -> bool: ...
+
+    @property
+    def uses_store(self) -> bool: ...
 
     @property
     def samples_per_epoch(self) -> int | None: ...
@@ -63,7 +67,8 @@ class Sampler(Protocol):
         """Send buffered reports now."""
 
     def stats(self) -> dict[str, Any]:
-        """Sampling health for ``pipe.stats()["sampling"]``."""
+        """Sampling health for ``pipe.stats()["sampling"]``; a ``per_epoch`` list of dicts
+        with an ``epoch`` key is merged with the pipeline's own per-epoch figures."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue (priorities included)."""

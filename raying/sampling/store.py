@@ -319,7 +319,19 @@ def stats(handle: StoreHandle) -> dict[str, Any]:
             "restores": total_of("restores"), "restored_updates": total_of("restored_updates"),
             "total": math.fsum(s["leaves"]["total"] for s in shards),
             "ess": 1.0 / sum_p2, "ess_fraction": 1.0 / sum_p2 / handle.n,
-            "min_prob": min_prob, "age": age}
+            "min_prob": min_prob, "age": age, "guard": _guard_stats(shards)}
+
+
+def _guard_stats(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The noisy-label guard over all shards: rows held, and the share of the top priorities
+    (rows at or above the high-loss threshold) that are persistently high-loss."""
+    parts = [s.get("guard") or {} for s in shards]
+    top = sum(int(g.get("top_rows", 0)) for g in parts)
+    persistent = sum(int(g.get("persistent_top", 0)) for g in parts)
+    return {"guarded_rows": sum(int(g.get("guarded", 0)) for g in parts),
+            "top_rows": top,
+            "persistent_top_share": persistent / top if top else None,
+            "threshold": parts[0].get("threshold") if parts else None}
 
 
 def priorities(handle: StoreHandle, ids: Any = None) -> np.ndarray:

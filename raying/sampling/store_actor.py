@@ -16,7 +16,8 @@ from raying.sampling.table import PriorityTable
 
 logger = logging.getLogger(__name__)
 
-# How often a capped table recomputes its quantile threshold (a full pass over the rows).
+# How often a capped or guarded table recomputes its quantile thresholds (a full pass over
+# the rows).
 DEFAULT_CAP_REFRESH_S = 1.0
 
 
@@ -61,7 +62,9 @@ def encode_snapshot(table_state: dict[str, Any], store_counters: dict[str, Any])
     arrays: dict[str, Any] = {key: value for key, value in table_state.items()
                               if isinstance(value, np.ndarray)}
     meta = {key: value for key, value in table_state.items() if key not in arrays}
-    meta["cap"] = None if math.isinf(meta["cap"]) else meta["cap"]
+    for key in ("cap", "guard_threshold", "guard_level"):
+        if key in meta:
+            meta[key] = None if math.isinf(meta[key]) else meta[key]
     text = json.dumps({"table": meta, "store": store_counters})
     buffer = io.BytesIO()
     arrays["__meta__"] = np.frombuffer(text.encode(), dtype=np.uint8)
@@ -177,9 +180,11 @@ class StoreActor:
             self._apply_pending()
             self.counters["ticks"] += 1
             now = time.monotonic()
-            if (self.table.config.cap_quantile is not None
+            config = self.table.config
+            if ((config.cap_quantile is not None or config.guard_after is not None)
                     and now - self._last_cap_refresh >= DEFAULT_CAP_REFRESH_S):
                 self.table.refresh_cap()
+                self.table.refresh_guard()
                 self._last_cap_refresh = now
             since = self.table.counters["updates_applied"] - self._applied_at_snapshot
             due = self._snapshot is not None and since > 0 and (
@@ -296,7 +301,8 @@ class StoreActor:
                         self.table.counters["updates_applied"] - self._applied_at_saved,
                     "last_snapshot_time": self.last_snapshot_time,
                     "last_snapshot_error": self.last_snapshot_error,
-                    "leaves": self.table.leaf_summary(), "age": self.table.age_summary()}
+                    "leaves": self.table.leaf_summary(), "age": self.table.age_summary(),
+                    "guard": self.table.guard_summary()}
 
     def state_dict(self) -> dict[str, Any]:
         """The table's state after applying what is queued."""

@@ -10,7 +10,12 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError
-from raying.options import DEFAULT_AGE_RATE, MAX_PRIORITY_LEAF, TableConfig
+from raying.options import (
+    DEFAULT_AGE_RATE,
+    DEFAULT_GUARD_QUANTILE,
+    MAX_PRIORITY_LEAF,
+    TableConfig,
+)
 from raying.sampling.sumtree import LeafMinima, SumTree
 from raying.sampling.weights import (
     REJECT_REASONS,
@@ -45,6 +50,13 @@ class PriorityTable:
     * Aging: the table's clock counts update calls. A row not refreshed for ``age_after`` calls
       moves toward the current mean priority by ``age_rate`` per further call, applied in one
       vectorized pass by ``age()`` (compounded over the calls since the previous pass).
+    * The noisy-label guard (``guard_after=k``): each row counts its consecutive reports at
+      or above the ``guard_quantile`` of the stored priorities (the threshold, and the mean
+      priority, are recomputed by ``refresh_guard()``, which the store calls with the cap).
+      A row with ``k`` or more such reports in a row is *persistently high-loss*: it is drawn
+      as if its priority were at most the mean priority, until a report falls below the
+      threshold. A learnable hard sample's loss falls as it is drawn; a mislabelled one's
+      stays high, and without the guard it would keep a large share of the draws.
     * Importance weights ``w = (n * P)**-beta / max_j (n * P_j)**-beta``: the maximum is taken
       over the whole table (the row of least positive probability), not over the batch, so
       ``0 < w <= 1`` and weights of different batches are comparable.
@@ -59,12 +71,17 @@ class PriorityTable:
         age_rate: share of the distance to the mean closed per update call while aging.
         initial_priority: the priority every row starts with.
         seed: seed of the generator used by ``sample`` (saved in ``state_dict``).
+        guard_after: consecutive high-loss reports after which a row is drawn at the mean
+            priority at most; None disables the guard.
+        guard_quantile: the quantile of stored priorities that counts as high loss.
     """
 
     def __init__(self, n: int, *, alpha: float = 1.0, uniform_mix: float = 0.0,
                  beta: float = 0.0, cap_quantile: float | None = None,
                  age_after: int | None = None, age_rate: float = DEFAULT_AGE_RATE,
-                 initial_priority: float = 1.0, seed: int = 0) -> None:
+                 initial_priority: float = 1.0, seed: int = 0,
+                 guard_after: int | None = None,
+                 guard_quantile: float = DEFAULT_GUARD_QUANTILE) -> None:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             msg = f"n must be an integer >= 1 (the number of samples), got {n!r}"
             raise ConfigError(msg)
@@ -72,13 +89,19 @@ class PriorityTable:
         self.config = TableConfig(alpha=alpha, uniform_mix=uniform_mix, beta=beta,
                                   cap_quantile=cap_quantile, age_after=age_after,
                                   age_rate=age_rate, initial_priority=initial_priority,
-                                  seed=seed)
+                                  seed=seed, guard_after=guard_after,
+                                  guard_quantile=guard_quantile)
         self._rng = np.random.Generator(np.random.PCG64(self.config.seed))
         self._raw = np.full(self.n, float(self.config.initial_priority))
         self._last = np.zeros(self.n, dtype=np.int64)
         self._clock = 0
         self._aged_clock = 0
         self._cap = math.inf
+        # The guard: consecutive high-loss reports per row, the threshold they are counted
+        # against and the level a flagged row is drawn at (both inf until refresh_guard).
+        self._streak = np.zeros(self.n, dtype=np.int64)
+        self._guard_threshold = math.inf
+        self._guard_level = math.inf
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
         self.counters: dict[str, int] = {"update_calls": 0, "updates_applied": 0,
                                          "samples": 0, "aged_rows": 0}
@@ -127,7 +150,10 @@ class PriorityTable:
         self._clock += 1
         self._raw[ids] = values
         self._last[ids] = self._clock
-        leaves = self._leaf_values(values)
+        if self.config.guard_after is not None:
+            high = values >= self._guard_threshold
+            self._streak[ids] = np.where(high, self._streak[ids] + 1, 0)
+        leaves = self._leaf_values(values, ids)
         self._minima.replace(self._tree.leaves[ids], leaves)
         self._tree.set(ids, leaves)
         self.counters["update_calls"] += 1
@@ -159,7 +185,7 @@ class PriorityTable:
             self._tree.leaves[:] = self._leaf_values(self._raw)
             self._tree.rebuild()
         else:
-            self._tree.set(stale, self._leaf_values(self._raw[stale]))
+            self._tree.set(stale, self._leaf_values(self._raw[stale], stale))
         self._minima.invalidate()
         self.counters["aged_rows"] += int(stale.size)
         return int(stale.size)
@@ -178,9 +204,55 @@ class PriorityTable:
         self._minima.invalidate()
         return self._cap
 
-    def _leaf_values(self, raw: np.ndarray) -> np.ndarray:
-        """``min(p**alpha, MAX_PRIORITY_LEAF)``: a diverging loss keeps the sums finite."""
+    def refresh_guard(self) -> float:
+        """Recompute the guard's high-loss threshold and level from the current priorities.
+
+        Returns:
+            The threshold now in force (inf when the guard is off).
+        """
+        if self.config.guard_after is None:
+            return math.inf
+        self._guard_threshold = float(np.quantile(self._raw, self.config.guard_quantile))
+        self._guard_level = float(self._raw.mean())
+        self._tree.leaves[:] = self._leaf_values(self._raw)
+        self._tree.rebuild()
+        self._minima.invalidate()
+        return self._guard_threshold
+
+    def guarded(self) -> np.ndarray:
+        """Mask of the rows the guard holds at the mean priority (persistently high-loss)."""
+        after = self.config.guard_after
+        if after is None:
+            return np.zeros(self.n, dtype=bool)
+        return self._streak >= after
+
+    def guard_summary(self) -> dict[str, float | int | None]:
+        """How many rows are persistently high-loss, and their share of the top priorities.
+
+        ``top_rows`` are the rows at or above the high-loss threshold; ``persistent_top`` of
+        them are held by the guard. A store combines shards by summing the counts.
+        """
+        if self.config.guard_after is None:
+            return {"threshold": None, "level": None, "guarded": 0, "top_rows": 0,
+                    "persistent_top": 0}
+        flagged = self.guarded()
+        top = self._raw >= self._guard_threshold
+        return {"threshold": None if math.isinf(self._guard_threshold)
+                else self._guard_threshold,
+                "level": None if math.isinf(self._guard_level) else self._guard_level,
+                "guarded": int(flagged.sum()), "top_rows": int(top.sum()),
+                "persistent_top": int((top & flagged).sum())}
+
+    def _leaf_values(self, raw: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+        """``min(p**alpha, MAX_PRIORITY_LEAF)`` of rows ``ids`` (all when None), after the cap
+        and the guard; the bound on leaves keeps the sums finite for a diverging loss."""
         v = np.minimum(raw, self._cap) if math.isfinite(self._cap) else raw
+        if self.config.guard_after is not None and math.isfinite(self._guard_level):
+            flagged = self._streak >= self.config.guard_after
+            if ids is not None:
+                flagged = flagged[ids]
+            if flagged.any():
+                v = np.where(flagged, np.minimum(v, self._guard_level), v)
         alpha = self.config.alpha
         if alpha == 1.0:
             out = np.array(v, dtype=np.float64, copy=True)
@@ -372,6 +444,8 @@ class PriorityTable:
                 "config": dataclasses.asdict(self.config),
                 "priorities": self._raw.copy(), "last_update": self._last.copy(),
                 "clock": self._clock, "aged_clock": self._aged_clock, "cap": self._cap,
+                "streak": self._streak.copy(), "guard_threshold": self._guard_threshold,
+                "guard_level": self._guard_level,
                 "rejected": dict(self.rejected), "counters": dict(self.counters),
                 "rng": self._rng.bit_generator.state}
 
@@ -394,5 +468,16 @@ class PriorityTable:
             k: int(v) for k, v in state["rejected"].items()}
         self.counters = {k: int(v) for k, v in state["counters"].items()}
         self._rng.bit_generator.state = state["rng"]
+        # States saved before the guard existed have no streaks: every row starts at zero.
+        streak = np.asarray(state.get("streak", np.zeros(self.n)), dtype=np.int64)
+        if streak.shape != (self.n,):
+            msg = (f"table state streak must hold {self.n} counts, got shape {streak.shape}; "
+                   f"was it saved by another table?")
+            raise ConfigError(msg)
+        self._streak = streak.copy()
+        on = self.config.guard_after is not None
+        threshold, level = state.get("guard_threshold"), state.get("guard_level")
+        self._guard_threshold = float(threshold) if on and threshold is not None else math.inf
+        self._guard_level = float(level) if on and level is not None else math.inf
         self._tree = SumTree(self._leaf_values(self._raw))
         self._minima.invalidate()

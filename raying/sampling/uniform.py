@@ -33,6 +33,7 @@ class UniformSampler:
 
     name: ClassVar[str] = "uniform"
     lazy: ClassVar[bool] = False
+    uses_store: ClassVar[bool] = False
     samples_per_epoch: ClassVar[int | None] = None  # one read of every id per epoch
     handle: ClassVar[Any] = None  # no priority store
     store_name: ClassVar[str | None] = None

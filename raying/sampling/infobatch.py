@@ -1,0 +1,346 @@
+"""InfoBatch: each epoch, read every hard sample and a random share of the well-learned ones.
+
+The policy of Qin et al., "InfoBatch: Lossless Training Speed Up by Unbiased Dynamic Data
+Pruning" (ICLR 2024), over raying's priority store: the losses trainers report are the scores,
+so the user's dataset code does not change and the plan is made on the driver of a cluster.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from raying.errors import ConfigError
+from raying.options import DEFAULT_GUARD_AFTER, settings
+from raying.sampling.plan import (
+    EpochPlan,
+    ReadUnit,
+    chunk_units,
+    row_group_units,
+    row_groups_of,
+)
+
+# Mixed into the seed of every pruning plan, so it never shares a stream with other plans.
+_PLAN_STREAM = 0x1B7C4
+# Plans kept per sampler: the epoch being read and the next one (planned while this one
+# drains); their scores travel in state_dict so a resumed epoch gets the same plan.
+_PLANS_KEPT = 2
+
+
+def anneal_start(epochs: int | None, anneal: float) -> int | None:
+    """The first epoch that reads every sample: ``ceil(anneal * epochs)`` (None: never)."""
+    if epochs is None:
+        return None
+    return int(math.ceil(anneal * epochs - 1e-9))
+
+
+def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator,
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Which samples an epoch keeps, with their inclusion probabilities and weights.
+
+    A sample whose score is below the mean score is *well learned*: it is kept with
+    probability ``1 - prune_ratio``, independently of the others, and a kept one carries
+    weight ``1 / (1 - prune_ratio)``, so the expected weighted loss (and gradient) of the
+    epoch equals the full epoch's. Every sample at or above the mean is kept with weight 1.
+
+    Args:
+        scores: one score (the latest reported loss) per candidate sample.
+        prune_ratio: the share ``r`` of the well-learned samples dropped, in ``[0, 1)``.
+        rng: the plan's generator; one uniform number is drawn per candidate, kept or not.
+
+    Returns:
+        ``(keep, probs, weights)``: a boolean mask over ``scores``, and for every candidate
+        its inclusion probability (``1 - r`` or 1) and weight (``1 / (1 - r)`` or 1).
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    coins = rng.random(scores.size)
+    low = scores < scores.mean() if scores.size else np.zeros(0, dtype=bool)
+    keep = ~low | (coins >= prune_ratio)
+    probs = np.where(low, 1.0 - prune_ratio, 1.0)
+    weights = np.where(low, 1.0 / (1.0 - prune_ratio), 1.0)
+    return keep, probs, weights
+
+
+class InfoBatchSampler:
+    """Reads fewer samples per epoch by pruning well-learned ones, with unbiased rescaling.
+
+    Each epoch's plan is made when the epoch starts, from the latest loss of every sample in
+    the pipeline's priority store (``pipe.report(ids, losses)``): every sample at or above the
+    mean loss is read; each one below it is dropped with probability ``prune_ratio`` and, when
+    kept, carries ``weight = 1 / (1 - prune_ratio)``. Multiply the per-sample loss by
+    ``batch["weight"]`` before averaging (``(batch["weight"] * loss).mean()``): the epoch's
+    expected gradient is then that of the full data. From epoch ``ceil(anneal * epochs)`` on
+    every epoch reads every sample with weight 1 (InfoBatch's annealing: the last epochs train
+    on the full data, so the rescaling leaves no bias at the end). The first epoch reads
+    everything too: all samples start with the same score.
+
+    ``prob`` in the batch is the sample's inclusion probability in this epoch (1 or
+    ``1 - prune_ratio``). Plans are reproducible from the seed, the epoch and the scores;
+    the scores an epoch was planned with are saved in ``state_dict``, so an epoch resumed
+    mid-way reads the rest of the same plan. Samples set aside as unreadable are left out of
+    later plans. Parquet plans keep the locality of uniform ones (row groups in a shuffled
+    order, rows shuffled within a window of row groups).
+
+    Args:
+        prune_ratio: share ``r`` of the below-mean samples dropped each epoch, in ``[0, 1)``.
+        anneal: share of ``epochs`` after which pruning stops, in ``(0, 1]``.
+        epochs: the run's number of epochs; None prunes every epoch (no annealing).
+        seed: the seed of the plans.
+        window_row_groups: Parquet row groups shuffled together in one read task.
+        store: store options (``coalesce``, ``snapshot_uri``, ...), a dict or ``StoreConfig``.
+    """
+
+    name = "infobatch"
+    lazy = False
+    uses_store = True
+    samples_per_epoch = None
+
+    def __init__(self, prune_ratio: float = 0.5, anneal: float = 0.875,
+                 epochs: int | None = None, seed: int = 0, *,
+                 window_row_groups: int | None = None,
+                 store: Mapping[str, Any] | Any = None) -> None:
+        if isinstance(prune_ratio, bool) or not isinstance(prune_ratio, (int, float)) \
+                or not 0.0 <= prune_ratio < 1.0:
+            msg = (f"InfoBatchSampler(prune_ratio=...) must be in [0, 1), got {prune_ratio!r}; "
+                   f"pass the share of well-learned samples to drop, e.g. 0.5")
+            raise ConfigError(msg)
+        if isinstance(anneal, bool) or not isinstance(anneal, (int, float)) \
+                or not 0.0 < anneal <= 1.0:
+            msg = (f"InfoBatchSampler(anneal=...) must be in (0, 1], got {anneal!r}; pass the "
+                   f"share of epochs after which every sample is read, e.g. 0.875")
+            raise ConfigError(msg)
+        if epochs is not None and (isinstance(epochs, bool)
+                                   or not isinstance(epochs, (int, np.integer)) or epochs < 1):
+            msg = (f"InfoBatchSampler(epochs=...) must be an integer >= 1 or None, got "
+                   f"{epochs!r}; pass the number of epochs the run trains for")
+            raise ConfigError(msg)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            msg = f"InfoBatchSampler(seed=...) must be a non-negative int, got {seed!r}"
+            raise ConfigError(msg)
+        window = settings().parquet_window_row_groups if window_row_groups is None \
+            else window_row_groups
+        if window < 1:
+            msg = f"InfoBatchSampler(window_row_groups=...) must be >= 1, got {window!r}"
+            raise ConfigError(msg)
+        self.prune_ratio = float(prune_ratio)
+        self.anneal = float(anneal)
+        self.epochs = None if epochs is None else int(epochs)
+        self.seed = int(seed)
+        self.window_row_groups = int(window)
+        self.store_options = store
+        self.handle: Any = None
+        self.store_name: str | None = None
+        self._reporter: Any = None
+        self._created = False
+        self._n = 0
+        self._scores: dict[int, np.ndarray] = {}
+        self._set_aside = np.zeros(0, dtype=np.int64)
+        self._per_epoch: dict[int, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies travel to Ray Data read tasks: units are complete, nothing of this is needed.
+        state = dict(self.__dict__)
+        state.update(_reporter=None, _lock=None, _scores={})
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (f"InfoBatchSampler(prune_ratio={self.prune_ratio}, anneal={self.anneal}, "
+                f"epochs={self.epochs}, seed={self.seed})")
+
+    # -- set-up --------------------------------------------------------------------------------
+    def bind(self, manifest: Any, *, name: str) -> None:
+        """Create (or find, after a driver restart) the store that holds the losses."""
+        from raying.sampling.binding import bind_store
+        from raying.sampling.feedback import Reporter
+
+        self._n = len(manifest)
+        self.store_name = f"{name}-priorities"
+        # The table only holds the scores (the plans are made here); its guard statistics
+        # report how much of the top of the loss ranking is persistently high-loss.
+        table = {"alpha": 1.0, "uniform_mix": 0.0, "seed": self.seed,
+                 "guard_after": DEFAULT_GUARD_AFTER}
+        self.handle, self._created = bind_store(self.store_name, self._n, table=table,
+                                                store=self.store_options)
+        self._reporter = Reporter(self.handle)
+
+    # -- plans ---------------------------------------------------------------------------------
+    def scores(self) -> np.ndarray:
+        """Every sample's latest reported loss (all equal before the first report)."""
+        from raying.sampling import store as st
+
+        if self.handle is None:
+            msg = "InfoBatchSampler is not bound to a store; build a Pipeline with it first"
+            raise ConfigError(msg)
+        self.flush()
+        return st.priorities(self.handle)
+
+    def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:
+        """The plan of ``epoch``, from the scores as the epoch starts (fixed once made)."""
+        with self._lock:
+            scores = self._scores.get(epoch)
+            if scores is None:
+                scores = self.scores()
+                self._scores[epoch] = scores
+                for old in sorted(self._scores)[:-_PLANS_KEPT]:
+                    del self._scores[old]
+        return self.plan_from_scores(manifest, epoch, scores, block_rows=block_rows)
+
+    def plan_from_scores(self, manifest: Any, epoch: int, scores: np.ndarray, *,
+                         block_rows: int) -> EpochPlan:
+        """The plan of ``epoch`` for the given scores (pure numpy; :meth:`plan` reads them).
+
+        Args:
+            manifest: the dataset (its size, format and row groups).
+            epoch: the epoch; with the seed it fixes every random choice of the plan.
+            scores: one score per id.
+            block_rows: ids per read unit (about).
+        """
+        n = len(manifest)
+        scores = np.asarray(scores, dtype=np.float64)
+        if scores.shape != (n,):
+            msg = (f"InfoBatchSampler needs one score per sample: expected {n}, got shape "
+                   f"{scores.shape}; is the store bound to another dataset?")
+            raise ConfigError(msg)
+        rng = np.random.default_rng([self.seed, int(epoch), _PLAN_STREAM])
+        active = np.ones(n, dtype=bool)
+        active[self._set_aside] = False
+        candidates = np.flatnonzero(active)
+        start = anneal_start(self.epochs, self.anneal)
+        annealed = start is not None and epoch >= start
+        ratio = 0.0 if annealed else self.prune_ratio
+        keep_c, probs_c, weights_c = prune_plan(scores[candidates], ratio, rng)
+        keep = np.zeros(n, dtype=bool)
+        keep[candidates[keep_c]] = True
+        probs = np.zeros(n)
+        probs[candidates] = probs_c
+        weights = np.zeros(n)
+        weights[candidates] = weights_c
+        kept = int(keep.sum())
+        if manifest.format == "parquet":
+            units = self._parquet_units(manifest, epoch, keep, rng, block_rows,
+                                        kept / max(1, n))
+        else:
+            units = chunk_units(epoch, rng.permutation(np.flatnonzero(keep)).astype(np.int64),
+                                block_rows)
+        for u in units:
+            ids: Any = u.ids
+            u.probs = probs[ids]
+            u.weights = weights[ids].astype(np.float32)
+        below = float(np.mean(scores[candidates] < scores[candidates].mean())) \
+            if candidates.size else 0.0
+        w_kept = weights[keep]
+        self._per_epoch[int(epoch)] = {
+            "epoch": int(epoch), "planned": kept, "candidates": int(candidates.size),
+            "pruned_share": 1.0 - kept / candidates.size if candidates.size else 0.0,
+            "below_mean_share": below, "annealed": bool(annealed),
+            "plan_weight_min": float(w_kept.min()) if kept else None,
+            "plan_weight_max": float(w_kept.max()) if kept else None}
+        return EpochPlan(epoch=epoch, units=units, sampler=self.name)
+
+    def _parquet_units(self, manifest: Any, epoch: int, keep: np.ndarray,
+                       rng: np.random.Generator, block_rows: int,
+                       share: float) -> list[ReadUnit]:
+        """Uniform-style row-group windows, each holding only its kept rows."""
+        from raying.sampling.uniform import _groups_for
+
+        f, g, start, rows = manifest.row_group_table()
+        order = rng.permutation(len(start))
+        # Windows wide enough that the rows kept in one still fill about a block.
+        wanted = int(math.ceil(block_rows / max(share, 1e-3)))
+        window = max(self.window_row_groups, _groups_for(rows, wanted))
+        units: list[ReadUnit] = []
+        for u in row_group_units(epoch, f, g, start, rows, order, window, rng):
+            ids: Any = u.ids
+            ids = ids[keep[ids]]
+            if ids.size:
+                units.append(ReadUnit(epoch=epoch, index=len(units), draw=int(ids.size),
+                                      ids=ids, row_groups=row_groups_of(ids, f, g, start)))
+        return units
+
+    def fill(self, unit: ReadUnit) -> ReadUnit:
+        """Units are complete when planned."""
+        return unit
+
+    # -- feedback, stats, state ----------------------------------------------------------------
+    def report(self, ids: Any, losses: Any) -> None:
+        """Buffer losses as scores; they reach the store without blocking the step."""
+        if self._reporter is None:
+            msg = "InfoBatchSampler is not bound to a store; build a Pipeline with it first"
+            raise ConfigError(msg)
+        self._reporter.add(ids, losses)
+
+    def set_aside(self, ids: Any) -> None:
+        """Samples that failed to read or decode are left out of later plans."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self._set_aside = np.union1d(self._set_aside, ids)
+
+    def flush(self) -> None:
+        if self._reporter is not None:
+            self._reporter.flush()
+
+    def stats(self) -> dict[str, Any]:
+        """The store's health and, per planned epoch, samples planned and the share pruned."""
+        from raying.sampling import store as st
+
+        out: dict[str, Any] = {"sampler": self.name, "seed": self.seed,
+                               "prune_ratio": self.prune_ratio,
+                               "anneal_start": anneal_start(self.epochs, self.anneal)}
+        if self.handle is not None:
+            self.flush()
+            out.update(st.stats(self.handle))
+            out["sampler"] = self.name
+        out["per_epoch"] = [self._per_epoch[e] for e in sorted(self._per_epoch)]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The store's tables, the scores of the epochs planned, and the settings."""
+        from raying.sampling import store as st
+
+        self.flush()
+        tables = st.state_dict(self.handle) if self.handle is not None else None
+        with self._lock:
+            plans = {int(e): s.copy() for e, s in self._scores.items()}
+        return {"sampler": self.name, "seed": self.seed, "prune_ratio": self.prune_ratio,
+                "anneal": self.anneal, "epochs": self.epochs, "tables": tables,
+                "plan_scores": plans, "set_aside": self._set_aside.copy()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`: same scores, so a resumed epoch has the same plan."""
+        from raying.sampling import store as st
+
+        if state.get("sampler") != self.name:
+            msg = (f"state was saved by a {state.get('sampler')!r} sampler; this pipeline uses "
+                   f"{self.name!r}")
+            raise ConfigError(msg)
+        saved = {k: state.get(k) for k in ("seed", "prune_ratio", "anneal", "epochs")}
+        own = {"seed": self.seed, "prune_ratio": self.prune_ratio, "anneal": self.anneal,
+               "epochs": self.epochs}
+        if saved != own:
+            msg = (f"state was saved with InfoBatchSampler{saved}, this pipeline has {own}; "
+                   f"build the sampler with the saved settings")
+            raise ConfigError(msg)
+        if state.get("tables") is not None and self.handle is not None:
+            st.load_state_dict(self.handle, state["tables"])
+        with self._lock:
+            self._scores = {int(e): np.asarray(s, dtype=np.float64)
+                            for e, s in state.get("plan_scores", {}).items()}
+        self._set_aside = np.asarray(state.get("set_aside", []), dtype=np.int64)
+
+    def close(self, *, release_store: bool = True) -> None:
+        """Flush reports; with ``release_store``, stop the store this sampler created."""
+        from raying.sampling import store as st
+
+        self.flush()
+        if release_store and self.handle is not None and self._created:
+            st.kill_store(self.handle, snapshot=True)
+            self.handle = None
+            self._reporter = None

@@ -1,0 +1,213 @@
+"""Static weights: draws in proportion to weights given up front (per sample or per class)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from raying.errors import ConfigError
+from raying.sampling.plan import EpochPlan, ReadUnit, chunk_units
+from raying.sampling.weights import importance_weights
+
+# Mixed into the seed of every weighted plan, so it never shares a stream with other plans.
+_PLAN_STREAM = 0x5A3E1
+
+
+def static_probabilities(labels: np.ndarray, *, weights: Any = None,
+                         class_balanced: bool = False,
+                         classes: Sequence[str] | None = None) -> np.ndarray:
+    """The draw probability of every sample under static weights.
+
+    Args:
+        labels: the label index of every sample.
+        weights: None (all 1), one weight per sample (a sequence of ``len(labels)``), or one
+            per class (a mapping from class name or label index to weight; classes left out
+            weigh 1).
+        class_balanced: also divide each sample's weight by its class's size, so that every
+            class present gets the same total weight (with ``weights``, their product).
+        classes: the class names, to resolve names in a per-class mapping.
+
+    Returns:
+        float64 probabilities summing to 1.
+
+    Raises:
+        ConfigError: on weights of the wrong length, negative or non-finite, unknown class
+            names, or weights that are all zero.
+    """
+    labels = np.asarray(labels, dtype=np.int64)
+    n = labels.size
+    if weights is None:
+        w = np.ones(n)
+    elif isinstance(weights, Mapping):
+        per_class = np.ones(int(labels.max(initial=-1)) + 1 if n else 0)
+        names = list(classes or [])
+        for key, value in weights.items():
+            if isinstance(key, str):
+                if key not in names:
+                    msg = (f"WeightedSampler(weights={{...}}) names class {key!r}, which is not "
+                           f"one of the dataset's classes {names[:10]}; use a class name or a "
+                           f"label index")
+                    raise ConfigError(msg)
+                index = names.index(key)
+            else:
+                index = int(key)
+            if not 0 <= index < per_class.size:
+                msg = (f"WeightedSampler(weights={{...}}) has label index {index}, expected one "
+                       f"in [0, {per_class.size}); use the dataset's label indices")
+                raise ConfigError(msg)
+            per_class[index] = float(value)
+        w = per_class[labels] if n else np.zeros(0)
+    else:
+        w = np.asarray(weights, dtype=np.float64).reshape(-1)
+        if w.size != n:
+            msg = (f"WeightedSampler(weights=...) needs one weight per sample: expected {n}, "
+                   f"got {w.size}; pass per-class weights as a dict {{class: weight}}")
+            raise ConfigError(msg)
+    if not np.all(np.isfinite(w)) or np.any(w < 0):
+        msg = ("WeightedSampler(weights=...) must be finite and >= 0, got "
+               f"min {np.nanmin(w) if w.size else None}; fix the weights")
+        raise ConfigError(msg)
+    if class_balanced and n:
+        counts = np.bincount(labels)
+        w = w / counts[labels]
+    total = float(w.sum())
+    if not total > 0.0:
+        msg = "WeightedSampler weights are all zero; give at least one sample a positive weight"
+        raise ConfigError(msg)
+    return w / total
+
+
+class WeightedSampler:
+    """Draws each epoch's ids in proportion to static weights, like torch's WeightedRandomSampler.
+
+    Weights are given up front: per sample, per class, or ``class_balanced=True`` for equal
+    draws of every class. An epoch is ``samples_per_epoch`` draws (default: the dataset's
+    size) with replacement, reproducible from ``(seed, epoch)``. The batch's ``prob`` is the
+    draw probability ``P_i`` and ``weight`` the importance weight
+    ``(N * P_i)**-beta / max_j (N * P_j)**-beta`` (all 1 with the default ``beta = 0``: the
+    model then trains on the re-weighted distribution, as with torch's sampler). Samples set
+    aside as unreadable are not drawn again. No priority store is involved.
+
+    Args:
+        weights: None, one weight per sample, or a dict ``{class name or index: weight}``.
+        class_balanced: divide every weight by its class's size (equal draws per class).
+        seed: the seed of the plans.
+        samples_per_epoch: draws per epoch; default the dataset's size.
+        beta: importance-weight exponent in ``[0, 1]``.
+    """
+
+    name = "weighted"
+    lazy = False
+    uses_store = False
+    handle = None
+    store_name = None
+
+    def __init__(self, weights: Any = None, class_balanced: bool = False, seed: int = 0, *,
+                 samples_per_epoch: int | None = None, beta: float = 0.0) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            msg = f"WeightedSampler(seed=...) must be a non-negative int, got {seed!r}"
+            raise ConfigError(msg)
+        if samples_per_epoch is not None and (isinstance(samples_per_epoch, bool)
+                                              or samples_per_epoch < 1):
+            msg = (f"WeightedSampler(samples_per_epoch=...) must be >= 1 or None, got "
+                   f"{samples_per_epoch!r}")
+            raise ConfigError(msg)
+        if not 0.0 <= beta <= 1.0:
+            msg = f"WeightedSampler(beta=...) must be in [0, 1], got {beta!r}"
+            raise ConfigError(msg)
+        self.weights = weights
+        self.class_balanced = bool(class_balanced)
+        self.seed = int(seed)
+        self.samples_per_epoch = samples_per_epoch
+        self.beta = float(beta)
+        self._probs: np.ndarray | None = None
+        self._set_aside = np.zeros(0, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        kind = "None" if self.weights is None else type(self.weights).__name__
+        return (f"WeightedSampler(weights={kind}, class_balanced={self.class_balanced}, "
+                f"seed={self.seed})")
+
+    def bind(self, manifest: Any, *, name: str) -> None:
+        """Resolve the weights against the dataset's labels (validated here)."""
+        self._probs = self.probabilities(manifest)
+
+    def probabilities(self, manifest: Any) -> np.ndarray:
+        """The draw probability of every id (before ids set aside are left out)."""
+        return static_probabilities(manifest.labels, weights=self.weights,
+                                    class_balanced=self.class_balanced,
+                                    classes=getattr(manifest, "classes", None))
+
+    def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:
+        """``samples_per_epoch`` draws with replacement, in units of about ``block_rows``."""
+        probs = self._probs if self._probs is not None else self.probabilities(manifest)
+        if self._set_aside.size:
+            probs = probs.copy()
+            probs[self._set_aside] = 0.0
+            if not probs.sum() > 0.0:
+                msg = ("WeightedSampler: every sample with a positive weight was set aside as "
+                       "unreadable; nothing is left to draw")
+                raise ConfigError(msg)
+            probs /= probs.sum()
+        n = len(manifest)
+        k = self.samples_per_epoch or n
+        rng = np.random.default_rng([self.seed, int(epoch), _PLAN_STREAM])
+        ids = rng.choice(n, size=k, replace=True, p=probs).astype(np.int64)
+        if manifest.format == "parquet":
+            # Units of nearby ids read few row groups; their order and rows are shuffled.
+            ids.sort()
+            units = chunk_units(epoch, ids, block_rows)
+            order = rng.permutation(len(units))
+            units = [units[j] for j in order]
+            for index, u in enumerate(units):
+                u.index = index
+                u.ids = rng.permutation(np.asarray(u.ids))
+        else:
+            units = chunk_units(epoch, ids, block_rows)
+        positive = probs[probs > 0]
+        low = float(positive.min())
+        for u in units:
+            p = probs[u.ids]
+            u.probs = p
+            u.weights = importance_weights(p, size=n, min_prob=low,
+                                           beta=self.beta).astype(np.float32)
+        return EpochPlan(epoch=epoch, units=units, sampler=self.name)
+
+    def fill(self, unit: ReadUnit) -> ReadUnit:
+        """Units are complete when planned."""
+        return unit
+
+    def report(self, ids: Any, losses: Any) -> None:
+        """Losses do not change static weights; they are accepted and dropped."""
+
+    def set_aside(self, ids: Any) -> None:
+        """Samples that failed to read are not drawn in later epochs."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        self._set_aside = np.union1d(self._set_aside, ids)
+
+    def flush(self) -> None:
+        """Nothing is buffered."""
+
+    def close(self, *, release_store: bool = True) -> None:
+        """Nothing to release."""
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"sampler": self.name, "seed": self.seed,
+                               "class_balanced": self.class_balanced}
+        if self._probs is not None:
+            out["prob_min"] = float(self._probs.min())
+            out["prob_max"] = float(self._probs.max())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sampler": self.name, "seed": self.seed, "set_aside": self._set_aside.copy()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("sampler") != self.name or state.get("seed") != self.seed:
+            msg = (f"state was saved by {state.get('sampler')!r} with seed "
+                   f"{state.get('seed')!r}; this pipeline has WeightedSampler(seed="
+                   f"{self.seed}); build it with the saved sampler and seed")
+            raise ConfigError(msg)
+        self._set_aside = np.asarray(state.get("set_aside", []), dtype=np.int64)

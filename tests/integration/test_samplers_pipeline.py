@@ -1,0 +1,124 @@
+"""InfoBatch and static-weight sampling through the real pipeline, store and feedback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import raying
+from raying.sampling import store
+from tests.unit.sampling.test_table import chi2_sf
+
+
+def _folder(root, counts, size=8):
+    from raying.tools.datagen import encode
+
+    rng = np.random.default_rng(0)
+    for label, count in enumerate(counts):
+        d = root / f"class_{label:02d}"
+        d.mkdir(parents=True)
+        for i in range(count):
+            img = rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
+            (d / f"{i:05d}.png").write_bytes(encode(img, "png"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    return raying.Manifest.scan(str(_folder(tmp_path_factory.mktemp("ib"), [40, 160])))
+
+
+def _pipe(manifest, sampler, name):
+    return raying.Pipeline(manifest, sampler=sampler,
+                           transform=raying.ImageTransform(size=8, random_crop=False,
+                                                           flip=False),
+                           config=raying.PipelineConfig(block_rows=32, keep_warm=False,
+                                                        name=name))
+
+
+def _report_skewed(pipe, manifest):
+    # Class 0 (40 ids) is hard, class 1 (160 ids) well learned: the mean is 2.6.
+    losses = np.where(manifest.labels == 0, 10.0, 0.5)
+    pipe.report(np.arange(len(manifest)), losses)
+    pipe.sampler.flush()
+    store.flush(pipe.sampler.handle)
+
+
+def test_infobatch_prunes_the_well_learned_and_reweights_them(manifest, ray_local):
+    s = raying.InfoBatchSampler(prune_ratio=0.5, anneal=0.75, epochs=4, seed=1)
+    pipe = _pipe(manifest, s, "ib-prune")
+    try:
+        first = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=50, epoch=0)])
+        assert sorted(first.tolist()) == list(range(200)), "equal scores: epoch 0 reads all"
+        _report_skewed(pipe, manifest)
+        rows = list(pipe.iter_batches(batch_size=50, epoch=1))
+        ids = np.concatenate([b["id"] for b in rows])
+        w = np.concatenate([b["weight"] for b in rows])
+        prob = np.concatenate([b["prob"] for b in rows])
+        hard = manifest.labels[ids] == 0
+        assert len(np.unique(ids)) == len(ids)
+        assert hard.sum() == 40, "every above-mean sample is read"
+        assert np.all(w[hard] == 1.0) and np.all(w[~hard] == 2.0)
+        assert np.all(prob[hard] == 1.0) and np.all(prob[~hard] == 0.5)
+        # 160 easy ids kept with probability 1/2 each: a binomial count.
+        easy = int((~hard).sum())
+        assert abs(easy - 80) < 4 * np.sqrt(40), easy
+        # Epoch 3 >= ceil(0.75 * 4): annealed, every id once with weight 1.
+        rows = list(pipe.iter_batches(batch_size=50, epoch=3))
+        ids3 = np.concatenate([b["id"] for b in rows])
+        assert sorted(ids3.tolist()) == list(range(200))
+        assert all(np.all(b["weight"] == 1.0) for b in rows)
+        per_epoch = {e["epoch"]: e for e in pipe.stats()["sampling"]["per_epoch"]}
+        assert per_epoch[1]["samples_read"] == len(ids)
+        assert per_epoch[1]["pruned_share"] == pytest.approx(1 - len(ids) / 200)
+        assert (per_epoch[1]["weight_min"], per_epoch[1]["weight_max"]) == (1.0, 2.0)
+        assert per_epoch[3]["annealed"] and per_epoch[3]["pruned_share"] == 0.0
+        assert "persistent_top_share" in pipe.stats()["sampling"]["guard"]
+    finally:
+        pipe.close()
+
+
+def test_infobatch_resume_mid_epoch_repeats_and_skips_nothing(manifest, ray_local):
+    a = _pipe(manifest, raying.InfoBatchSampler(prune_ratio=0.5, epochs=6, seed=2), "ib-a")
+    try:
+        list(a.iter_batches(batch_size=50, epoch=0))
+        _report_skewed(a, manifest)
+        it = a.iter_batches(batch_size=16, epoch=1, prefetch_batches=0)
+        head = [next(it)["id"] for _ in range(4)]
+        state = a.state_dict()
+        rest_a = np.concatenate([b["id"] for b in it])
+        # Losses keep moving after the save: the resumed epoch must still follow its plan.
+        a.report(np.arange(200), np.where(manifest.labels == 0, 0.1, 5.0))
+    finally:
+        a.close(release_store=True)
+    b = _pipe(manifest, raying.InfoBatchSampler(prune_ratio=0.5, epochs=6, seed=2), "ib-b")
+    try:
+        b.load_state_dict(state)
+        rest_b = np.concatenate([x["id"] for x in b.iter_batches(batch_size=16, epoch=1)])
+    finally:
+        b.close()
+    assert np.array_equal(rest_a, rest_b)
+    delivered = np.concatenate(head + [rest_b])
+    assert len(np.unique(delivered)) == len(delivered)
+    assert (manifest.labels[delivered] == 0).sum() == 40
+
+
+def test_class_balanced_weights_draw_classes_equally_through_the_pipeline(tmp_path, ray_local):
+    m = raying.Manifest.scan(str(_folder(tmp_path / "imb", [30, 600])))  # 1:20
+    pipe = _pipe(m, raying.WeightedSampler(class_balanced=True, seed=4), "wb")
+    counts = np.zeros(2)
+    try:
+        for epoch in range(6):
+            for b in pipe.iter_batches(batch_size=100, epoch=epoch):
+                counts += np.bincount(b["label"], minlength=2)
+                assert np.allclose(b["prob"], np.where(b["label"] == 0, 0.5 / 30, 0.5 / 600))
+                assert np.all(b["weight"] == 1.0)
+        stats = pipe.stats()["sampling"]
+    finally:
+        pipe.close()
+    shares = counts / counts.sum()
+    assert counts.sum() == 6 * 630
+    assert np.max(np.abs(shares - 0.5)) < 0.02, shares
+    expected = np.full(2, counts.sum() / 2)
+    assert chi2_sf(float(np.sum((counts - expected) ** 2 / expected)), 1) > 1e-3
+    assert stats["sampler"] == "weighted" and len(stats["per_epoch"]) == 6

@@ -1,0 +1,187 @@
+"""InfoBatch plans: exact inclusion probabilities and weights, annealing, resume, Parquet units."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import raying
+from raying.sampling.infobatch import anneal_start, prune_plan
+from tests.unit.sampling.fakes import FakeManifest
+from tests.unit.sampling.test_table import chi2_sf
+
+
+def _scores(n: int = 200, seed: int = 0) -> np.ndarray:
+    # A skewed loss distribution: most samples easy, a few hard (mean well above the median).
+    rng = np.random.default_rng(seed)
+    return rng.exponential(0.2, n) + (rng.random(n) < 0.1) * 3.0
+
+
+def _plan_ids(plan) -> np.ndarray:
+    return np.concatenate([u.ids for u in plan.units]) if plan.units else np.zeros(0, int)
+
+
+def test_each_below_mean_sample_is_kept_with_probability_one_minus_r():
+    scores = _scores()
+    low = scores < scores.mean()
+    epochs, r = 3000, 0.5
+    kept = np.zeros(scores.size)
+    for e in range(epochs):
+        keep, probs, weights = prune_plan(scores, r, np.random.default_rng([7, e]))
+        kept += keep
+        assert np.array_equal(probs, np.where(low, 1 - r, 1.0))
+        assert np.array_equal(weights, np.where(low, 1 / (1 - r), 1.0))
+    assert np.all(kept[~low] == epochs), "every sample at or above the mean is read every epoch"
+    # Each below-mean count is Binomial(epochs, 1 - r): the sum of squared z-scores is chi-square
+    # with one degree of freedom per sample.
+    p = 1 - r
+    z2 = (kept[low] - epochs * p) ** 2 / (epochs * p * (1 - p))
+    assert chi2_sf(float(z2.sum()), int(low.sum())) > 1e-3
+    # A wrong keep probability (0.52 instead of 0.5) is rejected by the same statistic.
+    z2_wrong = (kept[low] - epochs * 0.52) ** 2 / (epochs * 0.52 * 0.48)
+    assert chi2_sf(float(z2_wrong.sum()), int(low.sum())) < 1e-3
+
+
+def test_other_prune_ratios_are_exact_too():
+    scores = _scores(seed=3)
+    low = scores < scores.mean()
+    for r in (0.3, 0.7):
+        kept = np.zeros(scores.size)
+        for e in range(2000):
+            keep, _, weights = prune_plan(scores, r, np.random.default_rng([1, e]))
+            kept += keep
+            assert np.allclose(weights[low], 1 / (1 - r)) and np.all(weights[~low] == 1.0)
+        p = 1 - r
+        z2 = (kept[low] - 2000 * p) ** 2 / (2000 * p * (1 - p))
+        assert chi2_sf(float(z2.sum()), int(low.sum())) > 1e-3
+
+
+def test_the_weighted_epoch_is_unbiased_for_the_full_sum():
+    scores = _scores(seed=5)
+    losses = np.random.default_rng(2).random(scores.size)
+    totals = []
+    for e in range(4000):
+        keep, _, weights = prune_plan(scores, 0.5, np.random.default_rng([9, e]))
+        totals.append(float(np.sum(weights[keep] * losses[keep])))
+    totals = np.asarray(totals)
+    se = totals.std() / np.sqrt(totals.size)
+    assert abs(totals.mean() - losses.sum()) < 4 * se
+
+
+def test_plans_follow_the_scores_weights_and_probabilities():
+    scores = _scores()
+    m = FakeManifest(np.zeros(scores.size, int))
+    s = raying.InfoBatchSampler(prune_ratio=0.5, anneal=0.875, epochs=8, seed=4)
+    plan = s.plan_from_scores(m, 2, scores, block_rows=32)
+    ids = _plan_ids(plan)
+    assert len(np.unique(ids)) == len(ids), "a pruning plan reads each kept id once"
+    low = scores < scores.mean()
+    assert set(np.flatnonzero(~low)) <= set(ids.tolist())
+    probs = np.concatenate([u.probs for u in plan.units])
+    weights = np.concatenate([u.weights for u in plan.units])
+    assert np.array_equal(probs, np.where(low[ids], 0.5, 1.0))
+    assert np.array_equal(weights, np.where(low[ids], 2.0, 1.0).astype(np.float32))
+    assert weights.dtype == np.float32 and all(u.num_rows <= 32 for u in plan.units)
+    # Same seed, epoch and scores: the same plan; another epoch: another one.
+    again = s.plan_from_scores(m, 2, scores, block_rows=32)
+    assert np.array_equal(_plan_ids(again), ids)
+    assert not np.array_equal(_plan_ids(s.plan_from_scores(m, 3, scores, block_rows=32)), ids)
+    stats = s.stats()["per_epoch"]
+    assert stats[-1]["epoch"] == 3 and stats[-1]["annealed"] is False
+    assert stats[0]["planned"] == len(ids)
+    assert stats[0]["pruned_share"] == pytest.approx(1 - len(ids) / scores.size)
+
+
+def test_annealed_epochs_and_equal_scores_read_every_id_once_with_weight_one():
+    scores = _scores()
+    m = FakeManifest(np.zeros(scores.size, int))
+    s = raying.InfoBatchSampler(prune_ratio=0.5, anneal=0.875, epochs=8, seed=0)
+    assert anneal_start(8, 0.875) == 7 and anneal_start(20, 0.875) == 18
+    assert anneal_start(None, 0.875) is None
+    for epoch, scored in ((7, scores), (9, scores), (0, np.ones(scores.size))):
+        plan = s.plan_from_scores(m, epoch, scored, block_rows=50)
+        ids = _plan_ids(plan)
+        assert sorted(ids.tolist()) == list(range(scores.size))
+        assert all(np.all(u.weights == 1.0) and np.all(u.probs == 1.0) for u in plan.units)
+    assert len(_plan_ids(s.plan_from_scores(m, 6, scores, block_rows=50))) < scores.size
+    # Without epochs there is no annealing: pruning goes on.
+    s2 = raying.InfoBatchSampler(epochs=None)
+    assert len(_plan_ids(s2.plan_from_scores(m, 100, scores, block_rows=50))) < scores.size
+
+
+def test_resume_mid_epoch_repeats_and_skips_nothing():
+    n = 300
+    m = FakeManifest(np.zeros(n, int))
+    first, later = _scores(n, seed=1), _scores(n, seed=2)
+    a = raying.InfoBatchSampler(prune_ratio=0.5, epochs=10, seed=3)
+    a.scores = lambda: first  # the store's losses when epoch 4 starts
+    plan = a.plan(m, 4, block_rows=40)
+    ids = _plan_ids(plan)
+    state = a.state_dict()
+    b = raying.InfoBatchSampler(prune_ratio=0.5, epochs=10, seed=3)
+    b.scores = lambda: later  # losses moved on since: the resumed epoch must not see them
+    b.load_state_dict(state)
+    resumed = _plan_ids(b.plan(m, 4, block_rows=40))
+    cut = 137  # delivered before the restart
+    delivered = np.concatenate([ids[:cut], resumed[cut:]])
+    assert np.array_equal(np.sort(delivered), np.sort(ids))
+    assert len(np.unique(delivered)) == len(delivered)
+    # The next epoch is planned from the new losses.
+    assert not np.array_equal(_plan_ids(b.plan(m, 5, block_rows=40)),
+                              _plan_ids(a.plan_from_scores(m, 5, first, block_rows=40)))
+
+
+def test_parquet_plans_keep_rows_of_a_unit_in_its_row_groups():
+    n = 500
+    m = FakeManifest(np.zeros(n, int), fmt="parquet", group_rows=20)
+    scores = _scores(n, seed=4)
+    s = raying.InfoBatchSampler(prune_ratio=0.5, epochs=10, seed=1, window_row_groups=2)
+    plan = s.plan_from_scores(m, 1, scores, block_rows=64)
+    ids = _plan_ids(plan)
+    assert len(np.unique(ids)) == len(ids)
+    low = scores < scores.mean()
+    assert set(np.flatnonzero(~low)) <= set(ids.tolist())
+    for u in plan.units:
+        assert set((u.ids // 20 * 20).tolist()) == set(u.row_groups[:, 2].tolist())
+    assert [u.index for u in plan.units] == list(range(len(plan.units)))
+
+
+def test_set_aside_ids_leave_later_plans():
+    scores = np.ones(50)
+    m = FakeManifest(np.zeros(50, int))
+    s = raying.InfoBatchSampler(epochs=4)
+    s.set_aside([3, 7])
+    ids = _plan_ids(s.plan_from_scores(m, 0, scores, block_rows=16))
+    assert sorted(ids.tolist()) == [i for i in range(50) if i not in (3, 7)]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"prune_ratio": 1.0}, r"prune_ratio=...\) must be in \[0, 1\), got 1.0"),
+    ({"anneal": 0.0}, r"anneal=...\) must be in \(0, 1\], got 0.0"),
+    ({"epochs": 0}, r"epochs=...\) must be an integer >= 1 or None, got 0"),
+    ({"seed": -1}, r"seed=...\) must be a non-negative int, got -1"),
+])
+def test_bad_settings_are_refused(kwargs, match):
+    with pytest.raises(raying.ConfigError, match=match):
+        raying.InfoBatchSampler(**kwargs)
+
+
+def test_a_state_of_other_settings_is_refused():
+    state = raying.InfoBatchSampler(epochs=10, seed=1).state_dict()
+    with pytest.raises(raying.ConfigError, match=r"saved with InfoBatchSampler.*'seed': 1.*"
+                                                 r"this pipeline has .*'seed': 2"):
+        raying.InfoBatchSampler(epochs=10, seed=2).load_state_dict(state)
+
+
+def test_scores_of_the_wrong_length_are_refused():
+    s = raying.InfoBatchSampler(epochs=2)
+    with pytest.raises(raying.ConfigError, match="expected 10, got shape"):
+        s.plan_from_scores(FakeManifest(np.zeros(10, int)), 1, np.ones(9), block_rows=4)
+
+
+def test_the_sampler_implements_the_protocol():
+    from raying.sampling.protocol import Sampler
+
+    s = raying.InfoBatchSampler(epochs=3)
+    assert isinstance(s, Sampler)
+    assert (s.lazy, s.uses_store, s.samples_per_epoch) == (False, True, None)

@@ -1,0 +1,124 @@
+"""Static weights: per-sample, per-class and class-balanced draws, exact prob and weight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import raying
+from raying.sampling.weighted import static_probabilities
+from tests.unit.sampling.fakes import FakeManifest
+from tests.unit.sampling.test_table import chi2_sf
+
+
+def _labels(counts) -> np.ndarray:
+    return np.repeat(np.arange(len(counts)), counts)
+
+
+def test_class_balanced_gives_every_class_the_same_mass():
+    labels = _labels([5, 100, 20])
+    p = static_probabilities(labels, class_balanced=True)
+    assert p.sum() == pytest.approx(1.0)
+    mass = np.bincount(labels, weights=p)
+    assert np.allclose(mass, 1 / 3)
+
+
+def test_per_class_weights_by_name_or_index_and_per_sample_weights():
+    labels = _labels([2, 2, 2])
+    by_name = static_probabilities(labels, weights={"class_02": 3.0}, classes=["a", "b",
+                                                                              "class_02"])
+    by_index = static_probabilities(labels, weights={2: 3.0})
+    assert np.allclose(by_name, by_index)
+    assert np.allclose(by_index, np.array([1, 1, 1, 1, 3, 3]) / 10)
+    per_sample = static_probabilities(labels, weights=np.arange(6))
+    assert np.allclose(per_sample, np.arange(6) / 15)
+    both = static_probabilities(_labels([1, 3]), weights=[2, 1, 1, 1], class_balanced=True)
+    assert np.allclose(both, np.array([2, 1 / 3, 1 / 3, 1 / 3]) / 3)
+
+
+@pytest.mark.parametrize(("weights", "match"), [
+    ([1.0, 2.0], r"one weight per sample: expected 4, got 2"),
+    ([1.0, -1.0, 1.0, 1.0], r"must be finite and >= 0"),
+    ([0.0, 0.0, 0.0, 0.0], r"weights are all zero"),
+    ({"nope": 2.0}, r"names class 'nope', which is not one of"),
+    ({5: 2.0}, r"has label index 5, expected one in \[0, 2\)"),
+])
+def test_bad_weights_are_refused(weights, match):
+    with pytest.raises(raying.ConfigError, match=match):
+        static_probabilities(_labels([2, 2]), weights=weights, classes=["a", "b"])
+
+
+def test_draws_follow_the_probabilities_chi_square():
+    labels = _labels([10, 200, 40, 750])
+    m = FakeManifest(labels)
+    s = raying.WeightedSampler(class_balanced=True, seed=3)
+    s.bind(m, name="t")
+    p = s.probabilities(m)
+    counts = np.zeros(len(labels))
+    for e in range(40):
+        plan = s.plan(m, e, block_rows=128)
+        ids = np.concatenate([u.ids for u in plan.units])
+        assert len(ids) == len(labels)
+        probs = np.concatenate([u.probs for u in plan.units])
+        assert np.array_equal(probs, p[ids])
+        assert all(np.all(u.weights == 1.0) for u in plan.units)
+        counts += np.bincount(ids, minlength=len(labels))
+    per_class = np.bincount(labels, weights=counts)
+    expected = np.full(4, counts.sum() / 4)
+    stat = float(np.sum((per_class - expected) ** 2 / expected))
+    assert chi2_sf(stat, 3) > 1e-3
+    # The natural (unbalanced) shares would be rejected outright.
+    natural = counts.sum() * np.bincount(labels) / len(labels)
+    assert chi2_sf(float(np.sum((per_class - natural) ** 2 / natural)), 3) < 1e-12
+
+
+def test_beta_gives_normalised_importance_weights():
+    labels = _labels([10, 90])
+    m = FakeManifest(labels)
+    s = raying.WeightedSampler(class_balanced=True, beta=1.0, seed=0)
+    s.bind(m, name="t")
+    plan = s.plan(m, 0, block_rows=64)
+    ids = np.concatenate([u.ids for u in plan.units])
+    w = np.concatenate([u.weights for u in plan.units])
+    p = s.probabilities(m)
+    expected = (100 * p[ids]) ** -1.0 / (100 * p.min()) ** -1.0
+    assert np.allclose(w, expected, rtol=1e-6) and w.max() <= 1.0
+
+
+def test_plans_are_reproducible_and_parquet_units_are_local():
+    labels = _labels([100, 100, 100])
+    m = FakeManifest(labels, fmt="parquet", group_rows=25)
+    s = raying.WeightedSampler(seed=5, samples_per_epoch=120)
+    s.bind(m, name="t")
+    a = s.plan(m, 2, block_rows=30)
+    b = s.plan(m, 2, block_rows=30)
+    assert [u.ids.tolist() for u in a.units] == [u.ids.tolist() for u in b.units]
+    assert sum(u.num_rows for u in a.units) == 120
+    for u in a.units:  # a unit spans a short id range (few row groups)
+        assert np.ptp(u.ids) < 300 // 2
+
+
+def test_set_aside_ids_are_not_drawn_again():
+    labels = _labels([3, 3])
+    m = FakeManifest(labels)
+    s = raying.WeightedSampler(class_balanced=True, seed=1)
+    s.bind(m, name="t")
+    s.set_aside([0, 1, 2])  # all of class 0
+    ids = np.concatenate([u.ids for e in range(5) for u in s.plan(m, e, block_rows=8).units])
+    assert set(ids.tolist()) <= {3, 4, 5}
+    s.set_aside([3, 4, 5])
+    with pytest.raises(raying.ConfigError, match="every sample with a positive weight was set"):
+        s.plan(m, 9, block_rows=8)
+
+
+def test_state_roundtrip_and_protocol():
+    from raying.sampling.protocol import Sampler
+
+    s = raying.WeightedSampler(seed=2)
+    assert isinstance(s, Sampler) and (s.lazy, s.uses_store, s.handle) == (False, False, None)
+    s.set_aside([4])
+    t = raying.WeightedSampler(seed=2)
+    t.load_state_dict(s.state_dict())
+    assert t.state_dict()["set_aside"].tolist() == [4]
+    with pytest.raises(raying.ConfigError, match=r"this pipeline has WeightedSampler\(seed=3\)"):
+        raying.WeightedSampler(seed=3).load_state_dict(s.state_dict())

@@ -65,6 +65,14 @@ def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[s
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         msg = f"raying.train.datasets(epochs=...) must be an integer >= 1, got {epochs!r}"
         raise ConfigError(msg)
+    if pipe.sampler.uses_store and not pipe.sampler.lazy:
+        # Such a plan (InfoBatch's pruning) is made from the losses in the store as the epoch
+        # starts; every worker would read them at its own moment and plan differently.
+        msg = (f"raying.train cannot shard a {type(pipe.sampler).__name__}: its epoch plan "
+               f"is made from the store's losses when the epoch starts, and each Train worker "
+               f"would plan from other losses. Use it with pipe.iter_torch_batches on one "
+               f"trainer, or PrioritizedSampler / UniformSampler / WeightedSampler here")
+        raise ConfigError(msg)
     if pipe.config.shard is not None:
         msg = (f"raying.train.datasets() shards the pipeline over the Train workers itself; "
                f"build it without PipelineConfig(shard={pipe.config.shard!r})")

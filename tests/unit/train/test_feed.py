@@ -1,0 +1,51 @@
+"""raying.train.datasets refuses what it cannot shard, before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+import raying
+import raying.train
+from raying.tools.datagen import make_image_folder
+
+
+@pytest.fixture
+def manifest(tmp_path):
+    return raying.Manifest.scan(str(make_image_folder(tmp_path / "i", n=8, classes=2,
+                                                      size=(8, 8))))
+
+
+@pytest.mark.parametrize("epochs", [0, -1, 2.0, True])
+def test_epochs_must_be_a_positive_integer(manifest, epochs):
+    with pytest.raises(raying.ConfigError, match=r"datasets\(epochs=...\) must be an integer"):
+        raying.train.datasets(raying.Pipeline(manifest), epochs=epochs)
+
+
+def test_a_plan_made_from_live_losses_is_refused(manifest):
+    pipe = raying.Pipeline(manifest, sampler=raying.InfoBatchSampler(epochs=4))
+    with pytest.raises(raying.ConfigError, match=r"cannot shard a InfoBatchSampler"):
+        raying.train.datasets(pipe, epochs=4)
+
+
+def test_a_pipeline_already_sharded_is_refused(manifest):
+    pipe = raying.Pipeline(manifest, config=raying.PipelineConfig(shard=(0, 2)))
+    with pytest.raises(raying.ConfigError, match=r"build it without PipelineConfig\(shard="):
+        raying.train.datasets(pipe, epochs=1)
+
+
+@pytest.mark.parametrize("shard", [(2, 2), (-1, 2), (0, 0), (1,), "0/2"])
+def test_shard_must_be_an_index_below_the_count(shard):
+    with pytest.raises(raying.ConfigError, match=r"PipelineConfig\(shard=...\) must be"):
+        raying.PipelineConfig(shard=shard)
+
+
+def test_a_share_takes_every_nth_unit_renumbered(manifest):
+    full = raying.Pipeline(manifest, config=raying.PipelineConfig(block_rows=1))
+    parts = [raying.Pipeline(manifest, config=raying.PipelineConfig(block_rows=1,
+                                                                    shard=(i, 3)))
+             for i in range(3)]
+    units = full.plan(1).units
+    for i, p in enumerate(parts):
+        mine = p.plan(1).units
+        assert [u.index for u in mine] == list(range(len(mine)))
+        assert [u.ids.tolist() for u in mine] == [u.ids.tolist() for u in units[i::3]]

@@ -155,9 +155,26 @@ def manifest(args: argparse.Namespace):
     return raying.Manifest.scan(uri, storage=storage_options(args))
 
 
-def train_dataset(pipe: Any, epoch: int):
-    """``pipe.dataset(epoch)`` for Ray Train (the dataset holds no reference to the pipeline)."""
-    return pipe.dataset(epoch)
+def worker_reads(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the Train workers' reads did, from each worker's latest ledger record (its
+    pipeline's stats are totals since the worker started)."""
+    latest: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r.get("rows_by_node") is not None and r["epoch"] >= latest.get(
+                r["rank"], {"epoch": -1})["epoch"]:
+            latest[int(r["rank"])] = r
+    by_node: dict[str, int] = {}
+    skipped: dict[int, dict[str, Any]] = {}
+    for r in latest.values():
+        for node, rows in r["rows_by_node"].items():
+            by_node[node] = by_node.get(node, 0) + rows
+        skipped.update({int(s["id"]): s for s in r["skipped"]})
+    reasons: dict[str, int] = {}
+    for s in skipped.values():
+        reasons[s["reason"]] = reasons.get(s["reason"], 0) + 1
+    return {"rows_by_node": by_node, "skipped_count": len(skipped),
+            "skipped_by_reason": reasons,
+            "read_retries": sum(r["read_retries"] for r in latest.values())}
 
 
 def ledger_actor():

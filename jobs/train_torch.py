@@ -1,18 +1,20 @@
-"""Ray job: data-parallel torch training (Ray Train) on raying's dataset, losses fed back.
+"""Ray job: data-parallel torch training (Ray Train) fed by raying, losses fed back.
 
 What runs where::
 
-    driver (this job)   manifest, plan per epoch, Pipeline.dataset(e) -> Ray Data datasets
-    Ray Data            read tasks = read + decode + augment, spread over the CPU nodes
+    driver (this job)   manifest, Pipeline, TorchTrainer(**raying.train.datasets(pipe, E))
     Train workers (N)   on trainer nodes (GPU, or a custom resource standing in for one):
-                        get_dataset_shard(f"epoch_{e}").iter_torch_batches -> uint8 NHWC
+                        loader = raying.train.loader(): this worker's share of every epoch
+                        -> read tasks (read + decode + augment, uint8) on the CPU nodes
                         -> float, normalized on the device -> DDP step
-                        -> raying.report(ids, per-sample losses, store=...) (never blocks)
+                        -> loader.report(ids, per-sample losses) (never blocks)
+                        -> ray.train.report(..., checkpoint=loader.checkpoint(model=...))
     priority store      a named actor (0 CPU, restarts on failure), owned by the driver
 
-Each epoch is its own dataset (its own plan: order and augmentation), split over the workers
-without dropping rows, so with the uniform sampler every id reaches exactly one worker once
-per epoch; DDP's join() absorbs the uneven number of batches per worker.
+Each epoch is planned when it starts; every worker reads the units r, r + N, ... of it, so
+with the uniform sampler every id reaches exactly one worker once per epoch; DDP's join()
+absorbs the uneven number of batches per worker. A worker that fails is restarted by Ray
+Train (--max-failures) and resumes from its position in the last checkpoint.
 
 Examples:
     ray job submit --working-dir . -- python jobs/train_torch.py --smoke-test
@@ -72,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="names the pipeline's actors (priority store)")
     p.add_argument("--snapshot-uri", help="where the priority store writes its snapshots")
     p.add_argument("--storage-path", help="Ray Train run storage (shared on multi-node)")
+    p.add_argument("--max-failures", type=int, default=0,
+                   help="worker failures Ray Train recovers from (resuming from a checkpoint)")
     return p
 
 
@@ -81,31 +85,6 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     return args
-
-
-def exactly_once_split():
-    """A Train DataConfig that splits every dataset over the workers without dropping rows.
-
-    Ray Train's default (``streaming_split(equal=True)``) evens the shards by dropping up to
-    ``world_size - 1`` rows per epoch; here each block goes whole to one worker.
-    """
-    from ray.train import DataConfig
-
-    class ExactlyOnceSplit(DataConfig):
-        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
-            output: list[dict[str, Any]] = [{} for _ in range(world_size)]
-            hints = worker_node_ids if self._enable_shard_locality else None
-            for name, ds in datasets.items():
-                if ds.name is None:
-                    ds.set_name(name)
-                ds = ds.copy(ds)
-                ds.context.execution_options = self._resolve_execution_options(name)
-                splits = ds.streaming_split(world_size, equal=False, locality_hints=hints)
-                for rank, split in enumerate(splits):
-                    output[rank][name] = split
-            return output
-
-    return ExactlyOnceSplit()
 
 
 def _model(classes: int):
@@ -118,7 +97,8 @@ def _model(classes: int):
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    """One Train worker: its shard of every epoch, a DDP step per batch, losses reported."""
+    """One Train worker: its share of every epoch, a DDP step per batch, losses reported."""
+    import numpy as np
     import ray
     import ray.train
     import ray.train.torch
@@ -126,50 +106,58 @@ def train_loop(config: dict[str, Any]) -> None:
     import torch.nn.functional as F
 
     import raying
-    from raying.options import DEFAULT_MEAN, DEFAULT_STD
-    from raying.sampling import feedback
-    from raying.sampling import store as st
+    import raying.train
 
+    loader = raying.train.loader()
     rank = ray.train.get_context().get_world_rank()
     node = ray.get_runtime_context().get_node_id()
     torch.manual_seed(config["seed"])
-    model = ray.train.torch.prepare_model(_model(config["classes"]))
+    model = _model(config["classes"])
+    if loader.restored is not None:
+        model.load_state_dict(loader.restored["model"])
+    model = ray.train.torch.prepare_model(model)
     device = ray.train.torch.get_device()
     opt = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
-    mean = torch.tensor(DEFAULT_MEAN, device=device).view(1, 3, 1, 1) * 255.0
-    inv_std = 1.0 / (torch.tensor(DEFAULT_STD, device=device).view(1, 3, 1, 1) * 255.0)
     store, ledger = config["store"], config["ledger"]
-    for epoch in range(config["epochs"]):
-        shard = ray.train.get_dataset_shard(f"epoch_{epoch}")
+    for epoch in loader.epochs():
         rows, loss_sum, seen = 0, 0.0, []
-        # Shards differ by up to a block: join() lets a finished worker shadow the others'
+        # Shares differ by up to a unit: join() lets a finished worker shadow the others'
         # gradient all-reduces instead of hanging them.
-        join = model.join() if hasattr(model, "join") else contextlib.nullcontext()
-        with join:
-            for batch in shard.iter_torch_batches(batch_size=config["batch_size"],
-                                                  device=device):
-                # uint8 NHWC off Ray Data; float NCHW, normalized, only on the device.
-                x = (batch["image"].permute(0, 3, 1, 2).float() - mean) * inv_std
-                per_sample = F.cross_entropy(model(x), batch["label"], reduction="none")
-                loss = (per_sample * batch["weight"].float()).mean()
+        with model.join() if hasattr(model, "join") else contextlib.nullcontext():
+            for batch in loader.iter_torch_batches(batch_size=config["batch_size"],
+                                                   device=device):
+                # float32 NCHW, normalized on the device (uint8 until there)
+                per_sample = F.cross_entropy(model(batch["image"]), batch["label"],
+                                             reduction="none")
+                loss = (per_sample * batch["weight"]).mean()
                 per_sample = per_sample.detach()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                raying.report(batch["id"], per_sample, store=store)  # fire-and-forget
+                if store is None:
+                    loader.report(batch["id"], per_sample)  # the pipeline's own store
+                else:  # uniform reads; the losses are kept for a later prioritized run
+                    raying.report(batch["id"], per_sample, store=store)
                 rows += int(batch["id"].shape[0])
                 loss_sum += float(per_sample.sum())
                 if config["keep_ids"]:
                     seen.append(batch["id"].cpu().numpy())
-        feedback.flush_all()
-        import numpy as np
-
+        raying.sampling.feedback.flush_all()
         ids = np.concatenate(seen) if seen else np.zeros(0, np.int64)
+        reads = loader.stats()
         ledger.add.remote({"rank": rank, "epoch": epoch, "node": node, "rows": rows,
-                           "loss_sum": loss_sum, "ids": ids if config["keep_ids"] else None})
-        ray.train.report({"epoch": epoch, "rows": rows, "loss": loss_sum / max(rows, 1)})
+                           "loss_sum": loss_sum, "ids": ids if config["keep_ids"] else None,
+                           "rows_by_node": reads["rows_by_node"],
+                           "skipped": reads["skipped"], "read_retries": reads["read_retries"]})
+        state = {"model": getattr(model, "module", model).state_dict()}
+        ray.train.report({"epoch": epoch, "rows": rows, "loss": loss_sum / max(rows, 1)},
+                         checkpoint=loader.checkpoint(**state))
     # Training is over: now waiting is fine. Every report of this worker is in the store.
-    st.flush(st.get_store(store))
+    if store is not None:
+        from raying.sampling import store as st
+
+        st.flush(st.get_store(store))
+    loader.close()
 
 
 def fit(args: argparse.Namespace) -> dict[str, Any]:
@@ -180,10 +168,11 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
         rows, loss sum, ids), ``store`` (the priority store's handle) and ``pipe``.
     """
     import ray
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     import raying
+    import raying.train
     from raying.engine.ray_setup import ensure_ray
     from raying.sampling import store as st
 
@@ -201,36 +190,36 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
                            config=raying.PipelineConfig(block_rows=args.block_rows,
                                                         spread=args.spread, name=args.name))
     if pipe.store_name is not None:
-        handle = st.get_store(pipe.store_name)
+        handle, own_store = st.get_store(pipe.store_name), None
     else:  # uniform reads, but the losses are kept: a later prioritized run uses them
         handle = st.create_store(f"{pipe.name}-priorities", len(m), config=store_cfg)
-    datasets = {f"epoch_{e}": _common.train_dataset(pipe, e) for e in range(args.epochs)}
+        own_store = handle.name
     ledger = _common.ledger_actor()
     resources: dict[str, float] = {"CPU": args.cpus_per_worker}
     if args.trainer_resource:
         resources[args.trainer_resource] = 1
     if args.use_gpu:
         resources["GPU"] = 1
-    # Ray Train keeps run state there (no checkpoints here); shared storage on multi-node.
+    # Ray Train keeps run state and checkpoints there; shared storage on multi-node.
     storage_path = args.storage_path or os.path.join(tempfile.gettempdir(), "raying-train")
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"epochs": args.epochs, "batch_size": args.batch_size,
                            "lr": args.lr, "seed": args.seed,
-                           "classes": max(len(m.classes or []), 2), "store": handle.name,
+                           "classes": max(len(m.classes or []), 2), "store": own_store,
                            "ledger": ledger, "keep_ids": len(m) <= _common.MAX_LEDGER_IDS},
         scaling_config=ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu,
                                      resources_per_worker=resources),
-        run_config=RunConfig(name=f"{pipe.name}-torch", storage_path=storage_path),
-        datasets=datasets,
-        dataset_config=exactly_once_split(),
+        run_config=RunConfig(name=f"{pipe.name}-torch", storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=args.max_failures)),
+        **raying.train.datasets(pipe, epochs=args.epochs),
     )
     t_fit = time.perf_counter()
     trainer.fit()
     fit_s = time.perf_counter() - t_fit
     records = ray.get(ledger.all.remote())
     coverage = _common.epoch_coverage(records, len(m))
-    reads = pipe.stats(sampling=False).get("dataset") or {}
+    reads = _common.worker_reads(records)
     summary = {
         "job": "train_torch", "samples": len(m), "sampler": args.sampler,
         "workers": args.num_workers,

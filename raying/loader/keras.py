@@ -156,6 +156,10 @@ def _classes() -> tuple[type, type]:
             self._step_ids = None
 
         def call(self, inputs: Any, training: Any = None) -> Any:
+            if isinstance(inputs, dict) and self._keys["x"] in inputs:
+                # A whole batch dict, as Keras passes it when it builds the model under a
+                # distribution strategy: the model sees the image.
+                inputs = inputs[self._keys["x"]]
             return self.inner(inputs, training=training)
 
         def compile(self, *args: Any, loss: Any = None, jit_compile: Any = False,
@@ -194,6 +198,11 @@ def _classes() -> tuple[type, type]:
 
         def compute_loss(self, x: Any = None, y: Any = None, y_pred: Any = None,
                          sample_weight: Any = None, training: bool = True) -> Any:
+            if isinstance(x, dict) and y is None:  # a whole batch dict (the strategy's build)
+                k = self._keys
+                y = x.get(k["y"])
+                sample_weight = x.get(k["weight"]) if sample_weight is None else sample_weight
+                x = x[k["x"]]
             loss = super().compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                         training=training)
             ids = self._step_ids

@@ -81,4 +81,5 @@ def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[s
     _ = pipe.store_name  # binds the sampler: a prioritized pipeline starts its store here
     feed = Feed.of(pipe, epochs)
     ds = ray.data.from_items([{"feed": pickle.dumps(feed)}])
+    ds.context.enable_progress_bars = False  # one row, read once per worker: no bar
     return {"datasets": {name: ds}, "dataset_config": DataConfig(datasets_to_split=[])}

@@ -130,6 +130,10 @@ class Loader:
         """Per-sample losses of a batch, to the priority store; never blocks the step."""
         self.pipe.report(ids, losses)
 
+    def flush(self) -> None:
+        """Send buffered reports now (still without waiting for the store)."""
+        self.pipe.sampler.flush()
+
     def stats(self) -> dict[str, Any]:
         """This worker's ``pipe.stats()``."""
         return self.pipe.stats()

@@ -184,3 +184,66 @@ def test_a_worker_killed_mid_epoch_resumes_from_the_checkpoint(image_folder, ray
             reported = _read(out, "a0-r0-e0")[:8] + _read(out, "a0-r1-e0")[:8]
             assert np.allclose(prio[reported], np.asarray(reported) + 1.0)
         p.close()
+
+
+def _tf_loop(config):
+    import itertools
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import tensorflow as tf
+
+    # A custom step: Keras 3's fit() cannot reduce its scalar logs across workers under the
+    # multi-worker strategy (its "mean" reduction takes axis 0 of a scalar).
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    loader = raying.train.loader()
+    batch_size = 8
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Flatten(),
+                                  keras.layers.Dense(3)])
+        opt = keras.optimizers.SGD(0.05)
+
+    @tf.function
+    def step(image, label):
+        with tf.GradientTape() as tape:
+            per = keras.losses.sparse_categorical_crossentropy(label, model(image),
+                                                               from_logits=True)
+            loss = tf.reduce_sum(per) / (batch_size * loader.world_size)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return per
+
+    for _ in loader.epochs():
+        steps = loader.steps_per_epoch(batch_size)  # the same on every worker
+        for batch in itertools.islice(loader.to_tf(batch_size=batch_size), steps):
+            per = strategy.run(step, args=(batch["image"], batch["label"]))
+            loader.report(batch["id"].numpy(), strategy.experimental_local_results(per)[0])
+        _log(config, f"tf-r{loader.rank}", [steps, int(opt.iterations.numpy())])
+    loader.flush()
+
+
+def test_tensorflow_trainer_trains_an_epoch_from_to_tf_and_feeds_the_losses_back(
+        image_folder, ray_local, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.tensorflow import TensorflowTrainer
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           sampler=raying.PrioritizedSampler(seed=2),
+                           config=raying.PipelineConfig(block_rows=8))
+    trainer = TensorflowTrainer(
+        _tf_loop, train_loop_config={"out": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        run_config=RunConfig(storage_path=str(tmp_path / "results"), name="tf"),
+        **raying.train.datasets(pipe, epochs=1))
+    trainer.fit()
+    runs = [_read(tmp_path, f"tf-r{r}") for r in range(2)]
+    steps = runs[0][0]
+    assert steps > 0 and runs == [[steps, steps], [steps, steps]]  # same steps on both
+    from raying.sampling import store as st
+
+    st.flush(pipe.sampler.handle)
+    # Both workers' per-sample losses reached the store: 2 workers x steps x 8 samples.
+    assert pipe.sampler.stats()["updates_received"] == 2 * steps * 8
+    pipe.close()

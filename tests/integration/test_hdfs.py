@@ -22,6 +22,7 @@ import pyarrow.fs as pafs
 import pytest
 
 import raying
+from raying.options import IOConfig
 from raying.storage import files as storage
 from raying.tools import cli
 from raying.tools.datagen import make_image_folder
@@ -208,26 +209,36 @@ def test_raying_pack_writes_parquet_to_hdfs(hdfs, image_folder, packed_local, ra
 # --- an outage ------------------------------------------------------------------------------
 
 
-def test_datanode_restarted_mid_epoch_loses_nothing(hdfs, tmp_path, monkeypatch, ray_local):
+@pytest.mark.parametrize(("kind", "planned"), [("images", False), ("parquet", False),
+                                               ("parquet", True)])
+def test_datanode_restarted_mid_epoch_loses_nothing(kind, planned, hdfs, tmp_path, monkeypatch,
+                                                    ray_local):
     """The only DataNode stops while read tasks are running and comes back a few seconds
-    later: reads fail (the block has no live replica), are retried, and the epoch completes
-    with every id exactly once and the retries counted."""
+    later: reads fail (the blocks have no live replica), are retried, and the epoch completes
+    with every id exactly once and the retries counted. Parquet is read whole-file by pyarrow,
+    or (planned) as coalesced column-chunk ranges."""
     n = 240
     folder = make_image_folder(tmp_path / "outage", n=n, classes=4, size=(24, 24), seed=7)
-    uri = upload(hdfs, folder, "/data/outage")
-    m = raying.Manifest.scan(uri)
+    if kind == "parquet":
+        raying.pack(str(folder), str(tmp_path / "packed"), shard_rows=40, row_group_rows=10,
+                    progress=False)
+        folder = tmp_path / "packed"
+    uri = upload(hdfs, folder, f"/data/outage-{kind}")
+    m = raying.Manifest.scan(uri, format=kind, label="folder" if kind == "images" else "label")
+    assert len(m) == n
     # Enough attempts (backoff 0.2 s, doubling, up to 5 s) to outlast a DataNode restart.
     monkeypatch.setenv("RAYING_READ_RETRIES", "12")
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
                            config=raying.PipelineConfig(block_rows=10, window=2,
-                                                        decoded_cache="off"))
+                                                        decoded_cache="off",
+                                                        io=IOConfig() if planned else None))
     ids = []
     restart = threading.Thread(target=lambda: (time.sleep(1.0), hdfs.start_datanode()))
     try:
         for i, b in enumerate(pipe.iter_batches(batch_size=10, epoch=0, prefetch_batches=1)):
             ids.extend(b["id"].tolist())
             if i == 2:
-                hdfs.stop_datanode()  # 21 of the 24 units still to read or in flight
+                hdfs.stop_datanode()  # most of the 24 units still to read or in flight
                 restart.start()
         restart.join()
         stats = pipe.stats(sampling=False)

@@ -3,7 +3,7 @@
 Nothing needs installing beyond a JDK (``jni.h`` and ``libjvm``) and gcc:
 
 * Hadoop 2.7.3's server and client jars ship inside the source distribution of
-  ``pyspark==2.4.8`` (``deps/jars``); the 56 that a NameNode, a DataNode and a libhdfs client
+  ``pyspark==2.4.8`` (``deps/jars``); the 55 that a NameNode, a DataNode and a libhdfs client
   load are unpacked from it.
 * libhdfs's C sources ship inside the source distribution of ``pydoop==2.0.0``; they are built
   into ``libhdfs.so`` against the JDK with gcc (seven files, under a second).
@@ -30,7 +30,7 @@ Hadoop client's, ride out an outage (and are counted).
 
 Fixtures (registered in tests/conftest.py):
     hdfs_cluster  session-scoped running HDFSCluster; skips, printing why, where no JDK or no
-                  gcc is found.
+                  gcc is found (fails instead with RAYING_TEST_HDFS=require, as CI sets).
     hdfs          the same cluster, with the client environment set for as long as the
                   requesting module's tests run (module scope), so that a Ray started after it
                   hands the environment to its workers.
@@ -131,10 +131,11 @@ def missing() -> str | None:
     """Why a live HDFS cannot run here (a sentence), or None when it can."""
     if not sys.platform.startswith("linux"):
         return f"the live HDFS fixture runs on Linux only (this is {sys.platform})"
-    if find_jdk() is None:
+    jdk = find_jdk()
+    if jdk is None:
         return ("no JDK found (JAVA_HOME, or the java on PATH, with include/jni.h and "
                 "lib/server/libjvm.so); install one, e.g. apt-get install openjdk-17-jdk-headless")
-    if shutil.which("gcc") is None:
+    if shutil.which("gcc") is None and not Install(cache_dir(), jdk).ready:
         return "no gcc found to build libhdfs.so; install one, e.g. apt-get install gcc"
     return None
 
@@ -475,6 +476,8 @@ def hdfs_cluster(tmp_path_factory):
     """The session's HDFS cluster; skips with the reason where no JDK or gcc is found."""
     reason = missing()
     if reason:
+        if os.environ.get("RAYING_TEST_HDFS") == "require":  # CI: never skip silently
+            pytest.fail(f"RAYING_TEST_HDFS=require, but {reason}")
         print(f"\nlive HDFS tests skipped: {reason}", file=sys.stderr)
         pytest.skip(reason)
     with running_cluster(tmp_path_factory.mktemp("hdfs"),
@@ -498,9 +501,11 @@ def hdfs(hdfs_cluster):
 if __name__ == "__main__":
     if missing():
         sys.exit(missing())
-    with running_cluster(tempfile.mkdtemp(prefix="raying-hdfs-")) as c:
+    run_dir = tempfile.mkdtemp(prefix="raying-hdfs-")
+    with running_cluster(run_dir) as c:
         for k, v in c.client_env.items():
             print(f"export {k}='{v}'")
-        print(f"# HDFS at {c.url} (folder {c.dir}); Ctrl-C stops it")
+        print(f"# HDFS at {c.url} (folder {c.dir}); Ctrl-C stops it", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
+    shutil.rmtree(run_dir, ignore_errors=True)

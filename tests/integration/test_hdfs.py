@@ -8,6 +8,7 @@ fixture sets the client environment before this module's Ray starts, so workers 
 from __future__ import annotations
 
 import contextlib
+import ctypes.util
 import json
 import os
 import re
@@ -250,6 +251,8 @@ def test_datanode_restarted_mid_epoch_loses_nothing(kind, planned, hdfs, tmp_pat
     assert sorted(ids) == list(range(n)), "every id once, none lost to the outage"
     assert stats["skipped_count"] == 0 and stats["rows_delivered"] == n
     assert stats["read_retries"] > 0, stats
+    print(f"DataNode restart ({kind}{', planned' if planned else ''}): {n} rows, "
+          f"{stats['read_retries']} reads retried")
     assert stats["io"]["retries"] == stats["read_retries"]
 
 
@@ -325,6 +328,8 @@ def test_missing_pieces_of_a_real_setup_are_named(hdfs, hdfs_images, tmp_path):
                                r"^DependencyError .*holds wildcard entries \(dir/\*\) that "
                                r"libhdfs does not expand"),
     }
+    if ctypes.util.find_library("hdfs"):  # a system-wide libhdfs: nothing to take away
+        del cases["no libhdfs"]
     for what, (change, pattern) in cases.items():
         out = _run(PROBE, hdfs_images, {**base, **change})
         assert re.search(pattern, out), (what, out)

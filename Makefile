@@ -17,7 +17,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check raying tests jobs
-	$(PY) -m pytest -q -m "not slow and not hdfs"
+	$(PY) -m pytest -q -rs -m "not slow"
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q

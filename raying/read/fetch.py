@@ -150,6 +150,8 @@ def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,
                "io_bytes_delivered": int(delivered),
                "io_reads_deduped": len(paths) - len(keys), "io_reads_shared": shared}
     account.update(cstats.account())
+    if ops_stats.retries:
+        account["io_retries"] = ops_stats.retries
     return datas, account
 
 

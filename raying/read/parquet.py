@@ -22,14 +22,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raying.errors import CredentialsError, DataError, StorageError
-from raying.options import IOConfig
+from raying.errors import CredentialsError, DataError, RayingError, StorageError
+from raying.options import IOConfig, settings
 from raying.read.cache.tiered import CacheStats, open_cache
 from raying.read.fetch import ACCOUNT_KEYS, fetch_missing
 from raying.read.planner import OpStats, coalesce_ranges, run_ops
 from raying.read.spec import ReadSpec
 from raying.read.views import Rows, binary_views
 from raying.sampling.plan import ReadUnit
+from raying.storage import errors as _storage_errors
 from raying.storage import files as _storage
 from raying.storage.tiers import profile_for
 
@@ -55,9 +56,15 @@ def footer(fs: Any, path: str, stats: OpStats | None = None, *, cache: Any = Non
         size = int.from_bytes(view[:8], "little")
         md = pq.read_metadata(pa.BufferReader(pa.py_buffer(view[8:])))
     else:
-        with _storage.open_input(fs, path) as fh:
-            size = fh.size()
-            md = pq.read_metadata(fh)
+        def read() -> tuple[int, pq.FileMetaData]:
+            with _storage.open_input(fs, path) as fh:
+                return fh.size(), pq.read_metadata(fh)
+
+        def count(*_: Any) -> None:
+            if stats is not None:
+                stats.retries += 1
+
+        size, md = _retry_storage(fs, path, read, count)
         if stats is not None:
             stats.requests += 1
             stats.bytes_fetched += md.serialized_size + 8
@@ -216,6 +223,8 @@ def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: 
     account["io_requests"] = stats.requests
     account["io_bytes_fetched"] = stats.bytes_fetched
     account["io_reads_shared"] = stats.shared
+    if stats.retries:
+        account["io_retries"] = stats.retries
     return arrays, account
 
 
@@ -317,12 +326,15 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
     for f in (np.unique(groups[:, 0]) if io is None else ()):  # else: read above
         sel = groups[groups[:, 0] == f]
         rel = spec.files[int(f)]
+        retried = [0]
         try:
-            with _storage.open_input(fs, _file_path(spec, root, int(f))) as fh:
-                pf = pq.ParquetFile(fh)
-                table = pf.read_row_groups([int(g) for g in sel[:, 1]], columns=[col])
+            pf, table = _read_row_groups(fs, _file_path(spec, root, int(f)),
+                                         [int(g) for g in sel[:, 1]], col, retried)
         except (pa.ArrowInvalid, OSError) as exc:
             raise _parquet_error(spec, rel, sel[:, 1].tolist(), exc) from None
+        finally:
+            if retried[0] and account is not None:
+                account["io_retries"] = account.get("io_retries", 0) + retried[0]
         arr = table.column(col)
         nbytes += table.nbytes
         # read_row_groups returns the groups in the order asked; track each group's first row.
@@ -354,6 +366,53 @@ def _file_path(spec: ReadSpec, root: str, f: int) -> str:
     """Path on the filesystem of the dataset's ``f``-th Parquet file."""
     rel = spec.files[f] if spec.files else root
     return f"{root.rstrip('/')}/{rel}" if rel != root else root
+
+
+class _NotRetried(RayingError):
+    """Carries a failure that another attempt cannot fix out of the retry loop, unchanged."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _read_row_groups(fs: Any, path: str, groups: list[int], col: str, retried: list[int]
+                     ) -> tuple[pq.ParquetFile, pa.Table]:
+    """Open ``path`` and read ``col`` of ``groups``, retried as :func:`_retry_storage` says;
+    the retries are counted in ``retried[0]``."""
+    def read() -> tuple[pq.ParquetFile, pa.Table]:
+        with _storage.open_input(fs, path) as fh:
+            pf = pq.ParquetFile(fh)
+            return pf, pf.read_row_groups(groups, columns=[col])
+
+    def count(*_: Any) -> None:
+        retried[0] += 1
+
+    return _retry_storage(fs, path, read, count)
+
+
+def _retry_storage(fs: Any, path: str, read: Any, on_retry: Any) -> Any:
+    """``read()``, run again (with the settings' retries and backoff) when the storage failed.
+
+    Opening a file is not enough to know the storage is there: on HDFS the open asks only the
+    NameNode, and a DataNode that is down fails the reads that follow. Failures of the
+    storage (network-class) are retried, each retry reported to ``on_retry``; a file that does
+    not parse is not retried and its error surfaces unchanged.
+    """
+    def attempt() -> Any:
+        try:
+            return read()
+        except (pa.ArrowInvalid, OSError) as exc:
+            if isinstance(exc, StorageError) or _storage_errors.classify(exc) != "network":
+                raise _NotRetried(exc) from None  # the open's own retries are done
+            raise
+
+    s = settings()
+    try:
+        return _storage_errors.retrying(attempt, fs, path, s.read_retries,
+                                        s.read_retry_backoff_s, on_retry)
+    except _NotRetried as exc:
+        raise exc.cause from None
 
 
 def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseException

@@ -175,12 +175,14 @@ def row_group_runs(row_groups: np.ndarray) -> list[tuple[int, list[int]]]:
 
 @dataclasses.dataclass
 class OpStats:
-    """What a batch of requests cost: requests issued and bytes they returned (and how many
-    items another read in flight served instead, see :func:`raying.read.fetch.fetch_missing`)."""
+    """What a batch of requests cost: requests issued and bytes they returned, attempts
+    repeated after a storage failure (and how many items another read in flight served
+    instead, see :func:`raying.read.fetch.fetch_missing`)."""
 
     requests: int = 0
     bytes_fetched: int = 0
     shared: int = 0
+    retries: int = 0
 
 
 def run_ops(fs: pafs.FileSystem, ops: Sequence[ReadOp], n_slots: int, *, concurrency: int,
@@ -205,9 +207,13 @@ def run_ops(fs: pafs.FileSystem, ops: Sequence[ReadOp], n_slots: int, *, concurr
     retries = settings().read_retries if retries is None else retries
     backoff = settings().read_retry_backoff_s if backoff is None else backoff
 
+    def count(*_: Any) -> None:
+        with lock:
+            mine.retries += 1
+
     def one(op: ReadOp) -> None:
         try:
-            data = _fetch(fs, op, retries, backoff)
+            data = _fetch(fs, op, retries, backoff, count)
         except Exception as exc:  # noqa: BLE001 - each failure is returned in its slots
             for p in op.pieces:
                 out[p.slot] = exc
@@ -235,18 +241,21 @@ def run_ops(fs: pafs.FileSystem, ops: Sequence[ReadOp], n_slots: int, *, concurr
     if stats is not None:
         stats.requests += mine.requests
         stats.bytes_fetched += mine.bytes_fetched
+        stats.retries += mine.retries
     return out
 
 
-def _fetch(fs: pafs.FileSystem, op: ReadOp, retries: int, backoff: float) -> bytes:
+def _fetch(fs: pafs.FileSystem, op: ReadOp, retries: int, backoff: float,
+           on_retry: Callable[..., None] | None = None) -> bytes:
     if op.offset is None:
-        return _storage.read_bytes(fs, op.path, retries=retries, backoff=backoff)
+        return _storage.read_bytes(fs, op.path, retries=retries, backoff=backoff,
+                                   on_retry=on_retry)
 
     def ranged() -> bytes:
         with fs.open_input_file(op.path) as f:
             return f.read_at(op.length, op.offset)
 
-    return _storage_errors.retrying(ranged, fs, op.path, retries, backoff, None, None)
+    return _storage_errors.retrying(ranged, fs, op.path, retries, backoff, on_retry, None)
 
 
 class Prefetcher(Iterator[tuple[W, R]]):

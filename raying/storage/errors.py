@@ -30,8 +30,9 @@ _CREDENTIAL_MARKERS = (
 )
 _MISSING_MARKERS = ("NO_SUCH_BUCKET", "NO_SUCH_KEY", "RESOURCE_NOT_FOUND", "NoSuchBucket",
                     "NoSuchKey", "java.io.FileNotFoundException")
+# "HDFS read failed": libhdfs's read gave up, e.g. no DataNode holding the block answered.
 _NETWORK_MARKERS = ("NETWORK_CONNECTION", "curlCode", "Could not connect", "Connection refused",
-                    "Could not resolve host", "REQUEST_TIMEOUT", "timed out")
+                    "Could not resolve host", "REQUEST_TIMEOUT", "timed out", "HDFS read failed")
 
 # Filesystems built by StorageSpec.filesystem() and their specs, to name endpoints in errors.
 # Cached filesystems live as long as the process, so their ids are never reused.

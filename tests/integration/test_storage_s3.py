@@ -1,5 +1,5 @@
-"""raying.storage.files against a live S3 endpoint (a moto server on 127.0.0.1 over HTTP), and against
-a live HDFS when RAYING_TEST_HDFS_URI is set."""
+"""raying.storage.files against a live S3 endpoint (a moto server on 127.0.0.1 over HTTP); the same
+against a live HDFS is in test_hdfs.py."""
 
 from __future__ import annotations
 
@@ -244,23 +244,3 @@ def test_server_restarted_mid_read_loses_nothing(tmp_path):
     assert [type(o) for o in out if not isinstance(o, bytes)] == []
     assert dict(zip([i.path.rsplit("/", 1)[1] for i in infos], out, strict=True)) == payloads
     assert len(retried) > 0  # the outage was hit, and survived
-
-
-# --- HDFS -----------------------------------------------------------------------------------
-
-
-@pytest.mark.hdfs
-@pytest.mark.skipif(not os.environ.get("RAYING_TEST_HDFS_URI"),
-                    reason="set RAYING_TEST_HDFS_URI=hdfs://host:port/scratch/dir to run")
-def test_live_hdfs_roundtrip():
-    fs, root = storage.resolve(os.environ["RAYING_TEST_HDFS_URI"])
-    base = f"{root.rstrip('/')}/raying-test-{uuid.uuid4().hex}"
-    try:
-        storage.write_bytes_atomic(fs, f"{base}/a/x.bin", b"hello hdfs")
-        [info] = storage.list_files(fs, base)
-        assert (info.path.endswith("/a/x.bin"), info.size) == (True, 10)
-        assert storage.read_bytes(fs, info.path) == b"hello hdfs"
-        assert storage.read_many(fs, [info, f"{base}/nope"])[0] == b"hello hdfs"
-        assert isinstance(storage.read_many(fs, [f"{base}/nope"])[0], NotFoundError)
-    finally:
-        fs.delete_dir(base)

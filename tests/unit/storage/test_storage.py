@@ -14,6 +14,7 @@ import pyarrow.fs as pafs
 import pytest
 
 from raying.errors import ConfigError, CredentialsError, DependencyError, StorageError
+from raying.storage import errors as _errors
 from raying.storage import files as storage
 from raying.storage import hdfs as _hdfs
 from raying.storage import s3 as _s3
@@ -588,3 +589,11 @@ def test_a_symlink_loop_lists_each_file_once_and_says_so(tmp_path, caplog):
     rel = [i.path[len(str(root)) + 1:] for i in infos]
     assert rel == ["cat/a.jpg", "dog/again", "dog/b.jpg"], rel
     assert "symlink loop" in caplog.text and "root/cat/back is " in caplog.text
+
+
+def test_a_failed_hdfs_read_is_a_network_failure_and_retried():
+    # libhdfs's words when no DataNode holding the block answered (pyarrow's OSError).
+    exc = OSError(255, "HDFS read failed. Detail: [errno 255] Unknown error 255")
+    assert _errors.classify(exc) == "network" and _errors.is_retryable(exc)
+    # A Parquet file that does not parse is not the storage's failure.
+    assert _errors.classify(ValueError("Parquet magic bytes not found in footer")) == "permanent"

@@ -68,6 +68,39 @@ def _rebuild_decode_error(reason, detail, path, sample_id, root=None, fix=None):
     return DecodeError(reason, detail, path=path, sample_id=sample_id, root=root, fix=fix)
 
 
+class UserFunctionError(RayingError, RuntimeError):
+    """A function given to ``Pipeline.map_batches`` failed, or returned a batch raying cannot
+    carry on.
+
+    A bug in code is not bad data: ``on_error="skip"`` never sets it aside. The message names
+    the function, the epoch and the batch's first ids, and ends with the traceback of the
+    user's code (kept as text, so it survives the trip from a Ray worker to the driver).
+
+    Attributes:
+        function: the function's qualified name.
+        epoch: the epoch being read.
+        ids: the batch's sample ids (the first 8).
+        traceback_text: the formatted traceback of the user's code ("" for a bad result).
+    """
+
+    def __init__(self, function: str, epoch: int, ids: list[int], problem: str,
+                 traceback_text: str = "") -> None:
+        self.function = function
+        self.epoch = epoch
+        self.ids = list(ids)
+        self.problem = problem
+        self.traceback_text = traceback_text
+        text = f"map_batches function {function} {problem} (epoch {epoch}, ids {self.ids}"
+        text += "...)" if len(self.ids) >= 8 else ")"
+        if traceback_text:
+            text += f"\n\nTraceback of {function}:\n{traceback_text.rstrip()}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return (UserFunctionError, (self.function, self.epoch, self.ids, self.problem,
+                                    self.traceback_text))
+
+
 RAISE_FIX = ("replace or remove the sample (then Manifest.scan again), or build the Pipeline "
              "with on_error='skip' to set bad samples aside (listed in "
              "pipe.stats()['skipped'])")

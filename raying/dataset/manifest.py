@@ -57,7 +57,8 @@ class Manifest:
              storage: StorageOptions | dict | None = None, *,
              image_column: str | None = None,
              extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
-             classes: list[str] | None = None) -> Manifest:
+             classes: list[str] | None = None,
+             columns: list[str] | tuple[str, ...] | None = None) -> Manifest:
         """List a dataset once and give every sample an id.
 
         Args:
@@ -77,6 +78,10 @@ class Manifest:
                 mean what the training split's do (a class missing from it, or empty, would
                 otherwise shift every later label). A class found that is not in the list is
                 an error.
+            columns: Parquet only: more columns to carry into every batch under their own
+                names (captions, boxes, per-sample metadata): numbers, strings, bytes, and
+                lists of numbers (see :mod:`raying.dataset.columns`). Every file must have
+                them, with one type.
 
         Returns:
             The manifest. One listing of the storage, no Ray tasks.
@@ -102,6 +107,7 @@ class Manifest:
         parquet = _scan.parquet_members(path, infos, PARQUET_EXTENSIONS)
         if format == "auto":
             format = "parquet" if parquet else "images"
+        columns = _extra_columns(columns, format, uri)
         if format == "parquet":
             if not parquet:
                 msg = (f"no Parquet files (*.parquet) found under {uri}; check the URI, or "
@@ -111,11 +117,17 @@ class Manifest:
             if col is not None and not isinstance(col, str):
                 msg = f"for Parquet, label must be a column name or None, got {label!r}"
                 raise ConfigError(msg)
-            m = _scan.scan_parquet(cls, fs, path, uri, parquet, col, image_column, opts)
+            m = _scan.scan_parquet(cls, fs, path, uri, parquet, col, image_column, opts,
+                                   columns=columns)
             return _scan.use_classes(m, classes)
         if isinstance(extensions, str):
             extensions = (extensions,)
         endings = tuple("." + e.lower().lstrip(".") for e in extensions)  # ".JPG", "png" too
+        if columns:
+            msg = (f"columns={columns} reads Parquet columns, but {uri} is scanned as an image "
+                   f"folder (format={format!r}), which has none; drop columns=, or point at "
+                   f"Parquet files")
+            raise ConfigError(msg)
         images = [i for i in infos if i.path.lower().endswith(endings)]
         if not images:
             seen = sorted({_ext(i.path) for i in infos})[:8]
@@ -224,6 +236,27 @@ class Manifest:
         """The filesystem path (within the resolved filesystem) of a relative location."""
         _, root = _storage.resolve(self.root, self.storage)
         return f"{root.rstrip('/')}/{rel}" if rel else root
+
+
+def _extra_columns(columns: Any, format: str, uri: str) -> list[str]:
+    """``columns=`` as a list of distinct names, none of them a key every batch has."""
+    from raying.dataset.columns import RESERVED
+
+    if columns is None:
+        return []
+    if isinstance(columns, (str, bytes)) or not all(isinstance(c, str) for c in columns):
+        msg = f"columns must be a list of column names, got {columns!r}"
+        raise ConfigError(msg)
+    columns = list(columns)
+    if len(set(columns)) != len(columns):
+        msg = f"columns must be distinct names, got {columns}"
+        raise ConfigError(msg)
+    taken = [c for c in columns if c in RESERVED]
+    if taken:
+        msg = (f"columns={columns} names {taken}, which every batch already has ({RESERVED}); "
+               f"the label column is label=, the image column image_column=")
+        raise ConfigError(msg)
+    return columns
 
 
 def _ext(path: str) -> str:

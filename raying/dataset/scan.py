@@ -141,8 +141,10 @@ def _short(exc: BaseException) -> str:
 
 
 def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs.FileInfo],
-                 label_col: str | None, image_col: str | None, opts: StorageOptions):
-    """Build a Parquet manifest: one id per row, in (file, row group, row) order."""
+                 label_col: str | None, image_col: str | None, opts: StorageOptions, *,
+                 columns: list[str] | None = None):
+    """Build a Parquet manifest: one id per row, in (file, row group, row) order; the extra
+    ``columns`` are checked in every file and described in ``meta["columns"]``."""
     infos = sorted(infos, key=lambda i: i.path)
     rels = [_relative(root, i.path) for i in infos]
     uris = [f"{uri.rstrip('/')}/{r}" if len(infos) > 1 or infos[0].path != root else uri
@@ -155,6 +157,7 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     image_col = _pick_image_column(schema0, image_col, uris[0])
     for fm, u in zip(footers[1:], uris[1:], strict=True):
         _check_same_schema(schema0, fm.schema.to_arrow_schema(), u, uris[0], image_col, label_col)
+    extra = _extra_columns(columns or [], footers, uris, image_col, label_col)
     hive = None
     if label_col is not None and label_col not in schema0.names:
         hive = _hive_values(rels, label_col)  # label=cat/part-0.parquet (pandas partition_cols)
@@ -196,9 +199,51 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
         labels, found = _read_labels(fs, infos, uris, label_col, workers)
         cols["label"] = labels
         classes = found if found is not None else classes
-    meta = {"image_column": image_col, "label_column": label_col, "decoded": decoded}
+    meta: dict[str, Any] = {"image_column": image_col, "label_column": label_col,
+                            "decoded": decoded}
+    if extra:
+        meta["columns"] = extra
     return cls(root=uri, fmt="parquet", columns=cols, classes=classes, storage=opts,
                files=rels, meta=meta)
+
+
+def _extra_columns(columns: list[str], footers: list[pq.FileMetaData], uris: list[str],
+                   image_col: str, label_col: str | None) -> dict[str, dict[str, Any]]:
+    """The description of each extra column (see raying.dataset.columns), checked in every
+    file: present, of a type raying carries, and of one description across files."""
+    from raying.dataset.columns import describe
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in columns:
+        if name in (image_col, label_col):
+            what = "image" if name == image_col else "label"
+            msg = (f"columns=[{name!r}] names the {what} column, which every batch already "
+                   f"carries (as {what!r}); drop it from columns=")
+            raise ConfigError(msg)
+        first: dict[str, Any] | None = None
+        for fm, u in zip(footers, uris, strict=True):
+            schema = fm.schema.to_arrow_schema()
+            if name not in schema.names:
+                msg = (f"{u} has no column {name!r} asked for by columns= (columns: "
+                       f"{schema.names}); every file of the dataset must have it, or drop it "
+                       f"from columns=")
+                raise DataError(msg)
+            t = schema.field(name).type
+            desc = describe(t)
+            if desc is None:
+                msg = (f"{u}: column {name!r} has type {t}, which raying cannot carry into "
+                       f"batches; expected numbers, strings, bytes, or (fixed-size) lists of "
+                       f"numbers: convert it, or drop it from columns=")
+                raise DataError(msg)
+            if first is None:
+                first = desc
+            elif desc != first:
+                msg = (f"schema mismatch in column {name!r}: {u} has {t} where {uris[0]} has "
+                       f"{footers[0].schema.to_arrow_schema().field(name).type}; rewrite the "
+                       f"files with one schema")
+                raise DataError(msg)
+        out[name] = first or {}
+    return out
 
 
 def _hive_values(rels: list[str], key: str) -> list[str] | None:

@@ -61,11 +61,15 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
         unit = sampler.fill(unit)
     lookup: ManifestLookup = ray.get(lookup_ref)
     unit, paths = lookup.complete(unit)
+    yielded = False
     for block, account in iter_unit(spec, unit, paths, block_rows=block_rows):
         if accounts is not None:  # landed before the block is seen: stats() are complete
             ray.get(accounts.add.remote(account))
         if len(block["id"]) == 0:
-            block = empty_block(spec.transform.size)
+            if yielded or not account.final:
+                continue  # a task yields its empty blocks only when it has nothing else
+            block = empty_block(spec.transform.size, spec.columns)
+        yielded = True
         yield BlockAccessor.batch_to_block(block)
 
 

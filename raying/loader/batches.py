@@ -169,6 +169,9 @@ def resolve_device(device: Any):
 class TorchConverter:
     """numpy batch -> dict of torch tensors on ``device`` (uint8 until it gets there).
 
+    Columns of numbers become tensors; object columns (strings, bytes, variable-length lists
+    of numbers) become lists with one entry per row: the string or bytes, or a 1-D tensor.
+
     With ``normalize=True`` the image becomes float32 NCHW, ``(x/255 - mean)/std``, computed
     on the device; the tensor is a channels-last view (NHWC memory), which is what
     convolutions on GPUs prefer. With ``normalize=False`` it stays uint8 NHWC.
@@ -201,15 +204,30 @@ class TorchConverter:
             # Blocks from the object store are read-only; the tensors are never written to.
             warnings.simplefilter("ignore", UserWarning)
             for k, v in batch.items():
+                if v.dtype == object:  # strings, bytes, variable-length lists: per row
+                    out[k] = [self._row(x) for x in v]
+                    continue
                 t = torch.from_numpy(np.ascontiguousarray(v))
                 out[k] = t.pin_memory() if self.pin else t
         return out
+
+    def _row(self, value: Any) -> Any:
+        """One row of a column that is not a tensor: a numeric array becomes a tensor (a
+        variable-length list's row), anything else (str, bytes) stays as it is."""
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            t = self.torch.from_numpy(np.ascontiguousarray(value))
+            return t.pin_memory() if self.pin else t
+        return value
 
     def device_put(self, batch: dict[str, Any]) -> dict[str, Any]:
         out = {}
         for k, t in batch.items():
             if self.device.type != "cpu":
-                t = t.to(self.device, non_blocking=self.pin)
+                if isinstance(t, list):
+                    t = [x.to(self.device, non_blocking=self.pin)
+                         if isinstance(x, self.torch.Tensor) else x for x in t]
+                else:
+                    t = t.to(self.device, non_blocking=self.pin)
             out[k] = t
         if self.normalize:
             out["image"] = self.to_float(out["image"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from raying.loader.batches import BatchAssembler, TorchConverter, prefetch
 from raying.options import DEFAULT_BATCH_SIZE, PipelineConfig, Settings, use
 from raying.read.account import UnitAccount
 from raying.read.spec import ReadSpec, dataset_key
+from raying.read.stages import UserStage
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
 from raying.sampling.protocol import Sampler
 from raying.sampling.uniform import UniformSampler
@@ -91,12 +92,76 @@ class Pipeline:
         self._dataset_reads: DatasetReads | None = None  # once dataset() ran
         self._lookup: ManifestLookup | None = None
         self._spec_ready = False
+        self._stages: tuple[UserStage, ...] = ()
         self._spec = ReadSpec.of(manifest, self.transform, self.sampler.seed,
                                  on_error, max_pixels=self.config.max_image_pixels,
                                  settings=self.settings,
                                  io=self.config.io)
         if self._spec.io is not None and self._spec.io.cache is not None:
             self._spec.io.cache.check_dirs()
+
+    # -- user stages ---------------------------------------------------------------------------
+    def map_batches(self, fn: Callable[..., Any], *, with_rng: bool = False,
+                    fn_kwargs: dict[str, Any] | None = None) -> Pipeline:
+        """A pipeline that also runs ``fn`` on every batch, inside the read tasks.
+
+        ``fn(batch, **fn_kwargs)`` takes and returns a dict of numpy arrays: ``image`` (uint8
+        NHWC, after decode and the built-in transform), ``label``, ``id``, ``weight``,
+        ``prob`` and the manifest's extra columns. It may change values and add columns; it
+        must keep the rows (``id`` as given, every column one row per id) and ``image`` uint8
+        ``(n, size, size, 3)``. It runs in the read workers on every path (``iter_*``,
+        ``to_tf`` and ``dataset(e)``), after the stages added before it.
+
+        With ``with_rng=True`` it is called as ``fn(batch, rng=generator)``: a
+        ``numpy.random.Generator`` derived from (sampler seed, epoch, the stage's position,
+        the batch's ids), so an epoch is reproducible and a retried or resumed read task
+        yields the same pixels. Draw every random number from it.
+
+        If ``fn`` raises, the iteration stops with a :class:`raying.errors.UserFunctionError`
+        naming ``fn``, the epoch and the batch's ids, with ``fn``'s traceback; ``on_error=
+        "skip"`` does not hide it (it sets aside bad data, not bugs).
+
+        Read workers import what ``fn`` needs when they unpickle it: a function that uses
+        torch makes each read worker import torch (hundreds of MB per worker); plain numpy
+        costs nothing more.
+
+        Args:
+            fn: the function; it must pickle (Ray ships it to the workers).
+            with_rng: pass ``rng=`` as above.
+            fn_kwargs: more keyword arguments for every call.
+
+        Returns:
+            A new Pipeline with this stage appended. This one is unchanged; the new one
+            shares its manifest, transform, config, settings and its sampler object (and so
+            a prioritized sampler's priority store): iterate one of them, not both. Call it
+            before iterating (a started pipeline refuses it).
+        """
+        if self._closed or self._bound or self._stream is not None:
+            msg = (f"map_batches on Pipeline {self.name!r} after it started (or closed); "
+                   f"expected a pipeline that has not read yet: chain map_batches right after "
+                   f"Pipeline(...), before iterating, so the sampler is bound once")
+            raise ConfigError(msg)
+        if not callable(fn):
+            msg = f"map_batches needs a function of the batch dict, got {type(fn).__name__}"
+            raise ConfigError(msg)
+        if not isinstance(with_rng, bool):
+            msg = f"with_rng must be True or False, got {with_rng!r}"
+            raise ConfigError(msg)
+        kwargs = dict(fn_kwargs or {})
+        if not all(isinstance(k, str) for k in kwargs):
+            msg = f"fn_kwargs must have string keys, got {list(kwargs)}"
+            raise ConfigError(msg)
+        if with_rng and "rng" in kwargs:
+            msg = ("fn_kwargs has 'rng', which with_rng=True passes itself; drop it from "
+                   "fn_kwargs or pass with_rng=False")
+            raise ConfigError(msg)
+        stage = UserStage(fn, with_rng=with_rng, fn_kwargs=tuple(kwargs.items()))
+        _check_pickles(stage)
+        out = Pipeline(self.manifest, transform=self.transform, sampler=self.sampler,
+                       on_error=self.on_error, config=self.config, settings=self.settings)
+        out._stages = (*self._stages, stage)
+        out._spec = dataclasses.replace(out._spec, stages=out._stages)
+        return out
 
     # -- plans ---------------------------------------------------------------------------------
     def _bind(self) -> None:
@@ -400,6 +465,24 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline({self.manifest!r}, sampler={type(self.sampler).__name__}, "
                 f"transform={self.transform!r}, on_error={self.on_error!r})")
+
+
+def _check_pickles(stage: UserStage) -> None:
+    """Refuse, now and by name, a stage Ray could not ship to the read workers."""
+    import pickle
+
+    try:
+        from ray import cloudpickle
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        import pickle as cloudpickle  # type: ignore[no-redef]
+    try:
+        cloudpickle.dumps(stage)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        msg = (f"map_batches function {stage.name} (or its fn_kwargs) cannot be pickled "
+               f"({type(exc).__name__}: {exc}); Ray ships it to the read workers: keep what "
+               f"it closes over picklable (no open files, locks or clients; create those "
+               f"inside the function)")
+        raise ConfigError(msg) from None
 
 
 def _position(units: list[tuple[int, int, int, bool]], delivered: int,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from raying.errors import require
+import numpy as np
+
+from raying.errors import ConfigError, require
 from raying.options import DEFAULT_MEAN, DEFAULT_STD
 
 
@@ -22,16 +24,15 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     in its own order. Elements are dicts with the batch contract's keys (``image`` uint8 NHWC,
     or float32 NHWC normalized with ``normalize=True``), or ``(image, label, weight)`` with
     ``as_supervised=True``, which Keras ``fit`` takes as (x, y, sample_weight).
+
+    Extra Parquet columns (``Manifest.scan(columns=...)``) come under their names: numbers as
+    tensors of their dtype, strings and bytes as ``tf.string``, fixed-size lists as
+    ``(n, width)`` tensors and variable-length lists as ``tf.RaggedTensor`` ``(n, None)``.
     """
     tf = _tf()
     pipe._block_stream()  # start Ray (if needed) in this thread, not in tf.data's
     size = pipe.transform.size
     counter = itertools.count(0 if epoch is None else int(epoch))
-
-    def gen():
-        e = next(counter)
-        yield from pipe.iter_batches(batch_size=batch_size, epoch=e,
-                                     prefetch_batches=prefetch_batches, drop_last=drop_last)
 
     n = None if not drop_last else batch_size
     signature = {
@@ -41,6 +42,30 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
         "weight": tf.TensorSpec((n,), tf.float32),
         "prob": tf.TensorSpec((n,), tf.float64),
     }
+    columns = dict(pipe._spec.columns)
+    for name, desc in columns.items():
+        signature[name] = _column_spec(tf, desc, n)
+    ragged = [name for name, desc in columns.items() if desc["kind"] == "list"]
+
+    def gen():
+        e = next(counter)
+        for batch in pipe.iter_batches(batch_size=batch_size, epoch=e,
+                                       prefetch_batches=prefetch_batches, drop_last=drop_last):
+            extra = [k for k in batch if k not in signature]
+            if extra:
+                msg = (f"to_tf: batches carry columns {extra} that no Parquet column declares "
+                       f"(a map_batches function added them); to_tf carries "
+                       f"{list(signature)}: put added values in an existing column, or read "
+                       f"them with pipe.iter_batches")
+                raise ConfigError(msg)
+            for name in ragged:
+                rows = batch[name]
+                lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+                flat = (np.concatenate(list(rows)) if len(rows)
+                        else np.zeros(0, columns[name]["dtype"]))
+                batch = {**batch, name: tf.RaggedTensor.from_row_lengths(
+                    flat.astype(columns[name]["dtype"], copy=False), lengths)}
+            yield batch
     ds = tf.data.Dataset.from_generator(gen, output_signature=signature)
     if normalize:
         mean = tf.constant([m * 255.0 for m in DEFAULT_MEAN], tf.float32)
@@ -55,3 +80,16 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     if as_supervised:
         ds = ds.map(lambda b: (b["image"], b["label"], b["weight"]))
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def _column_spec(tf: Any, desc: dict[str, Any], n: int | None):
+    """The tf spec of an extra column (see :mod:`raying.dataset.columns`)."""
+    kind = desc["kind"]
+    if kind in ("string", "bytes"):
+        return tf.TensorSpec((n,), tf.string)
+    dtype = tf.as_dtype(desc["dtype"])
+    if kind == "number":
+        return tf.TensorSpec((n,), dtype)
+    if kind == "array":
+        return tf.TensorSpec((n, int(desc["width"])), dtype)
+    return tf.RaggedTensorSpec((n, None), dtype, ragged_rank=1)

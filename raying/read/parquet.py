@@ -376,14 +376,16 @@ class _NotRetried(RayingError):
         self.cause = cause
 
 
-def _read_row_groups(fs: Any, path: str, groups: list[int], col: str, retried: list[int]
-                     ) -> tuple[pq.ParquetFile, pa.Table]:
-    """Open ``path`` and read ``col`` of ``groups``, retried as :func:`_retry_storage` says;
-    the retries are counted in ``retried[0]``."""
+def _read_row_groups(fs: Any, path: str, groups: list[int], col: str | list[str],
+                     retried: list[int]) -> tuple[pq.ParquetFile, pa.Table]:
+    """Open ``path`` and read ``col`` (one column or several) of ``groups``, retried as
+    :func:`_retry_storage` says; the retries are counted in ``retried[0]``."""
+    cols = [col] if isinstance(col, str) else list(col)
+
     def read() -> tuple[pq.ParquetFile, pa.Table]:
         with _storage.open_input(fs, path) as fh:
             pf = pq.ParquetFile(fh)
-            return pf, pf.read_row_groups(groups, columns=[col])
+            return pf, pf.read_row_groups(groups, columns=cols)
 
     def count(*_: Any) -> None:
         retried[0] += 1
@@ -444,3 +446,55 @@ def row_locations(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray) -> list[str]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.ndarray,
+                 account: dict[str, int] | None = None) -> tuple[dict[str, np.ndarray], int]:
+    """The extra columns (``spec.columns``) of ``ids``, aligned with them.
+
+    Each file's row groups of the unit are read once, for those columns only, with pyarrow
+    (the planned, cached path fetches the image column; these columns are small beside it).
+
+    Returns:
+        One array per column (see :mod:`raying.dataset.columns`) and the Arrow bytes read.
+    """
+    from raying.dataset import columns as _columns
+
+    names = [name for name, _ in spec.columns]
+    groups = unit.row_groups
+    if groups is None or len(groups) == 0:
+        msg = "a Parquet read unit needs its row groups"
+        raise DataError(msg)
+    order = np.lexsort((groups[:, 1], groups[:, 0]))
+    groups = groups[order]
+    tables: list[pa.Table] = []
+    starts: list[tuple[int, int]] = []
+    offset = 0
+    for f in np.unique(groups[:, 0]):
+        sel = groups[groups[:, 0] == f]
+        retried = [0]
+        try:
+            pf, table = _read_row_groups(fs, _file_path(spec, root, int(f)),
+                                         [int(g) for g in sel[:, 1]], names, retried)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise _parquet_error(spec, spec.files[int(f)], sel[:, 1].tolist(), exc) from None
+        finally:
+            if retried[0] and account is not None:
+                account["io_retries"] = account.get("io_retries", 0) + retried[0]
+        for g_start, g_rows in _group_rows(sel, pf):
+            starts.append((g_start, offset))
+            offset += g_rows
+        tables.append(table)
+    first_ids = np.array([s for s, _ in starts], dtype=np.int64)
+    offsets = np.array([o for _, o in starts], dtype=np.int64)
+    sort = np.argsort(first_ids)
+    first_ids, offsets = first_ids[sort], offsets[sort]
+    k = np.searchsorted(first_ids, ids, side="right") - 1
+    pos = offsets[k] + (ids - first_ids[k])
+    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    taken = table.take(pa.array(pos, type=pa.int64()))
+    out = {}
+    for name, desc in spec.columns:
+        out[name] = _columns.to_numpy(taken.column(name), desc, name=name,
+                                      where=f"{spec.root.rstrip('/')} (unit {unit.index})")
+    return out, int(table.nbytes)

@@ -30,6 +30,11 @@ class ReadSpec:
     # The driver's settings (the RAYING_* environment as the Pipeline read it); read tasks
     # make them theirs before they read.
     settings: Settings = dataclasses.field(default_factory=Settings)
+    # Extra Parquet columns carried into every block: (name, description) pairs as
+    # raying.dataset.columns.describe gives them (recorded by Manifest.scan(columns=...)).
+    columns: tuple[tuple[str, Any], ...] = ()
+    # User stages (raying.read.stages.UserStage), run in order after the transform.
+    stages: tuple[Any, ...] = ()
 
     @property
     def dataset_key(self) -> str:
@@ -40,9 +45,10 @@ class ReadSpec:
     @classmethod
     def of(cls, manifest: Any, transform: Any, seed: int, on_error: str, *,
            max_pixels: int | None = None, io: Any = None,
-           settings: Settings | None = None) -> ReadSpec:
-        """The spec of ``manifest`` read through ``transform``; ``settings`` default to the
-        process's, and ``max_pixels`` to theirs."""
+           settings: Settings | None = None, stages: tuple[Any, ...] = ()) -> ReadSpec:
+        """The spec of ``manifest`` read through ``transform`` then ``stages``; ``settings``
+        default to the process's, and ``max_pixels`` to theirs. The manifest's extra columns
+        (``Manifest.scan(columns=...)``) are read too."""
         from raying.options import settings as current
 
         settings = settings if settings is not None else current()
@@ -53,7 +59,10 @@ class ReadSpec:
                    files=tuple(manifest.files), image_column=manifest.meta.get("image_column"),
                    decoded=tuple(decoded) if decoded else None, transform=transform,
                    seed=int(seed), on_error=on_error, max_pixels=int(max_pixels),
-                   io=IOConfig.coerce(io), settings=settings)
+                   io=IOConfig.coerce(io), settings=settings,
+                   columns=tuple((name, dict(desc)) for name, desc in
+                                 (manifest.meta.get("columns") or {}).items()),
+                   stages=tuple(stages))
 
 
 def dataset_key(root: str, storage: StorageOptions | None) -> str:

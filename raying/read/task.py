@@ -6,14 +6,18 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
+from raying.dataset import columns as _columns
 from raying.errors import RAISE_FIX, DecodeError
 from raying.options import use
+from raying.read import parquet as _parquet
 from raying.read.account import UnitAccount
 from raying.read.sources import open_source
 from raying.read.spec import ReadSpec, dataset_key
+from raying.read.stages import apply_stages
 from raying.sampling.plan import ReadUnit
 from raying.storage import files as _storage
 
@@ -22,11 +26,17 @@ __all__ = ["BLOCK_KEYS", "ReadSpec", "dataset_key", "empty_block", "iter_unit", 
 BLOCK_KEYS = ("id", "label", "image", "weight", "prob")
 
 
-def empty_block(size: int) -> dict[str, np.ndarray]:
-    """A block with no rows and the right dtypes and shapes."""
-    return {"id": np.zeros(0, np.int64), "label": np.zeros(0, np.int64),
-            "image": np.zeros((0, size, size, 3), np.uint8),
-            "weight": np.zeros(0, np.float32), "prob": np.zeros(0, np.float64)}
+def empty_block(size: int, columns: tuple[tuple[str, Any], ...] = ()
+                ) -> dict[str, np.ndarray]:
+    """A block with no rows and the right dtypes and shapes (extra ``columns`` too: the
+    (name, description) pairs of ``ReadSpec.columns``)."""
+    block: dict[str, np.ndarray] = {
+        "id": np.zeros(0, np.int64), "label": np.zeros(0, np.int64),
+        "image": np.zeros((0, size, size, 3), np.uint8),
+        "weight": np.zeros(0, np.float32), "prob": np.zeros(0, np.float64)}
+    for name, desc in columns:
+        block[name] = _columns.empty(desc)
+    return block
 
 
 _out_buffer: np.ndarray | None = None
@@ -61,6 +71,11 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     sample with its reason, bytes read, seconds, and ``final=True`` on the unit's last block.
     Under ``on_error="raise"`` the first bad sample raises an error naming its file.
 
+    Extra Parquet columns (``spec.columns``) are read once per unit and sliced like the ids;
+    user stages (``spec.stages``) then run on each non-empty block, before the rows a resumed
+    unit skips are dropped (so a resumed block draws the numbers of the whole one). A user
+    stage's error is raised whatever ``on_error`` says.
+
     ``reuse_output=True`` writes the images into a buffer this process keeps between blocks;
     only for callers that copy each block out before asking for the next (a Ray generator
     task stores each yielded value in the object store before it resumes).
@@ -72,6 +87,11 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     step = max(1, block_rows or n)
     fs, root = _storage.resolve(spec.root, spec.storage)
     source = open_source(spec, fs, root, unit, ids, paths)
+    extra: dict[str, np.ndarray] = {}
+    extra_bytes = 0
+    extra_io: dict[str, int] = {}
+    if spec.columns:
+        extra, extra_bytes = _parquet.read_columns(spec, fs, root, unit, ids, extra_io)
     read_s = time.perf_counter() - t0  # reads done when the source opened
     labels = _or_default(unit.labels, n, -1, np.int64)
     weights = _or_default(unit.weights, n, 1.0, np.float32)
@@ -91,6 +111,11 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
         ok = got.ok
         block = {"id": ids[part][ok], "label": labels[part][ok], "image": got.images,
                  "weight": weights[part][ok], "prob": probs[part][ok]}
+        for name, values in extra.items():
+            block[name] = values[part][ok]
+        if spec.stages and len(block["id"]):
+            block = apply_stages(spec.stages, block, seed=spec.seed, epoch=unit.epoch,
+                                 size=spec.transform.size)
         if skip:
             drop = min(skip, len(block["id"]))
             block = {k: v[drop:] for k, v in block.items()}
@@ -98,9 +123,17 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
         account = UnitAccount(
             epoch=unit.epoch, unit=unit.index, rows_in=b - a, rows_out=len(block["id"]),
             skipped=[(int(e.sample_id), e.path or "", e.reason, e.detail) for e in got.errors],
-            bytes_read=got.bytes_read, read_s=(read_s if a == 0 else 0.0) + got.read_s,
-            decode_s=time.perf_counter() - t1, node=node, final=b >= n, io=got.io)
+            bytes_read=got.bytes_read + (extra_bytes if a == 0 else 0), read_s=(read_s if a == 0 else 0.0) + got.read_s,
+            decode_s=time.perf_counter() - t1, node=node, final=b >= n,
+            io=_with_retries(got.io, extra_io) if a == 0 and extra_io else got.io)
         yield block, account
+
+
+def _with_retries(io: dict[str, int], extra_io: dict[str, int]) -> dict[str, int]:
+    """``io`` with the retries of the extra columns' reads added."""
+    out = dict(io)
+    out["io_retries"] = out.get("io_retries", 0) + extra_io.get("io_retries", 0)
+    return out
 
 
 def _node_id() -> str | None:

@@ -1,0 +1,119 @@
+"""User stages: functions given to ``Pipeline.map_batches``, run in the read tasks.
+
+Each stage takes a block (a dict of numpy arrays: ``image`` uint8 NHWC after decode and crop,
+``label``, ``id``, ``weight``, ``prob`` and any extra columns) and returns one. Stages run in
+order, after the built-in transform, on every path that runs read tasks (``pipe.iter_*`` and
+``pipe.dataset(e)``).
+
+A stage with ``with_rng=True`` gets ``rng=``, a ``numpy.random.Generator`` seeded from
+(pipeline seed, epoch, the stage's position, the block's ids): an epoch is reproducible, and
+a retried or resumed read task, which reads the same block, draws the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from raying.errors import UserFunctionError
+from raying.image.rng import epoch_key
+
+# Random streams of user stages start here, away from the built-in transform's streams.
+_STREAM_BASE = 1 << 20
+# Ids a UserFunctionError names at most.
+_IDS_SHOWN = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class UserStage:
+    """One ``map_batches`` call: the function and how to call it."""
+
+    fn: Callable[..., Any]
+    with_rng: bool = False
+    fn_kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The function's qualified name (and module), for error messages."""
+        fn = self.fn
+        qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        module = getattr(fn, "__module__", None)
+        return f"{module}.{qual}" if module and module not in ("__main__", "builtins") else qual
+
+
+def stage_rng(seed: int, epoch: int, index: int, ids: np.ndarray) -> np.random.Generator:
+    """The generator of stage ``index`` for a block of ``ids``: a function of (seed, epoch,
+    index, ids) only, so whichever worker reads the block, and however often, draws alike."""
+    digest = hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int64).tobytes(),
+                             digest_size=16).digest()
+    words = [int.from_bytes(digest[k:k + 4], "little") for k in range(0, 16, 4)]
+    key = epoch_key(seed, epoch, _STREAM_BASE + index)
+    return np.random.default_rng([key & 0xFFFFFFFF, key >> 32, *words])
+
+
+def apply_stages(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, seed: int,
+                 epoch: int, size: int) -> dict[str, np.ndarray]:
+    """Run ``stages`` in order on ``block``; each result is checked before the next runs.
+
+    Raises:
+        UserFunctionError: a stage raised (its traceback in the message), or returned
+            something other than a dict whose ``id`` is the block's and whose columns all
+            have the block's rows, with ``image`` still uint8 ``(n, size, size, 3)``.
+    """
+    ids = block["id"]
+    n = len(ids)
+    for index, stage in enumerate(stages):
+        kwargs = dict(stage.fn_kwargs)
+        if stage.with_rng:
+            kwargs["rng"] = stage_rng(seed, epoch, index, ids)
+        try:
+            out = stage.fn(block, **kwargs)
+        except Exception as exc:
+            text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            err = UserFunctionError(stage.name, epoch, _shown(ids),
+                                    f"raised {type(exc).__name__}: {exc}", text)
+            raise err from exc
+        block = _checked(stage, out, ids, n, size, epoch)
+    return block
+
+
+def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
+             epoch: int) -> dict[str, np.ndarray]:
+    def bad(problem: str) -> UserFunctionError:
+        return UserFunctionError(stage.name, epoch, _shown(ids), problem)
+
+    if not isinstance(out, Mapping):
+        raise bad(f"returned {type(out).__name__}; expected the batch: a dict of numpy "
+                  f"arrays (return the dict it was given, changed)")
+    out = dict(out)
+    got = out.get("id")
+    if got is None or not np.array_equal(np.asarray(got), ids):
+        raise bad("changed or dropped the 'id' column; expected the ids it was given, in "
+                  "order (a stage may change values, not which rows there are: filter or "
+                  "reorder with the sampler instead)")
+    for key, value in out.items():
+        if not isinstance(value, np.ndarray):
+            try:
+                value = out[key] = np.asarray(value)
+            except (TypeError, ValueError) as exc:
+                raise bad(f"returned column {key!r} as {type(value).__name__}, which is not "
+                          f"an array ({exc}); return numpy arrays") from None
+        if value.ndim == 0 or len(value) != n:
+            rows = "a scalar" if value.ndim == 0 else f"{len(value)} rows"
+            raise bad(f"returned column {key!r} with {rows}; expected {n} rows, one per id")
+    image = out.get("image")
+    if image is None or image.dtype != np.uint8 or image.shape != (n, size, size, 3):
+        got_image = "no 'image'" if image is None else f"{image.dtype} {image.shape}"
+        raise bad(f"returned {got_image}; expected 'image' as uint8 ({n}, {size}, {size}, 3) "
+                  f"(the size is ImageTransform(size=...); convert to float on the device: "
+                  f"iter_torch_batches(normalize=True), or add another column)")
+    return out
+
+
+def _shown(ids: np.ndarray) -> list[int]:
+    return [int(i) for i in ids[:_IDS_SHOWN]]

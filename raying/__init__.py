@@ -11,6 +11,7 @@ from raying.errors import (
     RayingError,
     StorageError,
     SupersededError,
+    UserFunctionError,
 )
 from raying.image.transform import ImageTransform
 from raying.loader.pipeline import Pipeline, PipelineConfig
@@ -42,6 +43,7 @@ __all__ = [
     "StorageOptions",
     "SupersededError",
     "UniformSampler",
+    "UserFunctionError",
     "WeightedSampler",
     "pack",
     "report",

@@ -1,0 +1,257 @@
+"""User stages (Pipeline.map_batches) and extra Parquet columns, read in-process (no Ray)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import raying
+from raying.read.stages import stage_rng
+from raying.read.task import empty_block, run_unit
+from raying.tools.datagen import encode, synth_image
+
+SIZE = 16
+
+
+def write_parquet_set(root, *, files=((0, 20), (20, 36)), row_group_size=6):
+    """Parquet files of real JPEGs with a caption (str), a number (int32) and a
+    variable-length float list per row; every value is a function of the row's id."""
+    rng = np.random.default_rng(0)
+    for f, (lo, hi) in enumerate(files):
+        ids = range(lo, hi)
+        pq.write_table(pa.table({
+            "image": pa.array([encode(synth_image(rng, i % 3, 3, 24, 32), "jpg") for i in ids],
+                              pa.binary()),
+            "label": pa.array([i % 3 for i in ids], pa.int64()),
+            "caption": pa.array([f"sample {i}" for i in ids]),
+            "n": pa.array([i * 10 for i in ids], pa.int32()),
+            "boxes": pa.array([[i + 0.5] * (i % 4) for i in ids], pa.list_(pa.float32())),
+            "tag": pa.array([{"k": i} for i in ids]),
+        }), f"{root}/part-{f}.parquet", row_group_size=row_group_size)
+    return root
+
+
+@pytest.fixture(scope="module")
+def parquet_set(tmp_path_factory):
+    return write_parquet_set(tmp_path_factory.mktemp("pq"))
+
+
+def read_epoch(pipe, epoch):
+    """Every block of ``epoch``, read in this process, concatenated in plan order."""
+    blocks = []
+    for u in pipe.plan(epoch).units:
+        unit, paths = pipe._fill(u)
+        blocks.append(run_unit(pipe._spec, unit, paths)[0])
+    return {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+
+
+def jitter(batch, rng, scale=20):
+    shift = rng.integers(-scale, scale + 1, size=(len(batch["id"]), 1, 1, 3))
+    batch["image"] = np.clip(batch["image"].astype(np.int16) + shift, 0, 255).astype(np.uint8)
+    return batch
+
+
+def invert(batch):
+    batch["image"] = 255 - batch["image"]
+    batch["inverted"] = np.ones(len(batch["id"]), dtype=bool)
+    return batch
+
+
+def broken(batch):
+    return batch["no such column"]
+
+
+# -- extra columns: scan -------------------------------------------------------------------------
+def test_scan_records_columns_and_they_survive_save_load(parquet_set, tmp_path):
+    m = raying.Manifest.scan(str(parquet_set), columns=["caption", "n", "boxes"])
+    assert m.meta["columns"] == {"caption": {"kind": "string"},
+                                 "n": {"kind": "number", "dtype": "int64"},
+                                 "boxes": {"kind": "list", "dtype": "float32"}}
+    m.save(str(tmp_path / "m.parquet"))
+    back = raying.Manifest.load(str(tmp_path / "m.parquet"))
+    assert back.meta["columns"] == m.meta["columns"]
+    # Carrying columns changes no id, size or file: the dataset's identity stays.
+    assert m.fingerprint() == raying.Manifest.scan(str(parquet_set)).fingerprint()
+
+
+def test_scan_column_missing_from_one_file_names_file_and_column(tmp_path):
+    write_parquet_set(tmp_path)
+    t = pq.read_table(tmp_path / "part-1.parquet").drop_columns(["caption"])
+    pq.write_table(t, tmp_path / "part-1.parquet")
+    with pytest.raises(raying.DataError,
+                       match=r"part-1.parquet has no column 'caption' asked for by columns="):
+        raying.Manifest.scan(str(tmp_path), columns=["caption"])
+
+
+@pytest.mark.parametrize(("columns", "error", "pattern"), [
+    (["tag"], raying.DataError, r"column 'tag' has type struct<k: int64>, which raying cannot"),
+    (["id"], raying.ConfigError, r"names \['id'\], which every batch already has"),
+    (["label"], raying.ConfigError, r"names \['label'\], which every batch already has"),
+    ("caption", raying.ConfigError, r"columns must be a list of column names, got 'caption'"),
+])
+def test_scan_refuses_columns_it_cannot_carry(parquet_set, columns, error, pattern):
+    with pytest.raises(error, match=pattern):
+        raying.Manifest.scan(str(parquet_set), columns=columns)
+
+
+def test_scan_refuses_columns_for_an_image_folder(tmp_path):
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "imgs", n=3, classes=1, size=(8, 8))
+    with pytest.raises(raying.ConfigError, match=r"reads Parquet columns, but .* image folder"):
+        raying.Manifest.scan(str(root), columns=["caption"])
+
+
+# -- extra columns: read -------------------------------------------------------------------------
+def test_extra_columns_arrive_aligned_with_ids(parquet_set):
+    m = raying.Manifest.scan(str(parquet_set), columns=["caption", "n", "boxes"])
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=3))
+    got = read_epoch(pipe, 0)
+    ids = got["id"]
+    assert sorted(ids.tolist()) == list(range(36))
+    assert not (np.diff(ids) > 0).all()  # shuffled: alignment is not an accident of order
+    assert got["caption"].tolist() == [f"sample {i}" for i in ids]
+    assert got["n"].dtype == np.int64 and (got["n"] == ids * 10).all()
+    assert got["boxes"].dtype == object
+    for i, row in zip(ids, got["boxes"], strict=True):
+        assert row.dtype == np.float32
+        np.testing.assert_array_equal(row, np.full(i % 4, i + 0.5, np.float32))
+    pipe.close()
+
+
+def test_extra_column_nulls_stop_the_read_naming_the_column(tmp_path):
+    write_parquet_set(tmp_path, files=((0, 6),))
+    t = pq.read_table(tmp_path / "part-0.parquet")
+    t = t.set_column(t.schema.get_field_index("caption"), "caption",
+                     pa.array(["a", None, "c", "d", "e", "f"]))
+    pq.write_table(t, tmp_path / "part-0.parquet")
+    pipe = raying.Pipeline(raying.Manifest.scan(str(tmp_path), columns=["caption"]),
+                           transform=raying.ImageTransform(size=SIZE))
+    with pytest.raises(raying.DataError, match=r"extra column 'caption' has 1 null values"):
+        read_epoch(pipe, 0)
+
+
+def test_empty_block_has_the_extra_columns():
+    block = empty_block(8, (("caption", {"kind": "string"}),
+                            ("xy", {"kind": "array", "dtype": "float32", "width": 2})))
+    assert block["caption"].dtype == object and block["caption"].shape == (0,)
+    assert block["xy"].shape == (0, 2) and block["xy"].dtype == np.float32
+    assert block["image"].shape == (0, 8, 8, 3)
+
+
+# -- user stages ---------------------------------------------------------------------------------
+def test_chained_stages_run_in_order_and_leave_the_original_pipeline(parquet_set):
+    m = raying.Manifest.scan(str(parquet_set))
+    base = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=1))
+    staged = base.map_batches(jitter, with_rng=True).map_batches(invert)
+    plain = read_epoch(base, 0)
+    assert "inverted" not in plain  # the original pipeline is unchanged
+    got = read_epoch(staged, 0)
+    assert got["inverted"].all()
+    np.testing.assert_array_equal(got["id"], plain["id"])
+    # invert ran after jitter: undoing it gives the jittered pixels, a bounded shift of the
+    # plain ones, the same shift for every pixel of a channel where nothing clipped.
+    diff = (255 - got["image"]).astype(np.int16) - plain["image"]
+    assert np.abs(diff).max() <= 20 and np.abs(diff).max() > 0
+    staged.close()
+    base.close()
+
+
+def test_with_rng_same_seed_and_epoch_same_pixels_other_epoch_other(parquet_set):
+    m = raying.Manifest.scan(str(parquet_set))
+
+    def staged(seed):
+        return raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE, random_crop=False,
+                                                                  flip=False),
+                               sampler=raying.UniformSampler(seed=seed)).map_batches(
+            jitter, with_rng=True, fn_kwargs={"scale": 40})
+
+    a0, b0 = read_epoch(staged(5), 0), read_epoch(staged(5), 0)
+    np.testing.assert_array_equal(a0["image"], b0["image"])
+    a1 = read_epoch(staged(5), 1)
+    order0, order1 = np.argsort(a0["id"]), np.argsort(a1["id"])
+    # Without random crop or flip, the only epoch-to-epoch change is the stage's draws.
+    assert not np.array_equal(a0["image"][order0], a1["image"][order1])
+
+
+def test_stage_rng_depends_on_seed_epoch_stage_and_ids_only():
+    ids = np.array([4, 9, 2])
+    draw = lambda *a: stage_rng(*a).integers(1 << 30, size=4).tolist()  # noqa: E731
+    assert draw(1, 2, 0, ids) == draw(1, 2, 0, ids.copy())
+    assert len({tuple(draw(1, 2, 0, ids)), tuple(draw(1, 3, 0, ids)),
+                tuple(draw(2, 2, 0, ids)), tuple(draw(1, 2, 1, ids)),
+                tuple(draw(1, 2, 0, ids[::-1].copy()))}) == 5
+
+
+def test_a_raising_stage_names_itself_epoch_ids_and_traceback_even_under_skip(parquet_set):
+    m = raying.Manifest.scan(str(parquet_set))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE), on_error="skip",
+                           sampler=raying.UniformSampler(seed=0)).map_batches(broken)
+    first = pipe.plan(2).units[0]
+    unit, paths = pipe._fill(first)
+    ids = ", ".join(str(i) for i in unit.ids[:8])
+    with pytest.raises(raying.UserFunctionError,
+                       match=rf"map_batches function .*broken raised KeyError: 'no such column' "
+                             rf"\(epoch 2, ids \[{ids}\]\.\.\.\)") as info:
+        run_unit(pipe._spec, unit, paths)
+    err = info.value
+    assert err.function.endswith("broken") and err.epoch == 2
+    assert 'return batch["no such column"]' in str(err)  # the user's line, in the message
+    assert isinstance(err.__cause__, KeyError)
+    back = pickle.loads(pickle.dumps(err))  # as it travels from a Ray worker
+    assert str(back) == str(err) and back.ids == err.ids
+
+
+@pytest.mark.parametrize(("fn", "pattern"), [
+    (lambda b: None, r"returned NoneType; expected the batch"),
+    (lambda b: {**b, "id": b["id"][::-1]}, r"changed or dropped the 'id' column"),
+    (lambda b: {k: v[:-1] for k, v in b.items()}, r"changed or dropped the 'id' column"),
+    (lambda b: {**b, "extra": np.zeros(3)}, r"returned column 'extra' with 3 rows; expected"),
+    (lambda b: {**b, "image": b["image"] / 255.0},
+     r"returned float64 \(\d+, 16, 16, 3\); expected 'image' as uint8"),
+])
+def test_a_stage_that_breaks_the_batch_is_named(parquet_set, fn, pattern):
+    m = raying.Manifest.scan(str(parquet_set))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE)).map_batches(fn)
+    with pytest.raises(raying.UserFunctionError, match=r"map_batches function .*<lambda> "
+                                                        + pattern):
+        read_epoch(pipe, 0)
+
+
+def test_map_batches_refuses_what_it_cannot_run(parquet_set):
+    m = raying.Manifest.scan(str(parquet_set))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE))
+    with pytest.raises(raying.ConfigError, match=r"needs a function of the batch dict, got int"):
+        pipe.map_batches(3)
+    lock = threading.Lock()
+    with pytest.raises(raying.ConfigError, match=r"cannot be pickled"):
+        pipe.map_batches(lambda b: b if lock else b)
+    with pytest.raises(raying.ConfigError, match=r"fn_kwargs has 'rng'"):
+        pipe.map_batches(jitter, with_rng=True, fn_kwargs={"rng": 1})
+    pipe.plan(0)  # started: binding the sampler twice would be ambiguous
+    with pytest.raises(raying.ConfigError, match=r"map_batches on Pipeline .* after it started"):
+        pipe.map_batches(invert)
+
+
+def test_torch_converter_keeps_strings_as_lists_and_ragged_rows_as_tensors():
+    torch = pytest.importorskip("torch")
+    from raying.loader.batches import TorchConverter
+
+    boxes = np.empty(2, dtype=object)
+    boxes[0], boxes[1] = np.array([1.5, 2.5], np.float32), np.zeros(0, np.float32)
+    batch = {"id": np.array([3, 4]), "image": np.zeros((2, 4, 4, 3), np.uint8),
+             "caption": np.array(["a", "b"], dtype=object), "n": np.array([7, 8]),
+             "boxes": boxes}
+    conv = TorchConverter("cpu", normalize=False)
+    out = conv.device_put(conv.host(batch))
+    assert out["caption"] == ["a", "b"]
+    assert out["n"].dtype == torch.int64 and out["n"].tolist() == [7, 8]
+    assert [t.tolist() for t in out["boxes"]] == [[1.5, 2.5], []]
+    assert out["boxes"][0].dtype == torch.float32

@@ -1,0 +1,123 @@
+"""User stages and extra Parquet columns through real Ray: both paths, torch and tf."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import raying
+from tests.unit.read.test_stages import write_parquet_set
+
+SIZE = 16
+COLUMNS = ["caption", "n", "boxes"]
+
+
+def make_stages():
+    """A seeded colour shift, then an inversion that adds a column. Built here (not at module
+    level) so that Ray ships them by value, whatever the workers can import."""
+    def jitter(batch, rng, scale=20):
+        shift = rng.integers(-scale, scale + 1, size=(len(batch["id"]), 1, 1, 3))
+        batch["image"] = np.clip(batch["image"].astype(np.int16) + shift, 0,
+                                 255).astype(np.uint8)
+        return batch
+
+    def invert(batch):
+        batch["image"] = 255 - batch["image"]
+        batch["caption_len"] = np.array([len(c) for c in batch["caption"]], dtype=np.int64)
+        return batch
+
+    return jitter, invert
+
+
+@pytest.fixture(scope="module")
+def parquet_set(tmp_path_factory):
+    return write_parquet_set(tmp_path_factory.mktemp("pq"))
+
+
+def staged_pipeline(root, *, seed=0, stages=True):
+    m = raying.Manifest.scan(str(root), columns=COLUMNS)
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=seed),
+                           config=raying.PipelineConfig(block_rows=8))
+    if stages:
+        jitter, invert = make_stages()
+        pipe = pipe.map_batches(jitter, with_rng=True).map_batches(invert)
+    return pipe
+
+
+def by_id(batches, key):
+    return {int(i): v for b in batches for i, v in zip(b["id"], b[key], strict=True)}
+
+
+def test_chained_stages_and_columns_on_both_paths(parquet_set, ray_local):
+    pipe = staged_pipeline(parquet_set)
+    fast = list(pipe.iter_batches(batch_size=10, epoch=1))
+    rd = list(pipe.dataset(1).iter_batches(batch_size=10, batch_format="numpy"))
+    plain = staged_pipeline(parquet_set, stages=False)
+    base = by_id(plain.iter_batches(batch_size=10, epoch=1), "image")
+    fast_img, rd_img = by_id(fast, "image"), by_id(rd, "image")
+    assert sorted(fast_img) == sorted(rd_img) == list(range(36))
+    for i in range(36):
+        np.testing.assert_array_equal(fast_img[i], rd_img[i])  # same pixels on both paths
+        # Both stages ran, in order: undoing the inversion leaves a shift of at most 20.
+        shift = (255 - fast_img[i]).astype(np.int16) - base[i]
+        assert np.abs(shift).max() <= 20
+    assert any(np.abs((255 - fast_img[i]).astype(np.int16) - base[i]).max() > 0
+               for i in range(36))
+    for batches in (fast, rd):
+        assert by_id(batches, "caption") == {i: f"sample {i}" for i in range(36)}
+        assert by_id(batches, "caption_len") == {i: len(f"sample {i}") for i in range(36)}
+        assert by_id(batches, "n") == {i: 10 * i for i in range(36)}
+        for i, row in by_id(batches, "boxes").items():
+            np.testing.assert_array_equal(np.asarray(row, np.float32),
+                                          np.full(i % 4, i + 0.5, np.float32))
+    # Same seed and epoch: same pixels from a new pipeline; another epoch: others.
+    again = by_id(staged_pipeline(parquet_set).iter_batches(batch_size=10, epoch=1), "image")
+    other = by_id(staged_pipeline(parquet_set).iter_batches(batch_size=10, epoch=2), "image")
+    assert all(np.array_equal(again[i], fast_img[i]) for i in range(36))
+    assert sum(np.array_equal(other[i], fast_img[i]) for i in range(36)) < 3
+    pipe.close()
+    plain.close()
+
+
+def test_extra_columns_in_torch_and_tf_batches(parquet_set, ray_local):
+    torch = pytest.importorskip("torch")
+    pipe = staged_pipeline(parquet_set, stages=False)
+    got = {}
+    for b in pipe.iter_torch_batches(batch_size=7, epoch=0, device="cpu", normalize=False):
+        assert isinstance(b["caption"], list) and b["n"].dtype == torch.int64
+        assert isinstance(b["boxes"], list) and all(t.dtype == torch.float32 for t in b["boxes"])
+        for k, i in enumerate(b["id"].tolist()):
+            got[i] = (b["caption"][k], int(b["n"][k]), b["boxes"][k].tolist())
+    assert got == {i: (f"sample {i}", 10 * i, [i + 0.5] * (i % 4)) for i in range(36)}
+
+    tf = pytest.importorskip("tensorflow")
+    got = {}
+    for b in pipe.to_tf(batch_size=7, epoch=0):
+        assert b["caption"].dtype == tf.string and b["n"].dtype == tf.int64
+        assert isinstance(b["boxes"], tf.RaggedTensor) and b["boxes"].dtype == tf.float32
+        for k, i in enumerate(b["id"].numpy().tolist()):
+            got[i] = (b["caption"][k].numpy().decode(), int(b["n"][k]),
+                      b["boxes"][k].numpy().tolist())
+    assert got == {i: (f"sample {i}", 10 * i, [i + 0.5] * (i % 4)) for i in range(36)}
+    pipe.close()
+
+
+def test_a_raising_stage_stops_both_paths_naming_itself_epoch_and_ids(parquet_set, ray_local):
+    def scale_boxes(batch):
+        batch["boxes"] = batch["boxes"] * 2.0  # object array of arrays: fine; then:
+        raise ValueError("boxes must be normalised first")
+
+    m = raying.Manifest.scan(str(parquet_set), columns=COLUMNS)
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE), on_error="skip",
+                           config=raying.PipelineConfig(block_rows=8)).map_batches(scale_boxes)
+    pattern = (r"map_batches function .*scale_boxes raised ValueError: boxes must be "
+               r"normalised first \(epoch 3, ids \[\d+(, \d+){7}\]\.\.\.\)")
+    with pytest.raises(raying.UserFunctionError, match=pattern) as info:
+        list(pipe.iter_batches(batch_size=8, epoch=3))
+    assert 'raise ValueError("boxes must be normalised first")' in str(info.value)
+    with pytest.raises(raying.UserFunctionError, match=pattern) as info:
+        list(pipe.dataset(3).iter_batches(batch_size=8))
+    assert 'raise ValueError("boxes must be normalised first")' in str(info.value)
+    assert pipe.stats(sampling=False)["skipped_count"] == 0  # a bug is not a bad sample
+    pipe.close()

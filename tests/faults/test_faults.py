@@ -117,6 +117,48 @@ def test_uniform_epoch_survives_five_worker_kills(folder, ray_fresh, tmp_path, c
     pipe.close()
 
 
+def test_retried_read_tasks_yield_the_same_pixels_through_a_seeded_stage(folder, ray_fresh):
+    def slow_jitter(batch, rng):  # built here so that Ray ships it by value
+        time.sleep(0.1)  # a heavy augmentation: kills land while it runs
+        shift = rng.integers(-30, 31, size=(len(batch["id"]), 1, 1, 3))
+        batch["image"] = np.clip(batch["image"].astype(np.int16) + shift, 0,
+                                 255).astype(np.uint8)
+        return batch
+
+    def run(kills: int) -> tuple[dict[int, np.ndarray], int]:
+        pipe = raying.Pipeline(_slow_manifest(folder), transform=raying.ImageTransform(size=16),
+                               sampler=raying.UniformSampler(seed=7),
+                               config=raying.PipelineConfig(block_rows=20,
+                                                            decoded_cache="off"))
+        pipe = pipe.map_batches(slow_jitter, with_rng=True)
+        killed: list[int] = []
+        stop = threading.Event()
+
+        def killer():
+            while len(killed) < kills and not stop.is_set():
+                time.sleep(0.3)
+                for pid in _read_task_pids()[:1]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+
+        t = threading.Thread(target=killer, daemon=True)
+        t.start()
+        images = {int(i): img for b in pipe.iter_batches(batch_size=32, epoch=0)
+                  for i, img in zip(b["id"], b["image"], strict=True)}
+        stop.set()
+        t.join()
+        pipe.close()
+        return images, len(killed)
+
+    reference, _ = run(kills=0)
+    retried, killed = run(kills=3)
+    assert killed == 3, f"only {killed} kills landed; make the epoch longer"
+    assert sorted(retried) == sorted(reference) == list(range(400)), "each id exactly once"
+    same = [i for i in range(400) if np.array_equal(retried[i], reference[i])]
+    assert len(same) == 400, f"{400 - len(same)} images differ after retries"
+
+
 @pytest.mark.slow
 def test_node_removed_mid_epoch_loses_nothing(folder):
     import ray

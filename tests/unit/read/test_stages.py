@@ -255,3 +255,26 @@ def test_torch_converter_keeps_strings_as_lists_and_ragged_rows_as_tensors():
     assert out["n"].dtype == torch.int64 and out["n"].tolist() == [7, 8]
     assert [t.tolist() for t in out["boxes"]] == [[1.5, 2.5], []]
     assert out["boxes"][0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("io", [None, "planned"])
+def test_columns_and_stages_on_the_planned_path_and_a_resumed_unit(parquet_set, tmp_path, io):
+    from raying.options import CacheConfig, IOConfig
+
+    config = raying.PipelineConfig(io=IOConfig(cache=CacheConfig(
+        memory_bytes=10**7, memory_dir=str(tmp_path / "mem"))) if io else None)
+    m = raying.Manifest.scan(str(parquet_set), columns=["caption", "boxes"])
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE), config=config,
+                           sampler=raying.UniformSampler(seed=2)).map_batches(jitter,
+                                                                               with_rng=True)
+    unit, paths = pipe._fill(pipe.plan(0).units[0])
+    whole, _ = run_unit(pipe._spec, unit, paths)
+    assert whole["caption"].tolist() == [f"sample {i}" for i in whole["id"]]
+    # A unit re-run to resume after its first 5 rows gives the rest of the same pixels: the
+    # stage drew for the whole block before the rows were dropped.
+    unit.skip_rows = 5
+    rest, _ = run_unit(pipe._spec, unit, paths)
+    np.testing.assert_array_equal(rest["id"], whole["id"][5:])
+    np.testing.assert_array_equal(rest["image"], whole["image"][5:])
+    assert rest["caption"].tolist() == whole["caption"][5:].tolist()
+    pipe.close()

@@ -283,7 +283,8 @@ class Pipeline:
     def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
                      prefetch_batches: int | None = None,
                      drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
-        """numpy batches: ``id``, ``label``, ``image`` (uint8 NHWC), ``weight``, ``prob``."""
+        """numpy batches: ``id``, ``label``, ``image`` (uint8 NHWC), ``weight``, ``prob``, the
+        manifest's extra columns and what ``map_batches`` stages added."""
         epoch = _epoch(epoch)  # here, not in the prefetch thread
         self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
         assembler = BatchAssembler(batch_size, drop_last=drop_last)
@@ -311,7 +312,8 @@ class Pipeline:
 
         ``image`` is float32 NCHW normalized on the device (``normalize=True``), or uint8
         NHWC (``normalize=False``). ``id``/``label`` int64, ``weight`` float32, ``prob``
-        float64.
+        float64. Extra columns are tensors where they hold numbers, else lists (one ``str``,
+        ``bytes`` or 1-D tensor per row).
         """
         from raying.options import DEFAULT_MEAN, DEFAULT_STD
 

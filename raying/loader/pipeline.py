@@ -163,6 +163,11 @@ class Pipeline:
         out._spec = dataclasses.replace(out._spec, stages=out._stages)
         return out
 
+    @property
+    def stages(self) -> tuple[UserStage, ...]:
+        """The ``map_batches`` stages the read tasks run after the transform, in order."""
+        return self._stages
+
     # -- plans ---------------------------------------------------------------------------------
     def _bind(self) -> None:
         if self._closed:

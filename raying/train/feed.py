@@ -30,12 +30,13 @@ class Feed:
     settings: Settings
     name: str
     epochs: int
+    stages: tuple[Any, ...] = ()  # the pipeline's map_batches stages, in order
 
     @classmethod
     def of(cls, pipe: Pipeline, epochs: int) -> Feed:
         return cls(manifest=pipe.manifest, transform=pipe.transform, sampler=pipe.sampler,
                    on_error=pipe.on_error, config=pipe.config, settings=pipe.settings,
-                   name=pipe.name, epochs=int(epochs))
+                   name=pipe.name, epochs=int(epochs), stages=tuple(pipe.stages))
 
 
 def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[str, Any]:

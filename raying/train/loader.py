@@ -59,8 +59,12 @@ class Loader:
         self.feed, self.rank, self.world_size = feed, int(rank), int(world_size)
         config = dataclasses.replace(feed.config, name=feed.name,
                                      shard=(self.rank, self.world_size))
-        self.pipe = Pipeline(feed.manifest, transform=feed.transform, sampler=feed.sampler,
-                             on_error=feed.on_error, config=config, settings=feed.settings)
+        pipe = Pipeline(feed.manifest, transform=feed.transform, sampler=feed.sampler,
+                        on_error=feed.on_error, config=config, settings=feed.settings)
+        for stage in feed.stages:  # the driver pipeline's own augmentation, in order
+            pipe = pipe.map_batches(stage.fn, with_rng=stage.with_rng,
+                                    fn_kwargs=dict(stage.fn_kwargs))
+        self.pipe = pipe
         _check_room_for_reads(self.pipe.config.task_num_cpus)
         self.restored: Any = None
         self.epoch = 0

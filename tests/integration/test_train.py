@@ -40,6 +40,10 @@ def _read(tmp_path, name):
     return [i for line in path.read_text().splitlines() for i in json.loads(line)]
 
 
+def _double_id(batch):
+    return {**batch, "twice": batch["id"] * 2}
+
+
 def _uniform_loop(config):
     import ray.train
     import torch
@@ -51,6 +55,7 @@ def _uniform_loop(config):
         for batch in loader.iter_torch_batches(batch_size=16):
             assert batch["image"].dtype == torch.float32 and batch["image"].shape[1:] == (3, 16, 16)
             model(batch["image"].flatten(1))
+            assert torch.equal(batch["twice"], batch["id"] * 2)  # the pipeline's own stage ran
             _log(config, f"r{rank}-e{epoch}", batch["id"].tolist())
         ray.train.report({"epoch": epoch}, checkpoint=loader.checkpoint(model=model.state_dict()))
 
@@ -60,7 +65,7 @@ def test_uniform_epochs_reach_every_id_exactly_once_across_the_workers(image_fol
     m = raying.Manifest.scan(str(image_folder))
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
                            sampler=raying.UniformSampler(seed=3),
-                           config=raying.PipelineConfig(block_rows=8))
+                           config=raying.PipelineConfig(block_rows=8)).map_batches(_double_id)
     result = _trainer(_uniform_loop, pipe, tmp_path, epochs=2).fit()
     for epoch in range(2):
         a, b = _read(tmp_path, f"r0-e{epoch}"), _read(tmp_path, f"r1-e{epoch}")

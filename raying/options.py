@@ -563,20 +563,7 @@ class TableConfig:
     @classmethod
     def coerce(cls, value: TableConfig | Mapping[str, Any] | None) -> TableConfig:
         """Accept a TableConfig, a dict of its fields, or None (the defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, Mapping):
-            fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - fields)
-            if unknown:
-                msg = (f"table option(s) {unknown} not known; expected some of "
-                       f"{sorted(fields)}")
-                raise ConfigError(msg)
-            return cls(**value)
-        msg = f"table config must be a TableConfig, a dict or None, got {type(value).__name__}"
-        raise ConfigError(msg)
+        return _coerce(cls, value, "table")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -637,16 +624,22 @@ class StoreConfig:
     @classmethod
     def coerce(cls, value: StoreConfig | Mapping[str, Any] | None) -> StoreConfig:
         """Accept a StoreConfig, a dict of its fields, or None (the defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, Mapping):
-            fields = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - fields)
-            if unknown:
-                msg = f"store option(s) {unknown} not known; expected some of {sorted(fields)}"
-                raise ConfigError(msg)
-            return cls(**value)
-        msg = f"store config must be a StoreConfig, a dict or None, got {type(value).__name__}"
-        raise ConfigError(msg)
+        return _coerce(cls, value, "store")
+
+
+def _coerce(cls: Any, value: Any, kind: str) -> Any:
+    """``value`` as a ``cls``: itself, built from a dict of its fields, or the defaults."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            msg = f"{kind} option(s) {unknown} not known; expected some of {sorted(fields)}"
+            raise ConfigError(msg)
+        return cls(**value)
+    msg = (f"{kind} config must be a {cls.__name__}, a dict or None, got "
+           f"{type(value).__name__}")
+    raise ConfigError(msg)

@@ -343,12 +343,7 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
             starts.append((g_start, offset))
             offset += g_rows
         chunks.extend(arr.chunks)
-    first_ids = np.array([s for s, _ in starts], dtype=np.int64)
-    offsets = np.array([o for _, o in starts], dtype=np.int64)
-    sort = np.argsort(first_ids)
-    first_ids, offsets = first_ids[sort], offsets[sort]
-    k = np.searchsorted(first_ids, ids, side="right") - 1
-    pos = offsets[k] + (ids - first_ids[k])
+    pos = _positions(starts, ids)
     if chunks and pa.types.is_struct(chunks[0].type):  # {bytes, path}: Hugging Face Image
         k = chunks[0].type.get_field_index("bytes")
         chunks = [c.flatten()[k] for c in chunks]  # flatten keeps the struct's nulls
@@ -485,12 +480,7 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
             starts.append((g_start, offset))
             offset += g_rows
         tables.append(table)
-    first_ids = np.array([s for s, _ in starts], dtype=np.int64)
-    offsets = np.array([o for _, o in starts], dtype=np.int64)
-    sort = np.argsort(first_ids)
-    first_ids, offsets = first_ids[sort], offsets[sort]
-    k = np.searchsorted(first_ids, ids, side="right") - 1
-    pos = offsets[k] + (ids - first_ids[k])
+    pos = _positions(starts, ids)
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
     taken = table.take(pa.array(pos, type=pa.int64()))
     out = {}
@@ -498,3 +488,14 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
         out[name] = _columns.to_numpy(taken.column(name), desc, name=name,
                                       where=f"{spec.root.rstrip('/')} (unit {unit.index})")
     return out, int(table.nbytes)
+
+
+def _positions(starts: list[tuple[int, int]], ids: np.ndarray) -> np.ndarray:
+    """Where each id sits in the concatenated rows, given each row group's (first id, offset
+    of its first row)."""
+    first_ids = np.array([s for s, _ in starts], dtype=np.int64)
+    offsets = np.array([o for _, o in starts], dtype=np.int64)
+    sort = np.argsort(first_ids)
+    first_ids, offsets = first_ids[sort], offsets[sort]
+    k = np.searchsorted(first_ids, ids, side="right") - 1
+    return offsets[k] + (ids - first_ids[k])

@@ -1,19 +1,22 @@
-"""Ray job: Keras ``model.fit`` on ``pipe.to_tf``, per-sample losses fed back to the store.
+"""Ray job: data-parallel TensorFlow training (TensorflowTrainer) fed by raying, losses fed back.
 
 What runs where::
 
-    driver (this job)   Keras model.fit on a tf.data.Dataset from pipe.to_tf(...)
-    Ray tasks           read + decode + augment, spread over the CPU nodes, uint8 blocks
-    FeedbackModel       Keras' own train_step + the unreduced loss of the same forward pass
-                        -> LossReporter -> pipe.report (fire-and-forget) -> priority store
-    PrioritizedSampler  later reads drawn from the store the losses keep up to date
+    driver (this job)   manifest, Pipeline, TensorflowTrainer(**raying.train.datasets(pipe, E))
+    Train workers (N)   MultiWorkerMirroredStrategy; loader = raying.train.loader()
+                        -> loader.to_tf(...): this worker's share of every epoch, float NHWC
+                        -> one step per batch (gradients all-reduced over the workers)
+                        -> loader.report(ids, per-sample losses) (never blocks)
+    priority store      a named actor owned by the driver; later reads are drawn from it
 
-The driver trains, so give it the accelerator: ``ray job submit --entrypoint-num-gpus 1``.
+Every worker runs ``loader.steps_per_epoch(batch)`` steps, the same number (the collectives
+need it). The step is written out rather than ``model.fit``: Keras 3's ``fit`` cannot reduce
+its logs across workers under the multi-worker strategy.
 
 Examples:
     ray job submit --working-dir . -- python jobs/train_tf.py --smoke-test
-    ray job submit --entrypoint-num-gpus 1 --working-dir . -- python jobs/train_tf.py \\
-        --data s3://bucket/train --epochs 10 --batch-size 256
+    ray job submit --working-dir . -- python jobs/train_tf.py --data s3://bucket/train \\
+        --num-workers 4 --epochs 10 --batch-size 256
 """
 
 from __future__ import annotations
@@ -21,16 +24,26 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import ray.cloudpickle
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-NORMAL = {"epochs": 3, "batch_size": 128, "size": 128, "block_rows": 128, "lr": 1e-3}
-SMOKE = {"epochs": 2, "batch_size": 16, "size": 32, "block_rows": 32, "lr": 1e-3}
+# Train workers unpickle train_loop and its helpers; they cannot import jobs/ modules by name.
+ray.cloudpickle.register_pickle_by_value(_common)
+if __name__ != "__main__":  # imported by path (tests): ship this module by value too
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+NORMAL = {"epochs": 3, "batch_size": 128, "size": 128, "block_rows": 128, "lr": 0.05,
+          "num_workers": 2, "cpus_per_worker": 1.0}
+SMOKE = {"epochs": 2, "batch_size": 16, "size": 32, "block_rows": 16, "lr": 0.05,
+         "num_workers": 2, "cpus_per_worker": 0.25}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,34 +52,75 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     _common.add_common_args(p)
     p.add_argument("--epochs", type=_common.positive)
-    p.add_argument("--batch-size", type=_common.positive)
+    p.add_argument("--batch-size", type=_common.positive, help="per worker")
     p.add_argument("--size", type=_common.positive, help="training crop size (pixels)")
     p.add_argument("--block-rows", type=_common.positive, help="images per read task")
     p.add_argument("--lr", type=float)
+    p.add_argument("--num-workers", type=_common.positive, help="Train workers")
+    p.add_argument("--cpus-per-worker", type=float)
     p.add_argument("--sampler", choices=["prioritized", "uniform"], default="prioritized")
     p.add_argument("--beta", type=float, default=0.5, help="importance-weight exponent")
-    p.add_argument("--samples-per-epoch", type=_common.positive, help="draws per epoch (prioritized)")
     p.add_argument("--name", help="names the pipeline's actors (priority store)")
     p.add_argument("--snapshot-uri", help="where the priority store writes its snapshots")
+    p.add_argument("--storage-path", help="Ray Train run storage (shared on multi-node)")
     return p
 
 
-def _model(keras: Any, classes: int, size: int):
-    return keras.Sequential([
-        keras.Input((size, size, 3)),
-        keras.layers.Conv2D(16, 3, strides=2, padding="same", activation="relu"),
-        keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(classes)])
+def train_loop(config: dict[str, Any]) -> None:
+    """One Train worker: its share of every epoch, one all-reduced step per batch."""
+    import itertools
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import tensorflow as tf
+
+    import raying.train
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    loader = raying.train.loader()
+    batch, ledger = config["batch_size"], config["ledger"]
+    keras.utils.set_random_seed(config["seed"])
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((config["size"], config["size"], 3)),
+            keras.layers.Conv2D(16, 3, strides=2, padding="same", activation="relu"),
+            keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu"),
+            keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(config["classes"])])
+        opt = keras.optimizers.SGD(config["lr"], momentum=0.9)
+
+    @tf.function
+    def step(image, label, weight):
+        with tf.GradientTape() as tape:
+            per = keras.losses.sparse_categorical_crossentropy(label, model(image, training=True),
+                                                               from_logits=True)
+            loss = tf.reduce_sum(per * weight) / (batch * loader.world_size)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+        return per
+
+    for epoch in loader.epochs():
+        steps = loader.steps_per_epoch(batch)
+        rows, loss_sum = 0, 0.0
+        for b in itertools.islice(loader.to_tf(batch_size=batch), steps):
+            per = strategy.run(step, args=(b["image"], b["label"], b["weight"]))
+            per = strategy.experimental_local_results(per)[0].numpy()
+            loader.report(b["id"].numpy(), per)
+            rows += len(per)
+            loss_sum += float(per.sum())
+        ledger.add.remote({"rank": loader.rank, "epoch": epoch, "steps": steps, "rows": rows,
+                           "loss_sum": loss_sum})
+    loader.flush()
+    loader.close()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Train with Keras and return the run's summary."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import keras
+    """Train with TensorflowTrainer and return the run's summary."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.tensorflow import TensorflowTrainer
 
     import raying
-    import raying.loader.keras as rk
+    import raying.train
     from raying.engine.ray_setup import ensure_ray
     from raying.sampling import store as st
 
@@ -78,43 +132,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     m = _common.manifest(args)
     store_cfg = {"snapshot_uri": args.snapshot_uri} if args.snapshot_uri else None
     if args.sampler == "prioritized":
-        sampler: Any = raying.PrioritizedSampler(beta=args.beta, seed=args.seed,
-                                                 samples_per_epoch=args.samples_per_epoch,
-                                                 store=store_cfg)
+        sampler: Any = raying.PrioritizedSampler(beta=args.beta, seed=args.seed, store=store_cfg)
     else:
         sampler = raying.UniformSampler(seed=args.seed)
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=args.size), sampler=sampler,
                            config=raying.PipelineConfig(block_rows=args.block_rows,
                                                         spread=True, name=args.name))
-    if pipe.store_name is not None:
-        handle, target = st.get_store(pipe.store_name), pipe
-    else:  # uniform reads; the losses still go to a store, for a later prioritized run
-        handle = st.create_store(f"{pipe.name}-priorities", len(m), config=store_cfg)
-        target = handle.name
-    keras.utils.set_random_seed(args.seed)
-    model = rk.FeedbackModel(_model(keras, max(len(m.classes or []), 2), args.size), target)
-    model.compile(optimizer=keras.optimizers.Adam(args.lr),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    ledger = _common.ledger_actor()
+    storage_path = args.storage_path or os.path.join(tempfile.gettempdir(), "raying-train")
+    trainer = TensorflowTrainer(
+        train_loop,
+        train_loop_config={"epochs": args.epochs, "batch_size": args.batch_size,
+                           "size": args.size, "lr": args.lr, "seed": args.seed,
+                           "classes": max(len(m.classes or []), 2), "ledger": ledger},
+        scaling_config=ScalingConfig(num_workers=args.num_workers,
+                                     resources_per_worker={"CPU": args.cpus_per_worker}),
+        run_config=RunConfig(name=f"{pipe.name}-tf", storage_path=storage_path),
+        **raying.train.datasets(pipe, epochs=args.epochs),
+    )
     t_fit = time.perf_counter()
-    history = model.fit(pipe.to_tf(batch_size=args.batch_size, normalize=True),
-                        epochs=args.epochs, verbose=2)
+    trainer.fit()
     fit_s = time.perf_counter() - t_fit
-    st.flush(handle)
-    stats = pipe.stats()
+    records = ray.get(ledger.all.remote())
+    epochs: dict[int, dict[str, Any]] = {}
+    for r in records:
+        e = epochs.setdefault(int(r["epoch"]), {"rows": 0, "loss_sum": 0.0, "steps": {}})
+        e["rows"] += r["rows"]
+        e["loss_sum"] += r["loss_sum"]
+        e["steps"][int(r["rank"])] = r["steps"]
     summary = {
         "job": "train_tf", "samples": len(m), "sampler": args.sampler,
-        "epochs": {e: {"loss": round(float(loss), 5),
-                       "accuracy": round(float(history.history["accuracy"][e]), 4)}
-                   for e, loss in enumerate(history.history["loss"])},
-        "rows_delivered": stats["rows_delivered"],
-        "rows_per_epoch": stats["rows_delivered"] // max(args.epochs, 1),
-        "losses_reported": model.reporter.reported,
-        "skipped": stats["skipped_count"],
-        "store": _common.store_summary(handle),
+        "workers": args.num_workers,
+        "epochs": {k: {"rows": v["rows"], "steps_by_rank": v["steps"],
+                       "loss": round(v["loss_sum"] / max(v["rows"], 1), 5)}
+                   for k, v in sorted(epochs.items())},
         "credentials": _common.credentials_source(),
         "fit_s": round(fit_s, 2), "wall_s": round(time.perf_counter() - t0, 2),
     }
+    if pipe.sampler.handle is not None:
+        st.flush(pipe.sampler.handle)
+        summary["store"] = _common.store_summary(pipe.sampler.handle)
     pipe.close()
     return summary
 

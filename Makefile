@@ -17,7 +17,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check raying tests jobs
-	$(PY) -m pytest -q -rs -m "not slow"
+	$(PY) -m pytest -q -rs -m "not slow and not hdfs"
+	# The live HDFS tests host a JVM in the test process (libhdfs): a process of their own.
+	$(PY) -m pytest -q -rs -m "hdfs and not slow"
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q

@@ -115,6 +115,9 @@ def _find(rows: list[dict[str, Any]], wl: str, peer: str, batch: int, mode: str)
     return None
 
 
+RAYING_PATHS = ("raying", "raying-train")
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -127,9 +130,11 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
         key = "gb_s" if wl == "W4" else "steady_img_s"
         r["reference"] = f"{ref_wl}/{ref_peer}" if ref else None
         r["ratio_to_L"] = _ratio(r[key], ref[key]) if ref else None
+        # raying's two paths are one loader: each is held against the other peers only.
+        own = RAYING_PATHS if r["peer"] in RAYING_PATHS else (r["peer"],)
         others = [o for o in rows if o["workload"] == wl and o["batch_size"] == batch
                   and o["mode"] == mode and o["peer"] not in REFERENCE_PEERS
-                  and o["peer"] != r["peer"] and o["steady_img_s"]]
+                  and o["peer"] not in own and o["steady_img_s"]]
         best = max(others, key=lambda o: o["steady_img_s"], default=None)
         r["best_peer"] = best["peer"] if best else None
         r["ratio_to_best_peer"] = _ratio(r["steady_img_s"], best["steady_img_s"]) if best else None

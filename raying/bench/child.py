@@ -56,6 +56,7 @@ PEERS = {
     "tf": "raying.bench.peers_tf:TfPeer",
     "raydata": "raying.bench.peers_ray:RayDataPeer",
     "raying": "raying.bench.peers_ray:RayingPeer",
+    "raying-train": "raying.bench.peers_train:RayingTrainPeer",
 }
 # The package each peer needs, and how to get it.
 PEER_NEEDS = {
@@ -63,6 +64,7 @@ PEER_NEEDS = {
     "tf": ("tensorflow", "pip install 'raying[tf]'"),
     "raydata": ("ray", "pip install 'ray[data]'"),
     "raying": ("ray", "pip install 'ray[data]'"),
+    "raying-train": ("ray", "pip install 'ray[data,train]'"),
 }
 # Which workloads each peer runs (W4's reference is the plain pyarrow read; W5 needs a sampler
 # whose weights live updates reshape, which only raying has).
@@ -73,6 +75,7 @@ PEER_WORKLOADS = {
     "tf": ("W1", "W2", "W3", "W4"),
     "raydata": ("W1", "W2", "W3", "W4"),
     "raying": ("W1", "W2", "W3", "W4", "W5"),
+    "raying-train": ("W1", "W2", "W3"),
 }
 # Peers that are references, not loaders: they run the "iterate" mode only.
 REFERENCE_PEERS = ("L", "pyarrow")

@@ -37,7 +37,7 @@ from raying.bench.launch import Job, run_job
 from raying.bench.workloads import ALL_WORKLOADS, QUICK_W1_IMAGES, QUICK_W2_IMAGES, Sizes
 from raying.errors import ConfigError
 
-ALL_PEERS = ("L", "pyarrow", "torch", "tf", "raydata", "raying")
+ALL_PEERS = ("L", "pyarrow", "torch", "tf", "raydata", "raying", "raying-train")
 ALL_MODES = ("iterate", "sleep", "compute")
 DEFAULT_ROUNDS = 3
 DEFAULT_EPOCHS = 3  # one cold epoch, two steady ones

@@ -140,7 +140,7 @@ def test_quick_bench_every_peer_runs_and_counts_rows(quick_bench):
             assert per_round == [doc["workloads"][r["workload"]]["rows"]] * expected_epochs, where
         assert r["steady_img_s"] is not None and r["steady_img_s"] > 0, where
         assert r["cpu_s_per_1k"] is not None and r["peak_pss_mb"] is not None, where
-        if r["peer"] in ("raydata", "raying"):
+        if r["peer"] in ("raydata", "raying", "raying-train"):
             assert r["ray_start_s"] is not None, where
     # A non-iterate consumer mode ran for the loaders on the first workload.
     assert {r["mode"] for r in rows if r["workload"] == "W1"} == {"iterate", "compute"}

@@ -425,8 +425,12 @@ class PipelineConfig:
         max_image_pixels: images claiming more pixels are set aside as decompression bombs;
             None takes ``Settings.max_image_pixels`` (RAYING_MAX_IMAGE_PIXELS).
         decoded_cache: keep decoded pixels in the node's memory tier across epochs:
-            ``"auto"`` (on when the decoded dataset fits in a quarter of free memory),
-            ``"off"``, or a budget in bytes. See :mod:`raying.read.decoded_cache`.
+            ``"auto"`` (on only when ``epochs`` says enough epochs follow to repay the
+            first epoch's writes, and the decoded dataset fits in a quarter of free memory),
+            ``"off"``, or a budget in bytes (on from the first epoch). See
+            :mod:`raying.read.decoded_cache`.
+        epochs: how many epochs the job reads, when known (None: unknown). Only ``"auto"``
+            choices use it, to weigh a one-time cost against the epochs that repay it.
         ray_remote_args: extra Ray options of the read tasks, fast path and ``dataset()``
             alike, e.g. ``{"resources": {"ingest": 0.01}}`` to keep decode on ingest nodes.
         io: read planning and the tiered cache: a ``raying.options.IOConfig`` or
@@ -448,10 +452,16 @@ class PipelineConfig:
     decoded_cache: Any = "auto"
     io: Any = None  # IOConfig | dict | None, passed to ReadSpec
     shard: tuple[int, int] | None = None
+    epochs: int | None = None
 
     def __post_init__(self) -> None:
         def whole(v: Any) -> bool:
             return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+        if self.epochs is not None and (not whole(self.epochs) or self.epochs < 1):
+            msg = (f"PipelineConfig(epochs=...) must be an integer >= 1 or None, got "
+                   f"{self.epochs!r}")
+            raise ConfigError(msg)
 
         if self.block_rows is not None and (not whole(self.block_rows) or self.block_rows < 1):
             msg = (f"PipelineConfig(block_rows=...) must be an integer >= 1 or None, got "

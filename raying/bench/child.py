@@ -56,6 +56,7 @@ PEERS = {
     "tf": "raying.bench.peers_tf:TfPeer",
     "raydata": "raying.bench.peers_ray:RayDataPeer",
     "raying": "raying.bench.peers_ray:RayingPeer",
+    "raying-cache": "raying.bench.peers_ray:RayingCachePeer",
     "raying-train": "raying.bench.peers_train:RayingTrainPeer",
 }
 # The package each peer needs, and how to get it.
@@ -64,18 +65,20 @@ PEER_NEEDS = {
     "tf": ("tensorflow", "pip install 'raying[tf]'"),
     "raydata": ("ray", "pip install 'ray[data]'"),
     "raying": ("ray", "pip install 'ray[data]'"),
+    "raying-cache": ("ray", "pip install 'ray[data]'"),
     "raying-train": ("ray", "pip install 'ray[data,train]'"),
 }
 # Which workloads each peer runs (W4's reference is the plain pyarrow read; W5 needs a sampler
 # whose weights live updates reshape, which only raying has).
 PEER_WORKLOADS = {
-    "L": ("W1", "W2", "W3"),
+    "L": ("W1", "W2", "W3", "W6"),
     "pyarrow": ("W4",),
-    "torch": ("W1", "W2", "W3", "W4"),
-    "tf": ("W1", "W2", "W3", "W4"),
-    "raydata": ("W1", "W2", "W3", "W4"),
-    "raying": ("W1", "W2", "W3", "W4", "W5"),
-    "raying-train": ("W1", "W2", "W3"),
+    "torch": ("W1", "W2", "W3", "W4", "W6"),
+    "tf": ("W1", "W2", "W3", "W4", "W6"),
+    "raydata": ("W1", "W2", "W3", "W4", "W6"),
+    "raying": ("W1", "W2", "W3", "W4", "W5", "W6"),
+    "raying-cache": ("W1", "W2", "W3"),
+    "raying-train": ("W1", "W2", "W3", "W6"),
 }
 # Peers that are references, not loaders: they run the "iterate" mode only.
 REFERENCE_PEERS = ("L", "pyarrow")

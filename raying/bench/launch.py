@@ -153,11 +153,13 @@ def run_job(job: Job, *, epochs: int, cores: int, seed: int, timeout_s: float,
         cell["cpu_steady_s"] = watch.cpu_between(f"{k}.e0.end", f"{k}.e{epochs - 1}.end")
         cell["cpu_all_s"] = watch.cpu_between(f"{k}.open", f"{k}.e{epochs - 1}.end")
         cell["peak_pss_mb"] = watch.phase_peaks.get(str(k))
+        cell["peak_whole_mb"] = watch.whole_phase_peaks.get(str(k))
     result.update({"round": job.round, "peer": job.peer, "workloads": list(job.workloads),
                    "tag": job.tag, "returncode": rc, "timed_out": timed_out,
                    "seconds": round(seconds, 2), "log": base + ".log",
                    "tree": measure.summary(watch), "leftover_pids": leftovers,
                    "startup_pss_mb": watch.phase_peaks.get("start"),
+                   "startup_whole_mb": watch.whole_phase_peaks.get("start"),
                    "cpu_start_s": watch.cpu_between("start.begin", "start.end"),
                    "loadavg_before": load_before, "loadavg_after": os.getloadavg()})
     return result

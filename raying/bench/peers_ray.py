@@ -177,6 +177,9 @@ class _RayingLoader:
 class RayingPeer:
     """raying.Pipeline with default settings (uniform), prioritized with live updates on W5."""
 
+    # The pipeline's config beyond the defaults (a subclass's labelled variant).
+    config: dict[str, Any] = {}
+
     def start(self, cores: int) -> dict[str, Any]:
         from raying.engine.ray_setup import default_object_store_bytes
 
@@ -196,10 +199,22 @@ class RayingPeer:
                                                         ratio=(1.0, 1.0))
         if wl.prioritized:
             kwargs["sampler"] = raying.PrioritizedSampler()
-        pipe = raying.Pipeline(m, **kwargs)
+        pipe = raying.Pipeline(m, config=raying.PipelineConfig(**self.config), **kwargs)
         return _RayingLoader(pipe, batch_size, wl.prioritized, seed)
 
     def stop(self) -> None:
         import ray
 
         ray.shutdown()
+
+
+class RayingCachePeer(RayingPeer):
+    """raying with its decoded-sample cache on from the first epoch (a budget of a quarter of
+    free memory), whatever the job's length: a labelled row beside the decoding peers, never
+    in the headline ratio. Its later epochs crop cached pixels instead of decoding."""
+
+    @property
+    def config(self) -> dict[str, Any]:  # type: ignore[override]
+        from raying.read.decoded_cache import auto_budget
+
+        return {"decoded_cache": max(1, auto_budget())}

@@ -11,9 +11,11 @@ import numpy as np
 from raying.bench.child import REFERENCE_PEERS
 
 PEER_COLOURS = {"L": "#444444", "pyarrow": "#444444", "torch": "#ee4c2c", "tf": "#ff9f00",
-                "raydata": "#028cf0", "raying": "#2ca02c", "W1 uniform": "#98df8a"}
+                "raydata": "#028cf0", "raying": "#2ca02c", "raying-train": "#17becf",
+                "raying-cache": "#bcbd22", "W1 uniform": "#98df8a"}
 _WORKLOAD_TITLES = {"W1": "W1 JPEG folder", "W2": "W2 JPEG 500x375", "W3": "W3 Parquet of JPEG",
-                    "W4": "W4 pre-decoded Parquet", "W5": "W5 W1 prioritized + live updates"}
+                    "W4": "W4 pre-decoded Parquet", "W5": "W5 W1 prioritized + live updates",
+                    "W6": "W6 ImageNet-like JPEG folder"}
 
 
 def json_default(x: Any) -> Any:
@@ -38,9 +40,10 @@ def _f(v: float | None, fmt: str, width: int) -> str:
 def table(rows: list[dict[str, Any]], workloads: dict[str, dict[str, Any]]) -> str:
     """A plain-text table, one block per workload."""
     lines = []
-    head = (f"{'batch':>5} {'mode':<8} {'peer':<8} {'img/s':>7} {'GB/s':>6} {'xL':>5} "
-            f"{'xbest':>5} {'best':<7} {'ttfb cold':>9} {'warm':>6} {'cpu-s/1k':>8} "
-            f"{'peakMB':>7} {'baseMB':>6} {'ray up':>6} rows")
+    head = (f"{'batch':>5} {'mode':<8} {'peer':<12} {'cold/s':>7} {'xbest':>5} {'img/s':>7} "
+            f"{'GB/s':>6} {'xL':>5} {'xbest':>5} {'best':<7} {'ttfb cold':>9} {'warm':>6} "
+            f"{'cpu-s/1k':>8} {'wholeMB':>7} {'floor':>6} {'1ep s':>6} {'all s':>6} "
+            f"{'ray up':>6} rows")
     for wl in sorted({r["workload"] for r in rows}):
         w = workloads[wl]
         h, wd = w["shape"]
@@ -57,12 +60,16 @@ def table(rows: list[dict[str, Any]], workloads: dict[str, dict[str, Any]]) -> s
             if wl == "W5" and r.get("ratio_to_uniform") is not None:
                 extra = f"  x{r['ratio_to_uniform']:.2f} of W1 uniform"
             lines.append(
-                f"{r['batch_size']:>5} {r['mode']:<8} {r['peer']:<8} "
+                f"{r['batch_size']:>5} {r['mode']:<8} {r['peer']:<12} "
+                f"{_f(r.get('cold_img_s'), ',.0f', 7)} "
+                f"{_f(r.get('cold_ratio_to_best_peer'), '.2f', 5)} "
                 f"{_f(r['steady_img_s'], ',.0f', 7)} {_f(r['gb_s'], '.2f', 6)} "
                 f"{_f(r['ratio_to_L'], '.2f', 5)} {_f(r['ratio_to_best_peer'], '.2f', 5)} "
                 f"{(r['best_peer'] or '-'):<7} {_f(r['ttfb_cold_s'], '.2f', 9)} "
                 f"{_f(r['ttfb_warm_s'], '.3f', 6)} {_f(r['cpu_s_per_1k'], '.2f', 8)} "
-                f"{_f(r['peak_pss_mb'], ',.0f', 7)} {_f(r['startup_pss_mb'], ',.0f', 6)} "
+                f"{_f(r.get('peak_whole_mb'), ',.0f', 7)} "
+                f"{_f(r.get('startup_whole_mb'), ',.0f', 6)} "
+                f"{_f(r.get('job_1_s'), '.1f', 6)} {_f(r.get('job_last_s'), '.1f', 6)} "
                 f"{_f(r['ray_start_s'], '.1f', 6)} "
                 f"{rows_txt}{extra}")
     return "\n".join(lines)
@@ -88,8 +95,9 @@ def chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     wls = sorted({r["workload"] for r in rows})
-    metrics = [("steady_img_s", "steady img/s (W4: GB/s)"), ("ttfb_warm_s", "warm ttfb (s)"),
-               ("cpu_s_per_1k", "CPU-s / 1k img"), ("peak_pss_mb", "peak PSS (MB)")]
+    metrics = [("cold_img_s", "cold epoch 0 img/s"),
+               ("steady_img_s", "steady img/s (W4: GB/s)"), ("ttfb_warm_s", "warm ttfb (s)"),
+               ("cpu_s_per_1k", "CPU-s / 1k img"), ("peak_whole_mb", "whole memory (MB)")]
     fig, axes = plt.subplots(len(wls), len(metrics), figsize=(5.2 * len(metrics),
                                                                  2.9 * len(wls)), squeeze=False)
     for i, wl in enumerate(wls):

@@ -34,10 +34,16 @@ from typing import Any
 from raying.bench import aggregate, report
 from raying.bench.child import PEER_NEEDS, PEER_WORKLOADS, PEERS, REFERENCE_PEERS
 from raying.bench.launch import Job, run_job
-from raying.bench.workloads import ALL_WORKLOADS, QUICK_W1_IMAGES, QUICK_W2_IMAGES, Sizes
+from raying.bench.workloads import (
+    ALL_WORKLOADS,
+    QUICK_W1_IMAGES,
+    QUICK_W2_IMAGES,
+    QUICK_W6_IMAGES,
+    Sizes,
+)
 from raying.errors import ConfigError
 
-ALL_PEERS = ("L", "pyarrow", "torch", "tf", "raydata", "raying", "raying-train")
+ALL_PEERS = ("L", "pyarrow", "torch", "tf", "raydata", "raying", "raying-cache", "raying-train")
 ALL_MODES = ("iterate", "sleep", "compute")
 DEFAULT_ROUNDS = 3
 DEFAULT_EPOCHS = 3  # one cold epoch, two steady ones
@@ -97,7 +103,7 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     """The run's config from the CLI's namespace (missing attributes take the defaults)."""
     g = lambda name, default=None: getattr(ns, name, default)  # noqa: E731
     quick = bool(g("quick", False))
-    for name in ("images", "rounds", "epochs", "w2_images", "w4_images", "cores",
+    for name in ("images", "rounds", "epochs", "w2_images", "w4_images", "w6_images", "cores",
                  "decode_size"):
         _positive(name.replace("_", "-"), g(name))
     epochs = g("epochs") or (QUICK_EPOCHS if quick else DEFAULT_EPOCHS)
@@ -115,7 +121,8 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         _positive("batch-sizes", b)
     sizes = Sizes(w1=g("images") or (QUICK_W1_IMAGES if quick else Sizes.w1),
                   w2=g("w2_images") or (QUICK_W2_IMAGES if quick else Sizes.w2),
-                  w4=g("w4_images"), decode_size=g("decode_size") or Sizes.decode_size)
+                  w4=g("w4_images"), decode_size=g("decode_size") or Sizes.decode_size,
+                  w6=g("w6_images") or (QUICK_W6_IMAGES if quick else Sizes.w6))
     if sizes.decode_size < 224:
         msg = f"--decode-size must be >= 224 (W4 crops 224 from it), got {sizes.decode_size}"
         raise ConfigError(msg)

@@ -10,6 +10,10 @@
   read of the same files.
 - W5: W1 read with ``raying.PrioritizedSampler`` while the consumer reports a random loss per
   sample every batch (only raying has a sampler that live priorities reshape).
+- W6: ImageNet-like JPEG folder (``raying.tools.datagen.make_imagenet_like_folder``): 20,000
+  images, sides 300-800 px (mean near 500x375, landscape, portrait and square), quality 75-95,
+  ~10% grayscale and ~10% progressive. Decoded it is ~11 GB, more than the decoded-cache
+  budget of this kind of node allows, so no loader can keep it in memory.
 
 A cached workload is a folder with a ``.complete`` file holding the parameters it was made
 with; anything else under the data folder is rebuilt.
@@ -31,11 +35,14 @@ from typing import Any
 
 import numpy as np
 
-ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
+ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
 DEFAULT_W1_IMAGES = 10_000
 DEFAULT_W2_IMAGES = 2_000
+DEFAULT_W6_IMAGES = 20_000
 QUICK_W1_IMAGES = 256
 QUICK_W2_IMAGES = 64
+QUICK_W6_IMAGES = 64
+W6_SHAPE = (375, 500)  # its mean; each image has its own size
 W1_SHAPE = (256, 256)  # (height, width)
 W2_SHAPE = (375, 500)
 DEFAULT_CLASSES = 10
@@ -123,6 +130,7 @@ class Sizes:
     w2: int = DEFAULT_W2_IMAGES
     w4: int | None = None
     decode_size: int = DEFAULT_DECODE_SIZE
+    w6: int = DEFAULT_W6_IMAGES
 
     @property
     def w4_rows(self) -> int:
@@ -158,6 +166,33 @@ def _image_folder(data: Path, n: int, shape: tuple[int, int],
     shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()
     make_image_folder(tmp, n=n, classes=DEFAULT_CLASSES, size=shape, seed=DATA_SEED)
+    (tmp / _MARKER).write_text(json.dumps(params))
+    tmp.rename(dst)
+    say(f"  {n} images in {time.perf_counter() - t0:.1f} s")
+    return dst
+
+
+def _imagenet_like_folder(data: Path, n: int, say: Callable[[str], None]) -> Path:
+    dst = data / f"jpeg-imagenet-like-n{n}-c{DEFAULT_CLASSES}-s{DATA_SEED}"
+    params = {"n": n, "kind": "imagenet-like", "classes": DEFAULT_CLASSES, "seed": DATA_SEED}
+    if _complete(dst, params):
+        return dst
+    say(f"generating {n} ImageNet-like JPEGs -> {dst}")
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(dst, ignore_errors=True)
+    t0 = time.perf_counter()
+    procs = max(1, min(len(os.sched_getaffinity(0)), 8))
+    step = -(-n // procs)
+    code = ("import sys; from raying.tools.datagen import make_imagenet_like_folder as f; "
+            "f(sys.argv[1], n=int(sys.argv[2]), classes=int(sys.argv[3]), seed=int(sys.argv[4]), "
+            "start=int(sys.argv[5]), stop=int(sys.argv[6]))")
+    children = [subprocess.Popen([sys.executable, "-c", code, str(tmp), str(n),
+                                  str(DEFAULT_CLASSES), str(DATA_SEED), str(a), str(min(n, a + step))])
+                for a in range(0, n, step)]
+    if any(c.wait() != 0 for c in children):
+        msg = f"generating {dst} failed"
+        raise RuntimeError(msg)
     (tmp / _MARKER).write_text(json.dumps(params))
     tmp.rename(dst)
     say(f"  {n} images in {time.perf_counter() - t0:.1f} s")
@@ -219,6 +254,10 @@ def prepare(names: list[str], sizes: Sizes, data: str | os.PathLike,
             w2 = _image_folder(data, sizes.w2, W2_SHAPE, say)
             out[name] = Workload(name, "images", str(w2), sizes.w2, W2_SHAPE,
                                  bytes=_folder_bytes(w2))
+        elif name == "W6":
+            w6 = _imagenet_like_folder(data, sizes.w6, say)
+            out[name] = Workload(name, "images", str(w6), sizes.w6, W6_SHAPE,
+                                 bytes=_folder_bytes(w6))
         elif name == "W3" and w1 is not None:
             dst = _packed(data, w1, None)[0]
             out[name] = Workload(name, "parquet", str(dst), sizes.w1, W1_SHAPE,

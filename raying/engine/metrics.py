@@ -36,6 +36,8 @@ class RunAccount:
         self.retries = 0
         self.io: dict[str, float] = {}
         self.rows_by_node: dict[str, int] = {}
+        # (node, pid) of each read worker -> its largest own memory (KiB) seen at a unit's end
+        self.worker_kib: dict[tuple[str | None, int], int] = {}
         self._iter_s = 0.0  # wall seconds spent inside iteration loops (stall share's base)
         self._logged = 0
         self.stall = [0.0]  # seconds the consumer waited for a batch (shared with prefetch)
@@ -112,6 +114,9 @@ class RunAccount:
                 self.rows_by_node[node] = self.rows_by_node.get(node, 0) + account.rows_out
             for key, value in account.io.items():
                 self.io[key] = self.io.get(key, 0) + value
+            if account.pid and account.worker_kib:
+                key = (node, account.pid)
+                self.worker_kib[key] = max(self.worker_kib.get(key, 0), account.worker_kib)
             for sid, path, reason, detail in account.skipped:
                 self.skip_events += 1
                 if int(sid) in self._skipped_ids:
@@ -168,7 +173,18 @@ class RunAccount:
                 "rows_by_node": dict(self.rows_by_node),
                 "skipped_by_reason": dict(self.skipped_by_reason),
                 "skipped": list(self.skipped),
+                "read_workers": workers_summary(self.worker_kib),
             }
+
+
+def workers_summary(worker_kib: dict[tuple[str | None, int], int]) -> dict[str, Any]:
+    """The read workers' count and own memory (largest seen per worker, MB)."""
+    mb = [v / 1024.0 for v in worker_kib.values()]
+    return {"count": len(mb), "pss_mb_max": max(mb) if mb else None,
+            "pss_mb_mean": sum(mb) / len(mb) if mb else None, "pss_mb_sum": sum(mb),
+            "by_worker": {f"{node or 'local'}:{pid}": round(v / 1024.0, 1)
+                          for (node, pid), v in sorted(worker_kib.items(),
+                                                       key=lambda kv: (str(kv[0][0]), kv[0][1]))}}
 
 
 def _io_summary(totals: dict[str, float]) -> dict[str, Any]:

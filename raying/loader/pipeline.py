@@ -26,6 +26,7 @@ from raying.image.transform import ImageTransform
 from raying.loader.batches import BatchAssembler, TorchConverter, prefetch
 from raying.options import DEFAULT_BATCH_SIZE, PipelineConfig, Settings, use
 from raying.read.account import UnitAccount
+from raying.read.memory import Footprint, dir_bytes, own_kib
 from raying.read.spec import ReadSpec, dataset_key
 from raying.read.stages import UserStage
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
@@ -92,6 +93,7 @@ class Pipeline:
         self._dataset_reads: DatasetReads | None = None  # once dataset() ran
         self._lookup: ManifestLookup | None = None
         self._spec_ready = False
+        self._footprint = Footprint()  # this node's tmpfs before the pipeline's first read
         self._stages: tuple[UserStage, ...] = ()
         self._spec = ReadSpec.of(manifest, self.transform, self.sampler.seed,
                                  on_error, max_pixels=self.config.max_image_pixels,
@@ -219,7 +221,7 @@ class Pipeline:
 
             budget = decoded.plan_budget(self.config.decoded_cache, self.manifest,
                                          size_of=lambda ids: decoded.header_sizes(
-                                             self.manifest, ids))
+                                             self.manifest, ids), epochs=self.config.epochs)
             if budget:
                 decoded.claim(self._cache_name)
             self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
@@ -412,7 +414,36 @@ class Pipeline:
                 per_epoch.setdefault(int(e["epoch"]), {}).update(e)
             out["sampling"] = {**own, **health,
                                "per_epoch": [per_epoch[k] for k in sorted(per_epoch)]}
+        out["memory"] = self._memory(out)
         return out
+
+    def _memory(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Memory counted whole (see :mod:`raying.read.memory`): this process, the read
+        workers (largest own memory each showed at the end of a unit, every node), and the
+        growth of this node's tmpfs since the pipeline was built (object-store blocks and the
+        decoded cache's files, mapped or not)."""
+        workers = dict(out["read_workers"]["by_worker"])
+        workers.update(out.get("dataset", {}).get("read_workers", {}).get("by_worker", {}))
+        driver = own_kib() / 1024.0
+        tmpfs = self._footprint.sample([])["tmpfs_mb"]
+        cache = 0.0
+        if self._spec_ready and self._spec.decoded_cache_bytes:
+            cache = dir_bytes(self._spec.decoded_cache_dir) / (1024.0 * 1024.0)
+        pss = sorted(workers.values())
+        return {
+            "driver_mb": round(driver, 1),
+            "read_workers": len(pss),
+            "read_worker_mb_max": pss[-1] if pss else None,
+            "read_worker_mb_median": pss[len(pss) // 2] if pss else None,
+            "read_workers_mb": round(sum(pss), 1),
+            "tmpfs_growth_mb": round(tmpfs, 1),
+            "decoded_cache_mb": round(cache, 1),
+            "whole_mb": round(driver + sum(pss) + tmpfs, 1),
+            "includes": ("this process and the read workers (PSS of anonymous and file pages), "
+                         "plus this node's tmpfs growth since the pipeline was built (object "
+                         "store, decoded cache); not Ray's own daemons, nor other nodes' "
+                         "tmpfs"),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Where this pipeline stands: epoch, position in its plan, sampler state."""

@@ -24,6 +24,9 @@ class UnitAccount:
         node: the Ray node that ran the read (None outside Ray).
         final: this is the unit's last block.
         io: ``io_*`` and ``cache_*`` counters of the planned reads and caches, summable.
+        pid: the process that ran the read (0: not recorded).
+        worker_kib: that process's own memory (PSS of its anonymous and file pages, see
+            :mod:`raying.read.memory`) when it finished the unit; 0 on earlier blocks.
     """
 
     epoch: int
@@ -37,6 +40,8 @@ class UnitAccount:
     node: str | None = None
     final: bool = True
     io: dict[str, int] = dataclasses.field(default_factory=dict)
+    pid: int = 0
+    worker_kib: int = 0
 
     def merge(self, later: UnitAccount) -> UnitAccount:
         """One account for this block followed by ``later`` (a later block of the same unit):
@@ -48,7 +53,8 @@ class UnitAccount:
             self, rows_in=self.rows_in + later.rows_in, rows_out=self.rows_out + later.rows_out,
             skipped=[*self.skipped, *later.skipped], bytes_read=self.bytes_read + later.bytes_read,
             read_s=self.read_s + later.read_s, decode_s=self.decode_s + later.decode_s,
-            final=later.final, io=io)
+            final=later.final, io=io, pid=later.pid or self.pid,
+            worker_kib=max(self.worker_kib, later.worker_kib))
 
 
 def add_counters(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:

@@ -4,6 +4,7 @@ account. Runs in Ray workers (both engines) and in-process alike."""
 from __future__ import annotations
 
 import functools
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 from raying.dataset import columns as _columns
 from raying.errors import RAISE_FIX, DecodeError
 from raying.options import use
+from raying.read import memory as _memory
 from raying.read import parquet as _parquet
 from raying.read.account import UnitAccount
 from raying.read.sources import open_source
@@ -125,7 +127,8 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
             skipped=[(int(e.sample_id), e.path or "", e.reason, e.detail) for e in got.errors],
             bytes_read=got.bytes_read + (extra_bytes if a == 0 else 0), read_s=(read_s if a == 0 else 0.0) + got.read_s,
             decode_s=time.perf_counter() - t1, node=node, final=b >= n,
-            io=_with_retries(got.io, extra_io) if a == 0 and extra_io else got.io)
+            io=_with_retries(got.io, extra_io) if a == 0 and extra_io else got.io,
+            pid=os.getpid(), worker_kib=_memory.own_kib() if b >= n else 0)
         yield block, account
 
 

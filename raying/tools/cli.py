@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default=None,
                    help="consumer modes: iterate,sleep,compute (quick: iterate,compute)")
     b.add_argument("--w2-images", type=int, default=None, help="images in W2 (default 2000)")
+    b.add_argument("--w6-images", type=int, default=None,
+                   help="images in W6, ImageNet-like (default 20000)")
     b.add_argument("--w4-images", type=int, default=None, help="rows in W4 (default: W1's)")
     b.add_argument("--decode-size", type=int, default=None,
                    help="side of W4's stored pixels (default 256; crops of 224)")

@@ -66,3 +66,60 @@ def make_image_folder(root: str | os.PathLike, *, n: int, classes: int = 10,
         img = synth_image(rng, label, classes, h, w)
         (root / f"class_{label:02d}" / f"{i:06d}.{fmt}").write_bytes(encode(img, fmt, quality))
     return root
+
+
+def imagenet_like_shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(height, width) of ``n`` photos sized like ImageNet's: mostly 4:3 landscape, some
+    portrait and square, sides within 300-800 px, mean near 500x375."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        long = int(np.clip(rng.normal(520, 90), 300, 800))
+        kind = rng.random()
+        ratio = 1.0 if kind < 0.05 else float(rng.uniform(1.25, 1.5))
+        short = int(np.clip(round(long / ratio), 300, 800))
+        out.append((long, short) if 0.05 <= kind < 0.15 else (short, long))
+    return out
+
+
+def write_varied_jpeg(path: str | os.PathLike, rng: np.random.Generator, label: int,
+                      n_classes: int, h: int, w: int) -> None:
+    """One JPEG as a photo collection varies: quality 75-95, ~10% grayscale, ~10%
+    progressive (written by PIL), the rest baseline (libjpeg-turbo via simplejpeg)."""
+    img = synth_image(rng, label, n_classes, h, w)
+    quality = int(rng.integers(75, 96))
+    kind = rng.random()
+    if kind < 0.1:
+        gray = np.ascontiguousarray(img.mean(axis=2).astype(np.uint8)[..., None])
+        import simplejpeg
+
+        data = simplejpeg.encode_jpeg(gray, quality=quality, colorspace="GRAY")
+    elif kind < 0.2:
+        import io
+
+        from PIL import Image
+
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="JPEG", quality=quality, progressive=True)
+        data = buf.getvalue()
+    else:
+        data = encode(img, "jpg", quality)
+    Path(path).write_bytes(data)
+
+
+def make_imagenet_like_folder(root: str | os.PathLike, *, n: int, classes: int = 10,
+                              seed: int = 0, start: int = 0, stop: int | None = None) -> Path:
+    """Write images ``start..stop`` of an ``n``-image ImageNet-like folder into
+    ``root/class_XX/NNNNNN.jpg`` (sizes from :func:`imagenet_like_shapes`); each image's
+    pixels depend only on (seed, index), so parts written by several processes make one set."""
+    root = Path(root)
+    shapes = imagenet_like_shapes(n, seed)
+    for c in range(classes):
+        (root / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
+    for i in range(start, n if stop is None else stop):
+        label = i % classes
+        h, w = shapes[i]
+        rng = np.random.default_rng([seed, i])
+        write_varied_jpeg(root / f"class_{label:02d}" / f"{i:06d}.jpg", rng, label, classes,
+                          h, w)
+    return root

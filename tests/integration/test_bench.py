@@ -106,6 +106,38 @@ def test_combine_medians_and_ratios():
     assert torch["steady_img_s"] == pytest.approx(10.0)  # median of 5, 10, 40
     assert torch["ratio_to_L"] == pytest.approx(0.5)
     assert torch["cpu_s_per_1k"] == pytest.approx(100.0)
+    assert torch["cold_img_s"] == pytest.approx(10.0)  # 10 rows by the end of epoch 0, 1 s
+    assert torch["job_1_s"] == pytest.approx(1.0)
+
+
+def test_a_cache_row_is_labelled_not_anyone_s_best_peer():
+    wl = {"W1": {"rows": 10, "decoded": None}}
+
+    def cell(cold_s: float, rate_s: float) -> dict:
+        return {"workload": "W1", "batch_size": 64, "mode": "iterate", "setup_s": 0.1,
+                "cpu_steady_s": 1.0, "peak_pss_mb": 100.0, "peak_whole_mb": 300.0,
+                "errors": [],
+                "epochs": [{"rows": 10, "problems": [], "request_s": 0.0, "first_s": 0.5,
+                            "end_s": cold_s, "ttfb_s": 0.5},
+                           {"rows": 10, "problems": [], "request_s": cold_s,
+                            "first_s": cold_s + 0.1, "end_s": cold_s + rate_s, "ttfb_s": 0.1}]}
+
+    runs = [{"peer": "torch", "round": 0, "cells": [cell(1.0, 1.0)], "startup_whole_mb": 50.0},
+            {"peer": "raying", "round": 0, "cells": [cell(0.5, 0.5)],
+             "startup_whole_mb": 200.0},
+            {"peer": "raying-cache", "round": 0, "cells": [cell(2.0, 0.1)],
+             "startup_whole_mb": 200.0}]
+    rows = aggregate.combine(runs, wl, epochs=2)
+    by = {r["peer"]: r for r in rows}
+    assert by["torch"]["best_peer"] == "raying"  # not the cache row, though it is faster
+    assert by["raying"]["best_peer"] == "torch" and by["raying"]["ratio_to_best_peer"] == 2.0
+    assert by["raying"]["cold_ratio_to_best_peer"] == pytest.approx(2.0)
+    assert by["raying"]["beyond_start_mb"] == pytest.approx(100.0)
+    checks = {c["target"]: c for c in aggregate.targets(rows)}
+    cache = checks["W1 b64: epoch 0 with the decoded cache / without"]
+    assert cache["value"] == pytest.approx(0.25) and cache["pass"] is False
+    mem = checks["W1 b64: raying whole memory beyond Ray's floor / torch whole"]
+    assert mem["value"] == pytest.approx(100.0 / 300.0) and mem["pass"] is True
 
 
 # -- the quick bench, end to end ------------------------------------------------------------------
@@ -140,8 +172,11 @@ def test_quick_bench_every_peer_runs_and_counts_rows(quick_bench):
             assert per_round == [doc["workloads"][r["workload"]]["rows"]] * expected_epochs, where
         assert r["steady_img_s"] is not None and r["steady_img_s"] > 0, where
         assert r["cpu_s_per_1k"] is not None and r["peak_pss_mb"] is not None, where
-        if r["peer"] in ("raydata", "raying", "raying-train"):
+        assert r["cold_img_s"] and r["peak_whole_mb"] and len(r["job_s"]) == expected_epochs, where
+        if r["peer"] in ("raydata", "raying", "raying-cache", "raying-train"):
             assert r["ray_start_s"] is not None, where
+        if r["peer"] == "raying":
+            assert r["read_worker_mb_max"] and r["read_worker_mb_max"] > 20, where
     # A non-iterate consumer mode ran for the loaders on the first workload.
     assert {r["mode"] for r in rows if r["workload"] == "W1"} == {"iterate", "compute"}
     assert any(r["workload"] == "W4" and r["gb_s"] for r in rows)

@@ -268,8 +268,12 @@ def test_hugging_face_image_structs_read_like_binary(packs, tmp_path, ray_local)
         ids, images, _ = _collect(pipe, 0)
         pipe.close()
         assert np.array_equal(ids, want[0]) and np.array_equal(images, want[1])
-    # With the decoded cache on (the default), the same ids; it sizes itself from the structs' bytes.
-    pipe = raying.Pipeline(m, transform=tf, config=raying.PipelineConfig(block_rows=16))
+    # With the decoded cache on ("auto", for a job long enough to repay it), the same ids; it
+    # sizes itself from the structs' bytes.
+    from raying.read.decoded_cache import DEFAULT_DECODED_CACHE_MIN_EPOCHS
+
+    pipe = raying.Pipeline(m, transform=tf, config=raying.PipelineConfig(
+        block_rows=16, epochs=DEFAULT_DECODED_CACHE_MIN_EPOCHS))
     ids, images, _ = _collect(pipe, 0)
     pipe.close()
     assert np.array_equal(ids, want[0]) and images.shape == want[1].shape

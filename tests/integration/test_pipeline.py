@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -106,6 +108,14 @@ def test_parquet_epoch_matches_folder(image_folder, packed, ray_local):
     assert st["skipped_count"] == 0
     # Uniform mode reads each row group once per epoch: bytes read / bytes delivered <= 1.2.
     assert 1.0 <= st["io"]["read_amplification"] <= 1.2, st["io"]
+    # Memory counted whole: this process, every read worker that ran a unit (each measured
+    # in its own process, so their pids differ from ours), and this node's tmpfs growth.
+    mem = st["memory"]
+    assert mem["read_workers"] >= 1 and mem["read_worker_mb_max"] > 20, mem
+    assert all(not k.endswith(f":{os.getpid()}") for k in st["read_workers"]["by_worker"])
+    assert mem["driver_mb"] > 20 and mem["tmpfs_growth_mb"] >= 0 and mem["decoded_cache_mb"] == 0
+    assert mem["whole_mb"] == pytest.approx(
+        mem["driver_mb"] + mem["read_workers_mb"] + mem["tmpfs_growth_mb"], abs=0.5)
     pipe.close()
 
 

@@ -1,0 +1,62 @@
+"""Memory counted whole: own pages per process plus tmpfs growth, each page once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+
+from raying.read import memory
+
+pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"),
+                                reason="needs Linux /proc smaps_rollup")
+
+
+def test_own_memory_grows_with_what_the_process_touches():
+    before = memory.own_kib()
+    block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB, every page written
+    after = memory.own_kib()
+    assert after - before >= 60 * 1024, (before, after)
+    del block
+
+
+def test_a_gone_process_reads_as_zero():
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    assert memory.process_kib(int(proc.stdout)) == {"anon": 0, "file": 0, "shmem": 0}
+
+
+@pytest.mark.skipif(not os.path.isdir(memory.DEFAULT_TMPFS), reason="no /dev/shm")
+def test_tmpfs_pages_count_once_whether_mapped_or_not():
+    foot = memory.Footprint()
+    path = os.path.join(memory.DEFAULT_TMPFS, f"raying-test-{uuid.uuid4().hex}")
+    try:
+        with open(path, "wb") as fh:
+            fh.write(b"\x01" * (32 << 20))
+        grown = foot.sample([])["tmpfs_mb"]
+        assert 31 <= grown <= 48, grown  # other tenants of /dev/shm may add a little
+        # Mapped and read by this process: its pages are Pss_Shmem, outside own memory, so
+        # the whole figure does not count them a second time.
+        own0 = memory.own_kib()
+        arr = np.memmap(path, dtype=np.uint8, mode="r")
+        assert int(arr[:: 4096].sum()) == (32 << 20) // 4096
+        assert memory.process_kib()["shmem"] >= 30 * 1024
+        assert memory.own_kib() - own0 < 8 * 1024
+        whole = foot.sample([os.getpid()])
+        assert whole["whole_mb"] == pytest.approx(whole["own_mb"] + whole["tmpfs_mb"])
+        del arr
+    finally:
+        os.unlink(path)
+    assert foot.sample([])["tmpfs_mb"] < 16
+
+
+def test_dir_bytes_counts_files_below(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_bytes(b"0" * 10_000)
+    (tmp_path / "y").write_bytes(b"0" * 5_000)
+    assert memory.dir_bytes(str(tmp_path)) >= 15_000
+    assert memory.dir_bytes(str(tmp_path / "gone")) == 0

@@ -30,12 +30,14 @@ DEFAULT_PACK_SHARD_ROWS = 4096
 # Read tasks in flight per CPU the executor may use.
 DEFAULT_INFLIGHT_TASKS_PER_CPU = 2
 # Object store of a local Ray that raying starts itself (``ensure_ray``): this many MB per CPU,
-# at least the floor, at most Ray's own default (30% of memory). Ray's default lets the shared
-# memory that read tasks write through grow to gigabytes on a small node with no gain in speed
-# (``python -m raying.bench.mem_profile``). RAYING_OBJECT_STORE_MB fixes it; 0 keeps Ray's.
+# at least the floor, at most Ray's own default (30% of memory). Ray keeps consumed blocks in
+# the store until it needs their room, so its tmpfs pages grow to the store's size whatever
+# the read window; the window itself needs ~2 units (~40 MB each at 224 px) per CPU. A 256 MB
+# store on 2 CPUs read W1 as fast as a 512 MB one with half the memory, no spilling.
+# RAYING_OBJECT_STORE_MB fixes it; 0 keeps Ray's.
 DEFAULT_OBJECT_STORE_MB: int | None = None  # None: sized per CPU as below
-DEFAULT_OBJECT_STORE_MB_PER_CPU = 256
-DEFAULT_OBJECT_STORE_MIN_MB = 512
+DEFAULT_OBJECT_STORE_MB_PER_CPU = 128
+DEFAULT_OBJECT_STORE_MIN_MB = 256
 # Threads a read task uses to fetch objects from remote storage.
 DEFAULT_REMOTE_READ_THREADS = 16
 # Attempts for a storage read before the error surfaces.

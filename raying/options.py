@@ -70,6 +70,9 @@ DEFAULT_AGE_RATE = 0.05
 # drawn at the mean priority. InfoBatch stores track the same streaks for their statistics.
 DEFAULT_GUARD_AFTER = 3
 DEFAULT_GUARD_QUANTILE = 0.9
+# A high-loss report whose loss fell by at least this share from the first report of its streak
+# is progress (a hard sample being learned): it restarts the streak instead of extending it.
+DEFAULT_GUARD_DECLINE = 0.2
 # How the updates of one store tick fold per id.
 COALESCE_MODES = ("last", "max", "ema")
 

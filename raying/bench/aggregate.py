@@ -197,7 +197,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     batches = sorted({r["batch_size"] for r in rows})
     for b in batches:
-        for wl in ("W1", "W2", "W3", "W6"):
+        for wl in ("W1", "W2", "W3", "W6", "W7"):
             me = _find(rows, wl, "raying", b, "iterate")
             if me is None:
                 continue
@@ -230,7 +230,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if me is not None:
             add(f"W5 b{b}: prioritized / uniform", me.get("ratio_to_uniform"),
                 TARGET_W5_VS_UNIFORM)
-        for wl in ("W1", "W2", "W3", "W4", "W5", "W6"):
+        for wl in ("W1", "W2", "W3", "W4", "W5", "W6", "W7"):
             me = _find(rows, wl, "raying", b, "iterate")
             if me is None:
                 continue

@@ -71,12 +71,12 @@ PEER_NEEDS = {
 # Which workloads each peer runs (W4's reference is the plain pyarrow read; W5 needs a sampler
 # whose weights live updates reshape, which only raying has).
 PEER_WORKLOADS = {
-    "L": ("W1", "W2", "W3", "W6"),
+    "L": ("W1", "W2", "W3", "W6", "W7"),
     "pyarrow": ("W4",),
-    "torch": ("W1", "W2", "W3", "W4", "W6"),
-    "tf": ("W1", "W2", "W3", "W4", "W6"),
-    "raydata": ("W1", "W2", "W3", "W4", "W6"),
-    "raying": ("W1", "W2", "W3", "W4", "W5", "W6"),
+    "torch": ("W1", "W2", "W3", "W4", "W6", "W7"),
+    "tf": ("W1", "W2", "W3", "W4", "W6", "W7"),
+    "raydata": ("W1", "W2", "W3", "W4", "W6", "W7"),
+    "raying": ("W1", "W2", "W3", "W4", "W5", "W6", "W7"),
     "raying-cache": ("W1", "W2", "W3"),
     "raying-train": ("W1", "W2", "W3", "W6"),
 }

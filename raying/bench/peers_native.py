@@ -57,7 +57,8 @@ def _limit_worker(wl_dict: dict[str, Any], k: int, cores: int, batch: int, seed:
 
     try:
         cv2.setNumThreads(1)
-        datas, labels = _load_share(Workload.from_dict(wl_dict), k, cores)
+        wl = Workload.from_dict(wl_dict)
+        datas, labels = _load_share(wl, k, cores)
         out = np.empty((batch, OUTPUT_SIZE, OUTPUT_SIZE, 3), dtype=np.uint8)
         results.put(("ready", k, len(datas)))
         while True:
@@ -70,6 +71,9 @@ def _limit_worker(wl_dict: dict[str, Any], k: int, cores: int, batch: int, seed:
                 idx = order[start:start + batch]
                 for j, i in enumerate(idx):
                     kernels.decode_crop_flip(datas[i], rng, out[j])
+                if wl.augment:
+                    out[:len(idx)] = kernels.colour_jitter(
+                        out[:len(idx)], kernels.jitter_factors(rng, len(idx)))
                 results.put(("batch", len(idx), labels[idx]))
             results.put(("done", k, 0))
     except BaseException:  # noqa: BLE001 - forwarded to the measuring process

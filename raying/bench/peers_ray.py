@@ -80,6 +80,13 @@ def _decode_augment(batch: dict[str, Any], classes: list[str]) -> dict[str, Any]
     return {"image": out, "label": labels}
 
 
+def _jitter(batch: dict[str, Any]) -> dict[str, Any]:
+    """W7's colour jitter as a Ray Data stage (its own map_batches after the decode)."""
+    from raying.bench import kernels
+
+    return kernels.jitter_batch(batch, np.random.default_rng())
+
+
 def _crop_flip_pixels(batch: dict[str, Any], side: int) -> dict[str, Any]:
     from raying.bench import kernels
 
@@ -136,6 +143,8 @@ class RayDataPeer:
                                             override_num_blocks=blocks)
             ds = ds.map_batches(functools.partial(_decode_augment, classes=classes),
                                 batch_format="numpy", compute=compute)
+            if wl.augment:
+                ds = ds.map_batches(_jitter, batch_format="numpy", compute=compute)
             return _RayDataLoader(ds, batch_size, None)
         ds = ray.data.read_parquet(wl.root, shuffle=shuffle, override_num_blocks=blocks)
         ds = ds.select_columns(["image", "label"])
@@ -200,6 +209,10 @@ class RayingPeer:
         if wl.prioritized:
             kwargs["sampler"] = raying.PrioritizedSampler()
         pipe = raying.Pipeline(m, config=raying.PipelineConfig(**self.config), **kwargs)
+        if wl.augment:  # W7: the user's stage in the read tasks, reproducible per (seed, epoch)
+            from raying.bench.kernels import jitter_batch
+
+            pipe = pipe.map_batches(jitter_batch, with_rng=True)
         return _RayingLoader(pipe, batch_size, wl.prioritized, seed)
 
     def stop(self) -> None:

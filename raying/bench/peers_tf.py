@@ -68,6 +68,25 @@ def _crop_pixels(pixels: tf.Tensor, label: tf.Tensor):
     return tf.image.random_flip_left_right(image), label
 
 
+_GRAY = tf.constant([0.299, 0.587, 0.114], dtype=tf.float32)
+
+
+def _jitter(images: tf.Tensor, labels: tf.Tensor):
+    """W7's colour jitter as TF ops on a batch (kernels.colour_jitter's math): brightness,
+    contrast against the image mean, saturation against grayscale, each 1 +- 0.4."""
+    from raying.bench.kernels import JITTER
+
+    n = tf.shape(images)[0]
+    f = tf.random.uniform([n, 1, 1, 3], 1.0 - JITTER, 1.0 + JITTER)
+    x = tf.clip_by_value(tf.cast(images, tf.float32) * f[..., 0:1], 0.0, 255.0)
+    gray = tf.reduce_sum(x * _GRAY, axis=-1, keepdims=True)
+    mean = tf.reduce_mean(gray, axis=[1, 2, 3], keepdims=True)
+    x = tf.clip_by_value((x - mean) * f[..., 1:2] + mean, 0.0, 255.0)
+    gray = tf.reduce_sum(x * _GRAY, axis=-1, keepdims=True)
+    x = tf.clip_by_value((x - gray) * f[..., 2:3] + gray, 0.0, 255.0)
+    return tf.cast(x, tf.uint8), labels
+
+
 def _row_group_dataset(files: list[str], decoded: int | None, seed: int) -> tf.data.Dataset:
     import pyarrow.parquet as pq
 
@@ -129,7 +148,10 @@ class TfPeer:
         else:
             ds = _row_group_dataset(parquet_files(wl.root), wl.decoded, seed)
             ds = ds.map(_crop_pixels if wl.decoded else _load_bytes, num_parallel_calls=auto)
-        return _TfLoader(ds.batch(batch_size).prefetch(auto))
+        ds = ds.batch(batch_size)
+        if wl.augment:  # W7: vectorized over the batch, as tf.data users write it
+            ds = ds.map(_jitter, num_parallel_calls=auto)
+        return _TfLoader(ds.prefetch(auto))
 
     def stop(self) -> None:
         pass

@@ -36,9 +36,10 @@ def _worker_init(_: int) -> None:
 class FileDataset(Dataset):
     """One JPEG file per item: read, decode, random-resized-crop, flip."""
 
-    def __init__(self, paths: list[str], labels: np.ndarray) -> None:
+    def __init__(self, paths: list[str], labels: np.ndarray, augment: bool = False) -> None:
         self.paths = paths
         self.labels = labels
+        self.augment = augment  # W7: the colour jitter, per item as a torch Dataset does it
         self._rng: np.random.Generator | None = None
         self._pid = -1
 
@@ -55,7 +56,10 @@ class FileDataset(Dataset):
         with open(self.paths[i], "rb") as fh:
             data = fh.read()
         out = np.empty((OUTPUT_SIZE, OUTPUT_SIZE, 3), dtype=np.uint8)
-        kernels.decode_crop_flip(data, self._generator(), out)
+        rng = self._generator()
+        kernels.decode_crop_flip(data, rng, out)
+        if self.augment:
+            out = kernels.colour_jitter(out[None], kernels.jitter_factors(rng, 1))[0]
         return torch.from_numpy(out), int(self.labels[i])
 
 class RowGroupDataset(IterableDataset):
@@ -129,7 +133,8 @@ class TorchPeer:
         if wl.kind == "images":
             paths, labels, _ = list_images(wl.root)
             gen = torch.Generator().manual_seed(seed)
-            loader = DataLoader(FileDataset(paths, labels), shuffle=True, generator=gen, **common)
+            loader = DataLoader(FileDataset(paths, labels, wl.augment), shuffle=True,
+                                generator=gen, **common)
         else:
             loader = DataLoader(RowGroupDataset(parquet_files(wl.root), wl.decoded, seed), **common)
         return _TorchLoader(loader)

@@ -14,6 +14,10 @@
   images, sides 300-800 px (mean near 500x375, landscape, portrait and square), quality 75-95,
   ~10% grayscale and ~10% progressive. Decoded it is ~11 GB, more than the decoded-cache
   budget of this kind of node allows, so no loader can keep it in memory.
+- W7: heavy augmentation: W1 plus a user colour jitter of ~1 ms per image
+  (``raying.bench.kernels.colour_jitter``, torchvision's ColorJitter(0.4, 0.4, 0.4) math) that
+  every peer applies in its own idiom: in the DataLoader's dataset, as tf.data ``map`` of TF
+  ops, as Ray Data ``map_batches``, as raying ``pipe.map_batches(..., with_rng=True)``.
 
 A cached workload is a folder with a ``.complete`` file holding the parameters it was made
 with; anything else under the data folder is rebuilt.
@@ -35,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
+ALL_WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6", "W7")
 DEFAULT_W1_IMAGES = 10_000
 DEFAULT_W2_IMAGES = 2_000
 DEFAULT_W6_IMAGES = 20_000
@@ -65,6 +69,7 @@ class Workload:
         decoded: side S of pre-decoded pixels (W4), else None.
         prioritized: read with ``PrioritizedSampler`` and live loss reports (W5).
         bytes: bytes on disk.
+        augment: every peer applies the W7 colour jitter after its crop and flip.
     """
 
     name: str
@@ -75,6 +80,7 @@ class Workload:
     decoded: int | None = None
     prioritized: bool = False
     bytes: int = 0
+    augment: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -232,7 +238,7 @@ def prepare(names: list[str], sizes: Sizes, data: str | os.PathLike,
     data = Path(data)
     data.mkdir(parents=True, exist_ok=True)
     out: dict[str, Workload] = {}
-    need_w1 = any(n in names for n in ("W1", "W3", "W5"))
+    need_w1 = any(n in names for n in ("W1", "W3", "W5", "W7"))
     w1 = _image_folder(data, sizes.w1, W1_SHAPE, say) if need_w1 else None
     todo: list[tuple[Path, Path, int | None]] = []
     if "W3" in names and w1 is not None:
@@ -247,9 +253,10 @@ def prepare(names: list[str], sizes: Sizes, data: str | os.PathLike,
             todo.append((src4, dst, sizes.decode_size))
     _pack_all(todo, say)
     for name in names:
-        if name in ("W1", "W5") and w1 is not None:
+        if name in ("W1", "W5", "W7") and w1 is not None:
             out[name] = Workload(name, "images", str(w1), sizes.w1, W1_SHAPE,
-                                 prioritized=name == "W5", bytes=_folder_bytes(w1))
+                                 prioritized=name == "W5", augment=name == "W7",
+                                 bytes=_folder_bytes(w1))
         elif name == "W2":
             w2 = _image_folder(data, sizes.w2, W2_SHAPE, say)
             out[name] = Workload(name, "images", str(w2), sizes.w2, W2_SHAPE,

@@ -12,6 +12,7 @@ import numpy as np
 from raying.errors import ConfigError
 from raying.options import (
     DEFAULT_AGE_RATE,
+    DEFAULT_GUARD_DECLINE,
     DEFAULT_GUARD_QUANTILE,
     MAX_PRIORITY_LEAF,
     TableConfig,
@@ -53,10 +54,13 @@ class PriorityTable:
     * The noisy-label guard (``guard_after=k``): each row counts its consecutive reports at
       or above the ``guard_quantile`` of the stored priorities (the threshold, and the mean
       priority, are recomputed by ``refresh_guard()``, which the store calls with the cap).
+      A report extends the streak only if its loss has not fallen by ``DEFAULT_GUARD_DECLINE``
+      of the streak's first loss; one that has is progress and starts a new streak from it.
       A row with ``k`` or more such reports in a row is *persistently high-loss*: it is drawn
       as if its priority were at most the mean priority, until a report falls below the
-      threshold. A learnable hard sample's loss falls as it is drawn; a mislabelled one's
-      stays high, and without the guard it would keep a large share of the draws.
+      threshold or shows progress. A learnable hard sample's loss falls as it is drawn; a
+      mislabelled one's stays high, and without the guard it would keep a large share of the
+      draws.
     * Importance weights ``w = (n * P)**-beta / max_j (n * P_j)**-beta``: the maximum is taken
       over the whole table (the row of least positive probability), not over the batch, so
       ``0 < w <= 1`` and weights of different batches are comparable.
@@ -100,6 +104,7 @@ class PriorityTable:
         # The guard: consecutive high-loss reports per row, the threshold they are counted
         # against and the level a flagged row is drawn at (both inf until refresh_guard).
         self._streak = np.zeros(self.n, dtype=np.int64)
+        self._streak_ref = np.zeros(self.n)  # the loss of each streak's first report
         self._guard_threshold = math.inf
         self._guard_level = math.inf
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
@@ -152,7 +157,11 @@ class PriorityTable:
         self._last[ids] = self._clock
         if self.config.guard_after is not None:
             high = values >= self._guard_threshold
-            self._streak[ids] = np.where(high, self._streak[ids] + 1, 0)
+            cur, ref = self._streak[ids], self._streak_ref[ids]
+            progress = (cur > 0) & (values < ref * (1.0 - DEFAULT_GUARD_DECLINE))
+            streak = np.where(high, np.where(progress, 1, cur + 1), 0)
+            self._streak[ids] = streak
+            self._streak_ref[ids] = np.where(streak == 1, values, ref)
         leaves = self._leaf_values(values, ids)
         self._minima.replace(self._tree.leaves[ids], leaves)
         self._tree.set(ids, leaves)
@@ -444,7 +453,8 @@ class PriorityTable:
                 "config": dataclasses.asdict(self.config),
                 "priorities": self._raw.copy(), "last_update": self._last.copy(),
                 "clock": self._clock, "aged_clock": self._aged_clock, "cap": self._cap,
-                "streak": self._streak.copy(), "guard_threshold": self._guard_threshold,
+                "streak": self._streak.copy(), "streak_ref": self._streak_ref.copy(),
+                "guard_threshold": self._guard_threshold,
                 "guard_level": self._guard_level,
                 "rejected": dict(self.rejected), "counters": dict(self.counters),
                 "rng": self._rng.bit_generator.state}
@@ -475,6 +485,9 @@ class PriorityTable:
                    f"was it saved by another table?")
             raise ConfigError(msg)
         self._streak = streak.copy()
+        # States saved before streaks kept their first loss: the current one stands in.
+        ref = np.asarray(state.get("streak_ref", raw), dtype=np.float64)
+        self._streak_ref = ref.copy() if ref.shape == (self.n,) else raw.copy()
         on = self.config.guard_after is not None
         threshold, level = state.get("guard_threshold"), state.get("guard_level")
         self._guard_threshold = float(threshold) if on and threshold is not None else math.inf

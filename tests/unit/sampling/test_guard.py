@@ -39,6 +39,26 @@ def test_rows_high_for_k_reports_are_drawn_at_the_mean_priority():
     assert not t.guarded()[8] and t.probabilities()[8] == pytest.approx(0.5 / 18.5)
 
 
+def test_a_high_loss_that_keeps_falling_is_progress_not_a_streak():
+    from raying.options import DEFAULT_GUARD_DECLINE
+
+    t = _table()
+    # Row 8: a hard sample being learned, each report well below its streak's first loss
+    # (yet still above the threshold); row 9: a mislabelled one, its loss flat or rising.
+    falling = [20.0]
+    for _ in range(4):
+        falling.append(falling[-1] * (1.0 - DEFAULT_GUARD_DECLINE) * 0.95)
+    assert falling[-1] > t.guard_summary()["threshold"]
+    for k, loss in enumerate(falling):
+        t.update([8, 9], [loss, 20.0 + k])
+    assert not t.guarded()[8] and t.guarded()[9]
+    # A loss that falls, but by less than the decline, does not count as progress.
+    u = _table()
+    for k in range(3):
+        u.update([8], [10.0 * (1.0 - DEFAULT_GUARD_DECLINE / 2) ** k])
+    assert u.guarded()[8]
+
+
 def test_the_guard_changes_nothing_before_its_first_refresh_or_when_off():
     t = PriorityTable(4, guard_after=1)
     t.update([0], [5.0])

@@ -63,7 +63,8 @@ def run_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None
 
 
 def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
-              block_rows: int | None = None, reuse_output: bool = False
+              block_rows: int | None = None, reuse_output: bool = False,
+              first_block_rows: int | None = None
               ) -> Iterator[tuple[dict[str, np.ndarray], UnitAccount]]:
     """Read one unit once, then decode and augment it ``block_rows`` rows at a time.
 
@@ -77,6 +78,9 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     user stages (``spec.stages``) then run on each non-empty block, before the rows a resumed
     unit skips are dropped (so a resumed block draws the numbers of the whole one). A user
     stage's error is raised whatever ``on_error`` says.
+
+    ``first_block_rows`` makes the first block that short (the rest stay ``block_rows``), so
+    the first rows of an epoch reach the trainer after a fraction of a unit's decode.
 
     ``reuse_output=True`` writes the images into a buffer this process keeps between blocks;
     only for callers that copy each block out before asking for the next (a Ray generator
@@ -100,9 +104,8 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     probs = _or_default(unit.probs, n, np.nan, np.float64)
     skip = unit.skip_rows
     node = _node_id()
-    for a in range(0, max(n, 1), step):
+    for a, b in _block_bounds(n, step, first_block_rows):
         t1 = time.perf_counter()
-        b = min(n, a + step)
         part = slice(a, b)
         out = _output(b - a, spec.transform.size) if reuse_output else None
         got = source.part(part, out)
@@ -130,6 +133,19 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
             io=_with_retries(got.io, extra_io) if a == 0 and extra_io else got.io,
             pid=os.getpid(), worker_kib=_memory.own_kib() if b >= n else 0)
         yield block, account
+
+
+def _block_bounds(n: int, step: int, first: int | None) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` of a unit's blocks: ``step`` rows each, the first one ``first``
+    rows when that is shorter; one empty block for an empty unit."""
+    if n == 0:
+        return [(0, 0)]
+    starts = [0]
+    nxt = first if first is not None and 0 < first < min(step, n) else step
+    while nxt < n:
+        starts.append(nxt)
+        nxt += step
+    return list(zip(starts, [*starts[1:], n], strict=True))
 
 
 def _with_retries(io: dict[str, int], extra_io: dict[str, int]) -> dict[str, int]:

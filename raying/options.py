@@ -65,11 +65,13 @@ DEFAULT_REPORT_FLUSH_IDS = 1024
 DEFAULT_REPORT_FLUSH_S = 0.05
 # Share of the gap to the mean that a stale priority closes per update call (see `age`).
 DEFAULT_AGE_RATE = 0.05
-# The noisy-label guard of prioritized sampling (off unless asked for): a sample whose last
-# DEFAULT_GUARD_AFTER reports were all in the top (1 - DEFAULT_GUARD_QUANTILE) of priorities is
-# drawn at the mean priority. InfoBatch stores track the same streaks for their statistics.
+# The noisy-label guard of prioritized sampling (on by default: in the sampler study it cost
+# nothing on clean labels): a sample whose last DEFAULT_GUARD_AFTER reports were all in the top
+# (1 - DEFAULT_GUARD_QUANTILE) of priorities, without progress, is drawn at the median
+# priority. The quantile is below 0.9 so that a noise rate of 20 % is still caught.
+# InfoBatch stores track the same streaks for their statistics.
 DEFAULT_GUARD_AFTER = 3
-DEFAULT_GUARD_QUANTILE = 0.9
+DEFAULT_GUARD_QUANTILE = 0.75
 # A high-loss report whose loss fell by at least this share from the first report of its streak
 # is progress (a hard sample being learned): it restarts the streak instead of extending it.
 DEFAULT_GUARD_DECLINE = 0.2

@@ -52,15 +52,17 @@ class PriorityTable:
       moves toward the current mean priority by ``age_rate`` per further call, applied in one
       vectorized pass by ``age()`` (compounded over the calls since the previous pass).
     * The noisy-label guard (``guard_after=k``): each row counts its consecutive reports at
-      or above the ``guard_quantile`` of the stored priorities (the threshold, and the mean
+      or above the ``guard_quantile`` of the stored priorities (the threshold, and the median
       priority, are recomputed by ``refresh_guard()``, which the store calls with the cap).
       A report extends the streak only if its loss has not fallen by ``DEFAULT_GUARD_DECLINE``
       of the streak's first loss; one that has is progress and starts a new streak from it.
       A row with ``k`` or more such reports in a row is *persistently high-loss*: it is drawn
-      as if its priority were at most the mean priority, until a report falls below the
+      as if its priority were at most the median priority, until a report falls below the
       threshold or shows progress. A learnable hard sample's loss falls as it is drawn; a
       mislabelled one's stays high, and without the guard it would keep a large share of the
-      draws.
+      draws. The median, not the mean: under label noise the mean is inflated by the noisy
+      rows' own losses, and holding them there would still draw them several times as often
+      as a typical sample.
     * Importance weights ``w = (n * P)**-beta / max_j (n * P_j)**-beta``: the maximum is taken
       over the whole table (the row of least positive probability), not over the batch, so
       ``0 < w <= 1`` and weights of different batches are comparable.
@@ -75,8 +77,8 @@ class PriorityTable:
         age_rate: share of the distance to the mean closed per update call while aging.
         initial_priority: the priority every row starts with.
         seed: seed of the generator used by ``sample`` (saved in ``state_dict``).
-        guard_after: consecutive high-loss reports after which a row is drawn at the mean
-            priority at most; None disables the guard.
+        guard_after: consecutive high-loss reports without progress after which a row is
+            drawn at the median priority at most; None disables the guard.
         guard_quantile: the quantile of stored priorities that counts as high loss.
     """
 
@@ -222,14 +224,14 @@ class PriorityTable:
         if self.config.guard_after is None:
             return math.inf
         self._guard_threshold = float(np.quantile(self._raw, self.config.guard_quantile))
-        self._guard_level = float(self._raw.mean())
+        self._guard_level = float(np.median(self._raw))
         self._tree.leaves[:] = self._leaf_values(self._raw)
         self._tree.rebuild()
         self._minima.invalidate()
         return self._guard_threshold
 
     def guarded(self) -> np.ndarray:
-        """Mask of the rows the guard holds at the mean priority (persistently high-loss)."""
+        """Mask of the rows the guard holds at the median priority (persistently high-loss)."""
         after = self.config.guard_after
         if after is None:
             return np.zeros(self.n, dtype=bool)

@@ -5,8 +5,13 @@ Each stage takes a block (a dict of numpy arrays: ``image`` uint8 NHWC after dec
 order, after the built-in transform, on every path that runs read tasks (``pipe.iter_*`` and
 ``pipe.dataset(e)``).
 
+Stages see a block ``DEFAULT_STAGE_ROWS`` rows at a time: a function that works in float32
+on 256 images would sweep ~150 MB of temporaries per call, while 32 stay near the caches (the
+bench's colour jitter took 0.61 ms per image in chunks of 32, 0.83 in 64, 1.58 in 256). The chunks follow the block's order, so
+the rows are the same whatever the chunking.
+
 A stage with ``with_rng=True`` gets ``rng=``, a ``numpy.random.Generator`` seeded from
-(pipeline seed, epoch, the stage's position, the block's ids): an epoch is reproducible, and
+(pipeline seed, epoch, the stage's position, the chunk's ids): an epoch is reproducible, and
 a retried or resumed read task, which reads the same block, draws the same numbers.
 """
 
@@ -27,6 +32,8 @@ from raying.image.rng import epoch_key
 _STREAM_BASE = 1 << 20
 # Ids a UserFunctionError names at most.
 _IDS_SHOWN = 8
+# Rows of a block each call of the stages sees at most.
+DEFAULT_STAGE_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +65,34 @@ def stage_rng(seed: int, epoch: int, index: int, ids: np.ndarray) -> np.random.G
 
 def apply_stages(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, seed: int,
                  epoch: int, size: int) -> dict[str, np.ndarray]:
-    """Run ``stages`` in order on ``block``; each result is checked before the next runs.
+    """Run ``stages`` in order on ``block``, ``DEFAULT_STAGE_ROWS`` rows at a time; each
+    result is checked before the next stage runs, and the chunks are joined in order.
 
     Raises:
         UserFunctionError: a stage raised (its traceback in the message), or returned
             something other than a dict whose ``id`` is the block's and whose columns all
-            have the block's rows, with ``image`` still uint8 ``(n, size, size, 3)``.
+            have the block's rows, with ``image`` still uint8 ``(n, size, size, 3)``, or
+            chunks of one block that return different columns.
     """
+    n = len(block["id"])
+    if n <= DEFAULT_STAGE_ROWS:
+        return _run(stages, block, seed=seed, epoch=epoch, size=size)
+    parts = [_run(stages, {k: v[a:a + DEFAULT_STAGE_ROWS] for k, v in block.items()},
+                  seed=seed, epoch=epoch, size=size)
+             for a in range(0, n, DEFAULT_STAGE_ROWS)]
+    keys = list(parts[0])
+    for part in parts[1:]:
+        if sorted(part) != sorted(keys):
+            name = " then ".join(s.name for s in stages)
+            raise UserFunctionError(name, epoch, _shown(part["id"]),
+                                    f"returned columns {sorted(part)} for some rows and "
+                                    f"{sorted(keys)} for others; return the same columns "
+                                    f"for every batch")
+    return {k: np.concatenate([p[k] for p in parts]) for k in keys}
+
+
+def _run(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, seed: int,
+         epoch: int, size: int) -> dict[str, np.ndarray]:
     ids = block["id"]
     n = len(ids)
     for index, stage in enumerate(stages):

@@ -121,3 +121,28 @@ def test_a_raising_stage_stops_both_paths_naming_itself_epoch_and_ids(parquet_se
     assert 'raise ValueError("boxes must be normalised first")' in str(info.value)
     assert pipe.stats(sampling=False)["skipped_count"] == 0  # a bug is not a bad sample
     pipe.close()
+
+
+def test_a_stage_that_imports_torch_shows_in_the_workers_memory(parquet_set, ray_local):
+    """Read workers import what a stage needs; the cost shows in pipe.stats()["memory"]."""
+    def plain(batch):
+        batch["image"] = 255 - batch["image"]
+        return batch
+
+    def with_torch(batch):
+        import torch  # imported in the read worker, at the first call
+
+        batch["image"] = torch.from_numpy(batch["image"]).flip(2).numpy()
+        return batch
+
+    def worker_mb(fn):
+        pipe = staged_pipeline(parquet_set, stages=False).map_batches(fn)
+        rows = sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=0))
+        mem = pipe.stats()["memory"]
+        pipe.close()
+        assert rows > 0 and mem["read_workers"] >= 1, mem
+        return mem["read_worker_mb_max"]
+
+    # numpy first: the same worker processes then import torch for the second pipeline.
+    before, after = worker_mb(plain), worker_mb(with_torch)
+    assert after >= before + 50, (before, after)

@@ -278,3 +278,34 @@ def test_columns_and_stages_on_the_planned_path_and_a_resumed_unit(parquet_set, 
     np.testing.assert_array_equal(rest["image"], whole["image"][5:])
     assert rest["caption"].tolist() == whole["caption"][5:].tolist()
     pipe.close()
+
+
+def test_stages_see_a_block_in_chunks_joined_in_order():
+    from raying.errors import UserFunctionError
+    from raying.read.stages import DEFAULT_STAGE_ROWS, UserStage, apply_stages
+
+    n, size = 3 * DEFAULT_STAGE_ROWS + 5, 4
+    block = {"id": np.arange(100, 100 + n), "label": np.arange(n) % 3,
+             "image": np.zeros((n, size, size, 3), np.uint8)}
+    seen = []
+
+    def mark(batch):
+        seen.append(len(batch["id"]))
+        batch["image"] = batch["image"] + (batch["id"] % 200).astype(np.uint8)[:, None, None,
+                                                                                None]
+        batch["first"] = np.full(len(batch["id"]), batch["id"][0])
+        return batch
+
+    out = apply_stages((UserStage(mark),), dict(block), seed=0, epoch=0, size=size)
+    assert seen == [DEFAULT_STAGE_ROWS] * 3 + [5]
+    assert np.array_equal(out["id"], block["id"])  # every row, in the block's order
+    assert np.array_equal(out["image"][:, 0, 0, 0], (block["id"] % 200).astype(np.uint8))
+    assert np.array_equal(np.unique(out["first"]), block["id"][::DEFAULT_STAGE_ROWS])
+
+    def moody(batch):  # a column for some chunks only
+        if batch["id"][0] > 100:
+            batch["extra"] = np.ones(len(batch["id"]))
+        return batch
+
+    with pytest.raises(UserFunctionError, match=r"returned columns .* for some rows"):
+        apply_stages((UserStage(moody),), dict(block), seed=0, epoch=0, size=size)

@@ -65,8 +65,8 @@ DEFAULT_REPORT_FLUSH_IDS = 1024
 DEFAULT_REPORT_FLUSH_S = 0.05
 # Share of the gap to the mean that a stale priority closes per update call (see `age`).
 DEFAULT_AGE_RATE = 0.05
-# The noisy-label guard of prioritized sampling (on by default: in the sampler study it cost
-# nothing on clean labels): a sample whose last DEFAULT_GUARD_AFTER reports were all in the top
+# The noisy-label guard of prioritized sampling (PrioritizedSampler(guard=True)): a sample
+# whose last DEFAULT_GUARD_AFTER reports were all in the top
 # (1 - DEFAULT_GUARD_QUANTILE) of priorities, without progress, is drawn at the median
 # priority. The quantile is below 0.9 so that a noise rate of 20 % is still caught.
 # InfoBatch stores track the same streaks for their statistics.

@@ -34,7 +34,7 @@ WHEN_TO_USE = (
     "Which sampler when: PrioritizedSampler for rare hard modes (this demo; ~0.5x uniform's "
     "steps in the sampler study); InfoBatchSampler(epochs=E) to cut reads on data with an easy "
     "majority (36 % fewer at uniform's accuracy); WeightedSampler(class_balanced=True) for a "
-    "known imbalance. With 20 % noisy labels the guarded prioritized sampler (the default) "
+    "known imbalance. With 20 % noisy labels the guarded prioritized sampler (guard=True) "
     "kept its speed-up, but ended below uniform's accuracy on some seeds: see "
     "docs/concepts.md, 'Which policy when'.")
 

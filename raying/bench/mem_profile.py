@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from raying.bench.measure import _stat, descendants
+from raying.read.memory import dir_bytes
 
 _MB = 1024.0 * 1024.0
 
@@ -164,17 +165,6 @@ def _cpu_delta(a: dict[int, tuple[str, float]], b: dict[int, tuple[str, float]]
     return dict(out)
 
 
-def _tmpfs_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(dirpath, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
 def profile(data: str, *, epochs: int = 3, batch_size: int = 256, decoded_cache: str = "auto",
             object_store_mb: int | None = None, cores: int | None = None,
             prioritized: bool = False) -> dict[str, Any]:
@@ -212,7 +202,7 @@ def profile(data: str, *, epochs: int = 3, batch_size: int = 256, decoded_cache:
                 cpu0 = _cpu_by_role(os.getpid())
         cpu = _cpu_delta(cpu0, _cpu_by_role(os.getpid()))
         steady = steady_rows / max(time.perf_counter() - t_steady, 1e-9) if epochs > 1 else None
-        cache_mb = _tmpfs_bytes(DEFAULT_DECODED_CACHE_DIR) / _MB
+        cache_mb = dir_bytes(DEFAULT_DECODED_CACHE_DIR) / _MB
     finally:
         watch.stop()
         pipe.close()

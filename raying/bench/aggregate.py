@@ -53,6 +53,10 @@ TARGET_W4_VS_PYARROW = 0.6
 TARGET_W5_VS_UNIFORM = 0.95
 TARGET_WARM_TTFB_S = 0.25
 TARGET_MEMORY_VS_TORCH = 1.5
+# The Ray Train path (2 Train workers) against raying's iterator and plain Ray Data through
+# Train's own split.
+TARGET_TRAIN_VS_ITERATOR = 0.9
+TARGET_TRAIN_VS_RAYDATA_TRAIN = 1.5
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -133,7 +137,8 @@ def combine(runs: list[dict[str, Any]], workloads: dict[str, dict[str, Any]],
         rows.append(row)
     _ratios(rows)
     order = {w: i for i, w in enumerate(sorted(workloads))}
-    peers = ("L", "pyarrow", "torch", "tf", "raydata", "raying", "raying-cache", "raying-train")
+    peers = ("L", "pyarrow", "torch", "tf", "raydata", "raying", "raying-cache", "raying-train",
+             "raydata-train")
     modes = ("iterate", "sleep", "compute")
     rows.sort(key=lambda r: (order.get(r["workload"], 99), r["batch_size"],
                              modes.index(r["mode"]) if r["mode"] in modes else 9,
@@ -217,6 +222,15 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             add(f"{wl} b{b}: raying steady / L", me.get("ratio_to_L"), TARGET_VS_LIMIT)
             add(f"{wl} b{b}: raying cold ttfb (s)", me.get("ttfb_cold_s"), TARGET_COLD_TTFB_S,
                 most=True)
+            train = _find(rows, wl, "raying-train", b, "iterate")
+            if train is not None:
+                add(f"{wl} b{b}: Ray Train path steady / raying iterator",
+                    _ratio(train["steady_img_s"], me["steady_img_s"]), TARGET_TRAIN_VS_ITERATOR)
+                rd = _find(rows, wl, "raydata-train", b, "iterate")
+                if rd is not None:
+                    add(f"{wl} b{b}: Ray Train path steady / Ray Data through Train",
+                        _ratio(train["steady_img_s"], rd["steady_img_s"]),
+                        TARGET_TRAIN_VS_RAYDATA_TRAIN)
             cache = _find(rows, wl, "raying-cache", b, "iterate")
             if cache is not None:
                 add(f"{wl} b{b}: epoch 0 with the decoded cache / without",

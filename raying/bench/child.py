@@ -58,6 +58,7 @@ PEERS = {
     "raying": "raying.bench.peers_ray:RayingPeer",
     "raying-cache": "raying.bench.peers_ray:RayingCachePeer",
     "raying-train": "raying.bench.peers_train:RayingTrainPeer",
+    "raydata-train": "raying.bench.peers_train:RayDataTrainPeer",
 }
 # The package each peer needs, and how to get it.
 PEER_NEEDS = {
@@ -67,6 +68,7 @@ PEER_NEEDS = {
     "raying": ("ray", "pip install 'ray[data]'"),
     "raying-cache": ("ray", "pip install 'ray[data]'"),
     "raying-train": ("ray", "pip install 'ray[data,train]'"),
+    "raydata-train": ("ray", "pip install 'ray[data,train]'"),
 }
 # Which workloads each peer runs (W4's reference is the plain pyarrow read; W5 needs a sampler
 # whose weights live updates reshape, which only raying has).
@@ -79,6 +81,7 @@ PEER_WORKLOADS = {
     "raying": ("W1", "W2", "W3", "W4", "W5", "W6", "W7"),
     "raying-cache": ("W1", "W2", "W3"),
     "raying-train": ("W1", "W2", "W3", "W6"),
+    "raydata-train": ("W1", "W3"),  # one folder, one Parquet: Train start-up is dear
 }
 # Peers that are references, not loaders: they run the "iterate" mode only.
 REFERENCE_PEERS = ("L", "pyarrow")

@@ -50,12 +50,13 @@ DEFAULT_RAYDATA_BLOCK_ROWS = 256
 DEFAULT_RAYDATA_SHUFFLE_BUFFER_ROWS = 256
 
 
-def _start_ray(cores: int, object_store_bytes: int | None = None) -> dict[str, Any]:
+def _start_ray(cores: int, object_store_bytes: int | None = None,
+               resources: dict[str, float] | None = None) -> dict[str, Any]:
     import ray
 
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=cores, include_dashboard=False,
-             object_store_memory=object_store_bytes)
+             object_store_memory=object_store_bytes, resources=resources)
     return {"ray_start_s": time.perf_counter() - t0, "ray_version": ray.__version__}
 
 
@@ -99,6 +100,39 @@ def _crop_flip_pixels(batch: dict[str, Any], side: int) -> dict[str, Any]:
     return {"image": out, "label": np.asarray(batch["label"], dtype=np.int64)}
 
 
+def ray_dataset(wl: Workload, *, cores: int, seed: int) -> tuple[Any, int | None]:
+    """Plain Ray Data's reading of a workload: ``(dataset, local shuffle buffer rows)``.
+
+    Images: ``read_binary_files`` (file order shuffled) + decode/crop/flip in ``map_batches``;
+    Parquet: ``read_parquet`` + the same map, with a local shuffle buffer at iteration.
+    """
+    import ray
+
+    blocks = max(cores, math.ceil(wl.rows / DEFAULT_RAYDATA_BLOCK_ROWS))
+    shuffle = ray.data.FileShuffleConfig(seed=seed)
+    # No size: Ray's default, which lets the read fuse with map_batches into one task per
+    # block (a size would differ from the read's and split them into two operators).
+    compute = ray.data.TaskPoolStrategy()
+    if wl.kind == "images":
+        classes = sorted(e.name for e in os.scandir(wl.root) if e.is_dir())
+        ds = ray.data.read_binary_files(wl.root, include_paths=True, shuffle=shuffle,
+                                        override_num_blocks=blocks)
+        ds = ds.map_batches(functools.partial(_decode_augment, classes=classes),
+                            batch_format="numpy", compute=compute)
+        if wl.augment:
+            ds = ds.map_batches(_jitter, batch_format="numpy", compute=compute)
+        return ds, None
+    ds = ray.data.read_parquet(wl.root, shuffle=shuffle, override_num_blocks=blocks)
+    ds = ds.select_columns(["image", "label"])
+    if wl.decoded:
+        ds = ds.map_batches(functools.partial(_crop_flip_pixels, side=int(wl.decoded)),
+                            batch_format="numpy", compute=compute)
+    else:
+        ds = ds.map_batches(functools.partial(_decode_augment, classes=[]),
+                            batch_format="numpy", compute=compute)
+    return ds, DEFAULT_RAYDATA_SHUFFLE_BUFFER_ROWS
+
+
 class _RayDataLoader:
     def __init__(self, ds: Any, batch: int, shuffle_buffer: int | None) -> None:
         self.ds = ds
@@ -130,31 +164,8 @@ class RayDataPeer:
         return info
 
     def open(self, wl: Workload, *, batch_size: int, cores: int, seed: int) -> _RayDataLoader:
-        import ray
-
-        blocks = max(cores, math.ceil(wl.rows / DEFAULT_RAYDATA_BLOCK_ROWS))
-        shuffle = ray.data.FileShuffleConfig(seed=seed)
-        # No size: Ray's default, which lets the read fuse with map_batches into one task per
-        # block (a size would differ from the read's and split them into two operators).
-        compute = ray.data.TaskPoolStrategy()
-        if wl.kind == "images":
-            classes = sorted(e.name for e in os.scandir(wl.root) if e.is_dir())
-            ds = ray.data.read_binary_files(wl.root, include_paths=True, shuffle=shuffle,
-                                            override_num_blocks=blocks)
-            ds = ds.map_batches(functools.partial(_decode_augment, classes=classes),
-                                batch_format="numpy", compute=compute)
-            if wl.augment:
-                ds = ds.map_batches(_jitter, batch_format="numpy", compute=compute)
-            return _RayDataLoader(ds, batch_size, None)
-        ds = ray.data.read_parquet(wl.root, shuffle=shuffle, override_num_blocks=blocks)
-        ds = ds.select_columns(["image", "label"])
-        if wl.decoded:
-            ds = ds.map_batches(functools.partial(_crop_flip_pixels, side=int(wl.decoded)),
-                                batch_format="numpy", compute=compute)
-        else:
-            ds = ds.map_batches(functools.partial(_decode_augment, classes=[]),
-                                batch_format="numpy", compute=compute)
-        return _RayDataLoader(ds, batch_size, DEFAULT_RAYDATA_SHUFFLE_BUFFER_ROWS)
+        ds, shuffle_buffer = ray_dataset(wl, cores=cores, seed=seed)
+        return _RayDataLoader(ds, batch_size, shuffle_buffer)
 
     def stop(self) -> None:
         import ray

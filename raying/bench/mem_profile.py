@@ -171,7 +171,7 @@ def profile(data: str, *, epochs: int = 3, batch_size: int = 256, decoded_cache:
     import ray
 
     import raying
-    from raying.read.decoded_cache import DEFAULT_DECODED_CACHE_DIR
+    from raying.read.decoded_cache import root as decoded_root
 
     kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False,
                               "num_cpus": cores or len(os.sched_getaffinity(0))}
@@ -202,7 +202,7 @@ def profile(data: str, *, epochs: int = 3, batch_size: int = 256, decoded_cache:
                 cpu0 = _cpu_by_role(os.getpid())
         cpu = _cpu_delta(cpu0, _cpu_by_role(os.getpid()))
         steady = steady_rows / max(time.perf_counter() - t_steady, 1e-9) if epochs > 1 else None
-        cache_mb = dir_bytes(DEFAULT_DECODED_CACHE_DIR) / _MB
+        cache_mb = dir_bytes(decoded_root()) / _MB
     finally:
         watch.stop()
         pipe.close()

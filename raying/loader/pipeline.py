@@ -223,10 +223,13 @@ class Pipeline:
             budget = decoded.plan_budget(self.config.decoded_cache, self.manifest,
                                          size_of=lambda ids: decoded.header_sizes(
                                              self.manifest, ids), epochs=self.config.epochs)
+            owner = decoded.owner_id()
             if budget:
-                decoded.claim(self._cache_name)
+                decoded.claim(self._cache_name, owner)
             self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
-                                             decoded_cache_dir=decoded.cache_dir(self._cache_name),
+                                             decoded_cache_name=self._cache_name,
+                                             decoded_cache_auto=self.config.decoded_cache == "auto",
+                                             decoded_cache_owner=owner,
                                              cache_namespace=dataset_key(
                 self.manifest.fingerprint(), self.manifest.storage))
             self._spec_ready = True
@@ -429,7 +432,9 @@ class Pipeline:
         tmpfs = self._footprint.sample([])["tmpfs_mb"]
         cache = 0.0
         if self._spec_ready and self._spec.decoded_cache_bytes:
-            cache = dir_bytes(self._spec.decoded_cache_dir) / (1024.0 * 1024.0)
+            from raying.read import decoded_cache as decoded
+
+            cache = dir_bytes(decoded.cache_dir(self._cache_name)) / (1024.0 * 1024.0)
         pss = sorted(workers.values())
         return {
             "driver_mb": round(driver, 1),
@@ -491,7 +496,7 @@ class Pipeline:
         if self._spec.decoded_cache_bytes:
             from raying.read import decoded_cache as decoded
 
-            decoded.release(self._cache_name)  # this node's copy; other nodes' go with their tmpfs
+            decoded.release_everywhere(self._cache_name)  # every node's copy
         self._bound = False
         self._closed = True
 

@@ -25,7 +25,11 @@ class ReadSpec:
     io: Any = None  # a raying.options.IOConfig; None reads every file directly
     # Bytes of the node's memory tier for decoded pixels (0 = off; see raying.read.decoded_cache).
     decoded_cache_bytes: int = 0
-    decoded_cache_dir: str = ""
+    # The pipeline's directory name under each node's decoded-cache root, whether the budget
+    # was "auto" (each node then caps it at its own share), and the owner its nodes record.
+    decoded_cache_name: str = ""
+    decoded_cache_auto: bool = False
+    decoded_cache_owner: str = ""
     cache_namespace: str = ""
     # The driver's settings (the RAYING_* environment as the Pipeline read it); read tasks
     # make them theirs before they read.

@@ -7,7 +7,7 @@ import pytest
 
 import raying
 from raying.options import CacheConfig, IOConfig
-from raying.read import fetch
+from raying.read import decoded_cache, fetch
 from raying.read.spec import ReadSpec
 from raying.read.task import run_unit
 from raying.sampling.plan import ManifestLookup, chunk_units
@@ -139,7 +139,7 @@ def test_decoded_cache_serves_later_epochs_with_the_same_pixels(manifest, ray_lo
         # not be written when epoch 1 starts: 109 was seen once on 2 busy cores).
         assert st["cache_decoded_lookups"] == 180
         assert st["cache_decoded_hits"] >= 90 and st["decoded_cache_hit_ratio"] >= 0.5
-        directory = pipe._ready_spec().decoded_cache_dir
+        directory = decoded_cache.cache_dir(pipe._ready_spec().decoded_cache_name)
         assert os.path.isdir(directory)
     finally:
         base.close()
@@ -156,7 +156,7 @@ def test_reads_in_flight_at_close_do_not_bring_the_decoded_pixels_back(manifest,
         pipe = raying.Pipeline(manifest, transform=tf,
                                config=raying.PipelineConfig(block_rows=8, decoded_cache=64 << 20,
                                                             keep_warm=True))
-        directory = pipe._ready_spec().decoded_cache_dir
+        directory = decoded_cache.cache_dir(pipe._ready_spec().decoded_cache_name)
         for k, _ in enumerate(pipe.iter_batches(batch_size=8, epoch=0)):
             if stop_after is not None and k + 1 >= stop_after:
                 break

@@ -74,3 +74,54 @@ def test_a_bad_setting_names_the_choices(bad):
     with pytest.raises(ConfigError, match=r"decoded_cache must be 'auto', 'off' or a positive "
                                           r"number of bytes"):
         decoded_cache.plan_budget(bad, _M(10))
+
+
+# -- per node: the root, the owner rule, the node's own cap --------------------------------------
+def test_each_node_reads_its_root_from_its_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(decoded_cache.DECODED_CACHE_DIR_ENV, str(tmp_path / "node"))
+    assert decoded_cache.cache_dir("p") == str(tmp_path / "node" / "p")
+    monkeypatch.delenv(decoded_cache.DECODED_CACHE_DIR_ENV)
+    assert decoded_cache.cache_dir("p") == decoded_cache.DEFAULT_DECODED_CACHE_DIR + "/p"
+
+
+def test_the_sweep_removes_dead_owners_only(monkeypatch, tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    monkeypatch.setenv(decoded_cache.DECODED_CACHE_DIR_ENV, str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    here = socket.gethostname()
+    owners = {
+        "live-here": f"{here} {os.getpid()}",
+        "dead-here": f"{here} {gone.pid}",
+        "dead-job": "elsewhere 1 10.0.0.1:6379 02000000",
+        "live-job": "elsewhere 1 10.0.0.1:6379 03000000",
+        "other-cluster": "elsewhere 1 10.9.9.9:6379 02000000",
+        "old-format-here": f"{here} {gone.pid}",  # written before the Ray part existed
+    }
+    for name, owner in owners.items():
+        decoded_cache.mark_owner(str(tmp_path / name), owner)
+    decoded_cache.mark_owner(str(tmp_path / "live-here"), "someone else")  # first owner stays
+    removed = decoded_cache.sweep(frozenset({"02000000"}), "10.0.0.1:6379")
+    assert sorted(removed) == ["dead-here", "dead-job", "old-format-here"]
+    assert sorted(os.listdir(tmp_path)) == ["live-here", "live-job", "other-cluster"]
+    with open(tmp_path / "live-here" / ".owner") as fh:
+        assert fh.read() == owners["live-here"]
+
+
+def test_auto_caps_the_budget_at_the_nodes_own_share(monkeypatch, tmp_path):
+    from raying.read.spec import ReadSpec
+
+    monkeypatch.setenv(decoded_cache.DECODED_CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(decoded_cache, "_NODE_BUDGET", [5 << 20])
+    opened = []
+    monkeypatch.setattr(decoded_cache.DecodedCache, "__init__",
+                        lambda self, d, b, ns: opened.append((d, b)))
+    base = dict(root="/x", storage=None, fmt="images", files=(), image_column=None,
+                decoded=None, transform=None, seed=0, decoded_cache_bytes=1 << 30,
+                decoded_cache_name="p", decoded_cache_owner="h 1")
+    decoded_cache.DecodedCache.of(ReadSpec(**base, decoded_cache_auto=True))
+    decoded_cache.DecodedCache.of(ReadSpec(**base, decoded_cache_auto=False))
+    assert opened == [(str(tmp_path / "p"), 5 << 20), (str(tmp_path / "p"), 1 << 30)]

@@ -7,7 +7,8 @@ from typing import Any
 from raying.errors import ConfigError
 
 
-def bind_store(name: str, n: int, *, table: Any, store: Any) -> tuple[Any, bool]:
+def bind_store(name: str, n: int, *, table: Any, store: Any,
+               prior: Any = None) -> tuple[Any, bool]:
     """The store named ``name`` for ``n`` ids: found if it runs (a restarted driver), else created.
 
     Args:
@@ -15,6 +16,7 @@ def bind_store(name: str, n: int, *, table: Any, store: Any) -> tuple[Any, bool]
         n: the dataset's size; a running store of another size is refused.
         table: the table settings (TableConfig or dict).
         store: the store settings (StoreConfig, dict or None).
+        prior: static weights of the ids for a store created here (a found one keeps its own).
 
     Returns:
         ``(handle, created)``: created is True when this call started the store.
@@ -24,7 +26,7 @@ def bind_store(name: str, n: int, *, table: Any, store: Any) -> tuple[Any, bool]
     try:
         handle = st.get_store(name)
     except ConfigError:
-        return st.create_store(name, n, table=table, config=store), True
+        return st.create_store(name, n, table=table, config=store, prior=prior), True
     if handle.n != n:
         msg = (f"a priority store named {name!r} exists with {handle.n} rows, but the dataset "
                f"has {n}; use another PipelineConfig(name=...)")

@@ -60,6 +60,12 @@ class PrioritizedSampler:
         store: store options (``coalesce``, ``ema``, ``snapshot_uri``,
             ``snapshot_every_updates``, ``snapshot_interval_s``, ``shard_rows``), a dict or
             ``StoreConfig``.
+        prior: static weights under the losses: a ``WeightedSampler`` (its ``weights`` and
+            ``class_balanced``), one weight per sample, or a dict ``{class: weight}``. Draws
+            follow ``P_i = (1 - eps) * w_i p_i**alpha / sum_j w_j p_j**alpha
+            + eps * w_i / sum_j w_j``: the prior alone until losses arrive (a class-balanced
+            prior balances the first epoch and the floor), then losses re-weight within it.
+            ``prob`` and ``weight`` are those of ``P_i``. The store is then one shard.
     """
 
     name = "prioritized"
@@ -70,7 +76,7 @@ class PrioritizedSampler:
                  seed: int = 0, *, systematic: bool = True,
                  samples_per_epoch: int | None = None, rows_per_group: int = 16,
                  guard: bool = False, table: Mapping[str, Any] | Any = None,
-                 store: Mapping[str, Any] | Any = None) -> None:
+                 store: Mapping[str, Any] | Any = None, prior: Any = None) -> None:
         if not (0.0 <= beta <= 1.0):
             msg = f"PrioritizedSampler(beta=...) must be in [0, 1], got {beta!r}"
             raise ConfigError(msg)
@@ -106,6 +112,7 @@ class PrioritizedSampler:
         self.samples_per_epoch = samples_per_epoch
         self.rows_per_group = rows_per_group
         self.store_options = store
+        self.prior = prior
         self.handle: Any = None
         self.store_name: str | None = None
         self._reporter: Any = None
@@ -135,7 +142,8 @@ class PrioritizedSampler:
 
     def __repr__(self) -> str:
         return (f"PrioritizedSampler(alpha={self.alpha}, beta={self.beta}, "
-                f"uniform_mix={self.uniform_mix}, seed={self.seed}, guard={self.guard})")
+                f"uniform_mix={self.uniform_mix}, seed={self.seed}, guard={self.guard}"
+                f"{', prior=...' if self.prior is not None else ''})")
 
     # -- set-up --------------------------------------------------------------------------------
     def bind(self, manifest: Any, *, name: str) -> None:
@@ -147,10 +155,23 @@ class PrioritizedSampler:
         self.store_name = f"{name}-priorities"
         self.handle, self._created = bind_store(self.store_name, self._n,
                                                 table=self.table_config,
-                                                store=self.store_options)
+                                                store=self.store_options,
+                                                prior=self._prior_weights(manifest))
         self._reporter = Reporter(self.handle)
         if manifest.format == "parquet" and self.rows_per_group > 1:
             self._starts = manifest.row_group_table()[2]
+
+    def _prior_weights(self, manifest: Any) -> np.ndarray | None:
+        """The prior resolved against the dataset's labels (validated here), or None."""
+        if self.prior is None:
+            return None
+        from raying.sampling.weighted import WeightedSampler, static_probabilities
+
+        weights, balanced = self.prior, False
+        if isinstance(self.prior, WeightedSampler):
+            weights, balanced = self.prior.weights, self.prior.class_balanced
+        return static_probabilities(manifest.labels, weights=weights, class_balanced=balanced,
+                                    classes=getattr(manifest, "classes", None))
 
     # -- plans ---------------------------------------------------------------------------------
     def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:

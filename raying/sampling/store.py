@@ -112,7 +112,7 @@ def _shard_name(name: str, shard: int) -> str:
 
 def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | None = None,
                  config: StoreConfig | Mapping[str, Any] | None = None,
-                 namespace: str | None = None) -> StoreHandle:
+                 namespace: str | None = None, prior: Any = None) -> StoreHandle:
     """Start a named priority store for ids ``0 .. n-1`` and wait until it is ready.
 
     Args:
@@ -121,6 +121,8 @@ def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | 
         table: PriorityTable settings (alpha, uniform_mix, beta, cap_quantile, ...).
         config: StoreConfig settings (coalescing, tick, snapshots, sharding).
         namespace: Ray namespace of the actors; None uses the job's.
+        prior: static weights of the ids (see ``PriorityTable``), or None; a store with a
+            prior is one shard.
 
     Returns:
         A picklable handle for the other functions of this module.
@@ -146,6 +148,10 @@ def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | 
                f"reach it with get_store({name!r}) or remove it with kill_store first")
         raise ConfigError(msg)
     bounds = tuple(range(0, int(n), cfg.shard_rows)) + (int(n),)
+    if prior is not None and len(bounds) > 2:
+        msg = (f"a prior needs the priority store in one shard: {n} ids exceed "
+               f"StoreConfig(shard_rows={cfg.shard_rows}); raise shard_rows to at least {n}")
+        raise ConfigError(msg)
     directory = None
     if cfg.snapshot_uri is not None:
         # Fail here, not inside the actor.
@@ -166,7 +172,7 @@ def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | 
             name=_shard_name(name, shard), namespace=namespace, num_cpus=0, max_restarts=-1,
             max_task_retries=DEFAULT_STORE_TASK_RETRIES, **placement,
         ).remote(_shard_name(name, shard), lo, hi - lo, dataclasses.asdict(table_cfg),
-                 options, path, layout)
+                 options, path, layout, prior)
         actors.append(actor)
     _get([a.ready.remote() for a in actors], "its start", name, DEFAULT_STORE_START_TIMEOUT_S)
     return StoreHandle(name, namespace, int(n), bounds, tuple(actors), table_cfg.uniform_mix)

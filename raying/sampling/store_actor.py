@@ -102,14 +102,14 @@ class StoreActor:
 
     def __init__(self, name: str, lo: int, n: int, table: dict[str, Any],
                  options: dict[str, Any], snapshot_path: str | None,
-                 layout: dict[str, Any]) -> None:
+                 layout: dict[str, Any], prior: Any = None) -> None:
         from raying.storage import files as storage
 
         self.name = name
         self.lo = lo
         self._layout = layout
         self.options = options
-        self.table = PriorityTable(n, **table)
+        self.table = PriorityTable(n, **table, prior=prior)
         self._lock = threading.Lock()  # guards the table and the counters
         self._snapshot_lock = threading.Lock()  # one snapshot write at a time
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []

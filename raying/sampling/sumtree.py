@@ -98,8 +98,10 @@ class SumTree:
                 out[odd] += level[j[odd] - 1]
         return out
 
-    def descend(self, u: np.ndarray, c: float) -> np.ndarray:
-        """Leaf indices at positions ``u`` of the mixture mass ``leaf_i + c`` (per real leaf).
+    def descend(self, u: np.ndarray, c: float, floor: SumTree | None = None) -> np.ndarray:
+        """Leaf indices at positions ``u`` of the mixture mass ``leaf_i + c`` (per real leaf),
+        or ``leaf_i + c * floor_i`` with a ``floor`` tree of the same size (a floor that is
+        not uniform: a prior).
 
         The mass of a subtree is its sum plus ``c`` times the number of real leaves under it, so
         a uniform floor is sampled exactly without being stored. ``u`` is in the same units,
@@ -111,11 +113,14 @@ class SumTree:
 
         Args:
             u: positions, float64; modified in place.
-            c: the floor mass per real leaf, >= 0.
+            c: the floor mass per real leaf (per unit of ``floor``), >= 0.
+            floor: the per-leaf floor weights, or None for 1 on every real leaf.
 
         Returns:
             int64 leaf indices, one per position.
         """
+        if floor is not None and c > 0.0:
+            return self._descend_floor(u, c, floor)
         k = u.size
         n = self.n
         start = len(self.levels) - 1
@@ -149,11 +154,38 @@ class SumTree:
             cur += go
         return cur
 
-    def _shortcut(self, u: np.ndarray, c: float, level: int) -> np.ndarray:
+    def _descend_floor(self, u: np.ndarray, c: float, floor: SumTree) -> np.ndarray:
+        """``descend`` with a floor tree: a node's mass is its sum plus ``c`` times the floor
+        tree's sum over the same leaves (padding is zero in both, so no edge case)."""
+        k = u.size
+        start = len(self.levels) - 1
+        while start > 0 and self.levels[start - 1].size <= _SHORTCUT_NODES:
+            start -= 1
+        cur = self._shortcut(u, c, start, floor) if start < len(self.levels) - 1 else \
+            np.zeros(k, dtype=np.int64)
+        go = np.empty(k, dtype=bool)
+        step = np.empty(k, dtype=np.float64)
+        for d in range(start, 0, -1):
+            child, fchild = self.levels[d - 1], floor.levels[d - 1]
+            cur <<= 1
+            ml = np.take(child, cur) + c * np.take(fchild, cur)
+            np.greater_equal(u, ml, out=go)
+            go &= (np.take(child, cur + 1) + c * np.take(fchild, cur + 1)) > 0.0
+            np.multiply(ml, go, out=step)
+            u -= step
+            cur += go
+        return cur
+
+    def _shortcut(self, u: np.ndarray, c: float, level: int,
+                  floor: SumTree | None = None) -> np.ndarray:
         """Nodes of ``level`` holding positions ``u``; ``u`` becomes the offset inside each."""
         size = 1 << level
         real = -(-self.n // size)  # nodes with real leaves; the rest is padding
-        mass = self.levels[level][:real] + c * np.minimum(size, self.n - np.arange(real) * size)
+        if floor is not None:
+            mass = self.levels[level][:real] + c * floor.levels[level][:real]
+        else:
+            mass = self.levels[level][:real] + c * np.minimum(size,
+                                                              self.n - np.arange(real) * size)
         ends = np.cumsum(mass)
         # A zero-mass node is never chosen; rounding past the end goes to the last live node.
         node = np.minimum(np.searchsorted(ends, u, side="right"), np.flatnonzero(mass > 0)[-1])

@@ -80,6 +80,10 @@ class PriorityTable:
         guard_after: consecutive high-loss reports without progress after which a row is
             drawn at the median priority at most; None disables the guard.
         guard_quantile: the quantile of stored priorities that counts as high loss.
+        prior: static weights ``w_i >= 0`` (None: all equal). They re-weight both parts of
+            the mixture: ``P_i = (1 - eps) * w_i p_i**alpha / sum_j w_j p_j**alpha
+            + eps * w_i / sum_j w_j``, so before any loss arrives draws follow the prior, and
+            losses shape draws within it. A row of weight 0 is never drawn.
     """
 
     def __init__(self, n: int, *, alpha: float = 1.0, uniform_mix: float = 0.0,
@@ -87,7 +91,8 @@ class PriorityTable:
                  age_after: int | None = None, age_rate: float = DEFAULT_AGE_RATE,
                  initial_priority: float = 1.0, seed: int = 0,
                  guard_after: int | None = None,
-                 guard_quantile: float = DEFAULT_GUARD_QUANTILE) -> None:
+                 guard_quantile: float = DEFAULT_GUARD_QUANTILE,
+                 prior: Any = None) -> None:
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             msg = f"n must be an integer >= 1 (the number of samples), got {n!r}"
             raise ConfigError(msg)
@@ -112,6 +117,19 @@ class PriorityTable:
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
         self.counters: dict[str, int] = {"update_calls": 0, "updates_applied": 0,
                                          "samples": 0, "aged_rows": 0}
+        # The prior, scaled to mean 1 (so the mixture's coefficients stay those of no prior),
+        # in a tree of its own for the floor's share of each subtree.
+        self._prior: np.ndarray | None = None
+        self._prior_tree: SumTree | None = None
+        if prior is not None:
+            w = np.asarray(prior, dtype=np.float64).reshape(-1)
+            if w.size != self.n or not np.all(np.isfinite(w)) or np.any(w < 0) \
+                    or not w.sum() > 0:
+                msg = (f"prior must hold {self.n} finite weights >= 0, not all zero; got "
+                       f"{w.size} with min {w.min() if w.size else None}")
+                raise ConfigError(msg)
+            self._prior = w * (self.n / w.sum())
+            self._prior_tree = SumTree(self._prior)
         self._tree = SumTree(self._leaf_values(self._raw))
         self._minima = LeafMinima()
 
@@ -270,6 +288,8 @@ class PriorityTable:
         else:
             with np.errstate(over="ignore"):
                 out = np.power(v, alpha)
+        if self._prior is not None:
+            out *= self._prior if ids is None else self._prior[ids]
         return np.minimum(out, MAX_PRIORITY_LEAF, out=out)
 
     # --- reads --------------------------------------------------------------------------------
@@ -288,8 +308,20 @@ class PriorityTable:
     def probabilities(self, ids: Any = None) -> np.ndarray:
         """Sampling probabilities ``P_i`` of the given ids (all rows when None)."""
         a, b = self.coefficients()
-        leaves = self._tree.leaves if ids is None else self._tree.leaves[self._index(ids)]
-        return a * leaves + b
+        idx = None if ids is None else self._index(ids)
+        leaves = self._tree.leaves if idx is None else self._tree.leaves[idx]
+        return a * leaves + b * self._floor(idx)
+
+    def _floor(self, idx: np.ndarray | None) -> Any:
+        """The floor's weight of rows ``idx`` (all when None): 1, or the prior."""
+        if self._prior is None:
+            return 1.0
+        return self._prior if idx is None else self._prior[idx]
+
+    @property
+    def prior(self) -> np.ndarray | None:
+        """The prior, scaled to mean 1 (None without one); a copy."""
+        return None if self._prior is None else self._prior.copy()
 
     def priorities(self, ids: Any = None) -> np.ndarray:
         """The stored priorities (before alpha and the cap) of the given ids, as a copy."""
@@ -307,6 +339,9 @@ class PriorityTable:
     def min_probability(self) -> float:
         """The least positive ``P_i`` of the table: the row whose weight is 1."""
         a, b = self.coefficients()
+        if self._prior is not None:  # the floor differs by row: no shortcut through the minima
+            probs = a * self._tree.leaves + b * self._prior
+            return float(np.min(probs, where=probs > 0.0, initial=np.inf))
         if a == 0.0:
             return b
         low, low_positive = self.leaf_minima()
@@ -410,13 +445,17 @@ class PriorityTable:
         lo = np.repeat(starts[g], rows_per_group)[:k]
         hi = np.repeat(ends[g], rows_per_group)[:k]
         a, b = self.coefficients()
-        c_lo = a * self._tree.prefix(lo) + b * lo
-        c_hi = a * self._tree.prefix(hi) + b * hi
+        if self._prior_tree is not None:
+            c_lo = a * self._tree.prefix(lo) + b * self._prior_tree.prefix(lo)
+            c_hi = a * self._tree.prefix(hi) + b * self._prior_tree.prefix(hi)
+        else:
+            c_lo = a * self._tree.prefix(lo) + b * lo
+            c_hi = a * self._tree.prefix(hi) + b * hi
         positions = c_lo + rng.random(lo.size) * (c_hi - c_lo)
         ids, probs = self.locate(positions, a=a, b=b)
         # Rounding at a group's edge must not leave the group drawn in stage one.
         ids = np.clip(ids, lo, hi - 1)
-        return ids, a * self._tree.leaves[ids] + b
+        return ids, a * self._tree.leaves[ids] + b * self._floor(ids)
 
     def locate(self, positions: np.ndarray, *, a: float, b: float) -> tuple[np.ndarray, np.ndarray]:
         """Ids at positions of the mass ``a * p_i**alpha + b`` (low level; ``sample`` uses it).
@@ -434,10 +473,12 @@ class PriorityTable:
         """
         positions = np.asarray(positions, dtype=np.float64)
         if a > 0.0:
-            ids = self._tree.descend(positions / a, b / a)
+            ids = self._tree.descend(positions / a, b / a, self._prior_tree)
+        elif self._prior_tree is not None:
+            ids = self._prior_tree.descend(positions / b, 0.0)
         else:
             ids = np.minimum(np.floor(positions / b).astype(np.int64), self.n - 1)
-        return ids, a * self._tree.leaves[ids] + b
+        return ids, a * self._tree.leaves[ids] + b * self._floor(ids)
 
     def _index(self, ids: Any) -> np.ndarray:
         idx = np.asarray(ids)

@@ -122,3 +122,52 @@ def test_class_balanced_weights_draw_classes_equally_through_the_pipeline(tmp_pa
     expected = np.full(2, counts.sum() / 2)
     assert chi2_sf(float(np.sum((counts - expected) ** 2 / expected)), 1) > 1e-3
     assert stats["sampler"] == "weighted" and len(stats["per_epoch"]) == 6
+
+
+def test_a_class_balanced_prior_under_prioritized_sampling(tmp_path, ray_local):
+    """Before losses arrive the prior alone draws (classes equal on a 1:20 folder); after,
+    losses re-weight within it, and ``prob`` is the exact mixture."""
+    m = raying.Manifest.scan(str(_folder(tmp_path / "imbp", [30, 600])))  # 1:20
+    eps = 0.2
+    sampler = raying.PrioritizedSampler(uniform_mix=eps, seed=2,
+                                        prior=raying.WeightedSampler(class_balanced=True))
+    pipe = _pipe(m, sampler, "prior")
+    prior = np.where(m.labels == 0, 0.5 / 30, 0.5 / 600)
+    try:
+        counts = np.zeros(2)
+        for epoch in range(3):
+            for b in pipe.iter_batches(batch_size=90, epoch=epoch):
+                counts += np.bincount(b["label"], minlength=2)
+                assert np.allclose(b["prob"], prior[b["id"]])
+        shares = counts / counts.sum()
+        assert np.max(np.abs(shares - 0.5)) < 0.02, shares
+        expected = np.full(2, counts.sum() / 2)
+        assert chi2_sf(float(np.sum((counts - expected) ** 2 / expected)), 1) > 1e-3
+        # Losses: within class 1, ids 0..299 of it are hard (loss 4) and the rest easy (1).
+        losses = np.ones(len(m))
+        hard = np.flatnonzero(m.labels == 1)[:300]
+        losses[hard] = 4.0
+        _report(pipe, losses)
+        mass = prior * losses
+        want = (1 - eps) * mass / mass.sum() + eps * prior
+        drawn = np.zeros(len(m))
+        for b in pipe.iter_batches(batch_size=90, epoch=3):
+            assert np.allclose(b["prob"], want[b["id"]])
+            np.add.at(drawn, b["id"], 1)
+        for epoch in range(4, 12):
+            for b in pipe.iter_batches(batch_size=90, epoch=epoch):
+                np.add.at(drawn, b["id"], 1)
+    finally:
+        pipe.close()
+    groups = [m.labels == 0, np.isin(np.arange(len(m)), hard),
+              (m.labels == 1) & ~np.isin(np.arange(len(m)), hard)]
+    observed = np.array([drawn[g].sum() for g in groups])
+    expected = np.array([want[g].sum() for g in groups]) * drawn.sum()
+    assert chi2_sf(float(np.sum((observed - expected) ** 2 / expected)), 2) > 1e-3, \
+        (observed, expected)
+
+
+def _report(pipe, losses):
+    pipe.report(np.arange(losses.size), losses)
+    pipe.sampler.flush()
+    store.flush(pipe.sampler.handle)

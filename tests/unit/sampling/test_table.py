@@ -450,3 +450,71 @@ def test_diverging_losses_keep_the_distribution_finite(alpha, losses):
     share = np.isin(ids, hot).mean()
     assert abs(share - (0.9 + 0.1 * len(hot) / n)) < 0.03
     assert np.all(np.isfinite(table.importance_weights(ids, 0.5)))
+
+
+# -- a prior under the losses ---------------------------------------------------------------------
+def _mixture(prior, losses, eps, alpha=1.0):
+    w = np.asarray(prior, dtype=float) / np.sum(prior)
+    mass = w * np.asarray(losses, dtype=float) ** alpha
+    return (1 - eps) * mass / mass.sum() + eps * w
+
+
+@pytest.mark.parametrize("n", [7, 1000, 9000])  # 9000 crosses the descent's shortcut level
+def test_a_prior_reweights_both_parts_of_the_mixture_exactly(n):
+    rng = np.random.default_rng(5)
+    prior = rng.uniform(0.0, 3.0, n)
+    prior[rng.choice(n, n // 7 + 1, replace=False)] = 0.0  # never drawn
+    t = PriorityTable(n, alpha=0.7, uniform_mix=0.3, seed=1, prior=prior)
+    assert np.allclose(t.probabilities(), _mixture(prior, np.ones(n), 0.3, 0.7))
+    losses = rng.exponential(2.0, n)
+    t.update(np.arange(n), losses)
+    want = _mixture(prior, losses, 0.3, 0.7)
+    assert np.allclose(t.probabilities(), want) and t.probabilities().sum() == pytest.approx(1)
+    assert t.min_probability() == pytest.approx(want[want > 0].min())
+    k = 400_000
+    ids, probs = t.sample(k)
+    assert np.allclose(probs, want[ids])
+    assert not np.any(prior[ids] == 0.0)
+    # Chi-square over bins of about equal expected mass.
+    order = np.argsort(want)
+    live = order[want[order] > 0]
+    bins = np.array_split(live, min(20, live.size))
+    counts = np.bincount(ids, minlength=n)
+    observed = np.array([counts[b].sum() for b in bins])
+    expected = np.array([want[b].sum() for b in bins]) * k
+    stat = float(np.sum((observed - expected) ** 2 / expected))
+    assert chi2_sf(stat, len(bins) - 1) > 1e-3, (observed, expected)
+    # Systematic plans and grouped draws keep the same marginals.
+    ids_s, probs_s = t.sample(k, systematic=True)
+    assert np.allclose(probs_s, want[ids_s])
+    assert np.abs(np.bincount(ids_s, minlength=n) - k * want).max() <= 1.0 + 1e-9
+    starts = np.arange(0, n, max(1, n // 13))
+    ids_g, probs_g = t.sample_in_groups(k, starts, 4)
+    assert np.allclose(probs_g, want[ids_g]) and not np.any(prior[ids_g] == 0.0)
+    counts_g = np.bincount(ids_g, minlength=n)
+    observed = np.array([counts_g[b].sum() for b in bins])
+    stat = float(np.sum((observed - expected) ** 2 / expected))
+    assert chi2_sf(stat, len(bins) - 1) > 1e-4, (observed, expected)
+
+
+def test_a_prior_alone_draws_when_every_priority_is_zero():
+    prior = np.array([1.0, 0.0, 3.0, 4.0])
+    t = PriorityTable(4, uniform_mix=0.0, prior=prior)
+    t.update(np.arange(4), np.zeros(4))
+    assert np.allclose(t.probabilities(), prior / prior.sum())
+    ids, probs = t.sample(80_000)
+    assert np.allclose(probs, (prior / prior.sum())[ids])
+    assert np.allclose(np.bincount(ids, minlength=4) / 80_000, prior / prior.sum(), atol=0.01)
+
+
+def test_a_prior_survives_state_round_trips_and_is_validated():
+    prior = np.arange(1.0, 6.0)
+    t = PriorityTable(5, uniform_mix=0.1, prior=prior)
+    t.update([0, 4], [5.0, 0.5])
+    u = PriorityTable(5, uniform_mix=0.1, prior=prior)
+    u.load_state_dict(t.state_dict())
+    assert np.allclose(u.probabilities(), t.probabilities())
+    assert np.allclose(t.prior, prior * 5 / prior.sum())
+    for bad in ([1.0, 2.0], [1, 2, 3, 4, -1], [0, 0, 0, 0, 0], [1, 2, np.nan, 4, 5]):
+        with pytest.raises(ConfigError, match="prior"):
+            PriorityTable(5, prior=bad)

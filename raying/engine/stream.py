@@ -27,6 +27,7 @@ import numpy as np
 from raying.errors import RayingError, SupersededError
 from raying.read.account import UnitAccount
 from raying.read.spec import ReadSpec
+from raying.read.stages import DEFAULT_STAGE_ROWS
 from raying.read.task import iter_unit
 from raying.sampling.plan import EpochPlan, ReadUnit
 
@@ -81,7 +82,13 @@ class BlockStream:
         import ray
 
         self._spec_ref = ray.put(spec)
-        self._short_first = not any(getattr(s, "with_rng", False) for s in spec.stages)
+        # A stage that draws random numbers keys its generator by a chunk's ids; chunks start
+        # at multiples of DEFAULT_STAGE_ROWS of the unit, so a short first block gives the
+        # same chunks as dataset(e)'s whole blocks when every block edge is such a multiple.
+        aligned = (DEFAULT_FIRST_BLOCK_ROWS % DEFAULT_STAGE_ROWS == 0
+                   and int(block_rows) % DEFAULT_STAGE_ROWS == 0)
+        self._short_first = aligned or not any(getattr(s, "with_rng", False)
+                                               for s in spec.stages)
         self._make_plan = make_plan
         self._fill = fill
         self._window = max(1, int(window))
@@ -107,9 +114,7 @@ class BlockStream:
     # -- submission ----------------------------------------------------------------------------
     def _submit(self, unit: ReadUnit) -> None:
         unit, paths = self._fill(unit)
-        # The first window of an epoch yields a short first block. Not with a user stage that
-        # draws random numbers: its generator is keyed by the block's ids, and the same unit
-        # read through dataset(e) must give the same pixels.
+        # The first window of an epoch yields a short first block (see __init__ for stages).
         first = (DEFAULT_FIRST_BLOCK_ROWS if unit.index < self._window and self._short_first
                  else None)
         ref = _remote().options(**self._options).remote(self._spec_ref, unit, paths,

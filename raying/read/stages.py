@@ -6,9 +6,12 @@ order, after the built-in transform, on every path that runs read tasks (``pipe.
 ``pipe.dataset(e)``).
 
 Stages see a block ``DEFAULT_STAGE_ROWS`` rows at a time: a function that works in float32
-on 256 images would sweep ~150 MB of temporaries per call, while 32 stay near the caches (the
-bench's colour jitter took 0.61 ms per image in chunks of 32, 0.83 in 64, 1.58 in 256). The chunks follow the block's order, so
-the rows are the same whatever the chunking.
+on 256 images would sweep ~150 MB of temporaries per call, while a few images stay near the
+caches (the bench's colour jitter took 0.57 ms per image in chunks of 8 or 16, 0.62 in 32,
+0.83 in 64, 1.58 in 256). A read task decodes a chunk's rows and runs the stages on them at
+once, while the pixels are still in cache (see ``raying.read.task``). Chunks start at
+multiples of ``DEFAULT_STAGE_ROWS`` of the unit's rows, so they are the same however the
+unit is cut into blocks; they are joined in order.
 
 A stage with ``with_rng=True`` gets ``rng=``, a ``numpy.random.Generator`` seeded from
 (pipeline seed, epoch, the stage's position, the chunk's ids): an epoch is reproducible, and
@@ -33,7 +36,7 @@ _STREAM_BASE = 1 << 20
 # Ids a UserFunctionError names at most.
 _IDS_SHOWN = 8
 # Rows of a block each call of the stages sees at most.
-DEFAULT_STAGE_ROWS = 32
+DEFAULT_STAGE_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +79,18 @@ def apply_stages(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *,
     """
     n = len(block["id"])
     if n <= DEFAULT_STAGE_ROWS:
-        return _run(stages, block, seed=seed, epoch=epoch, size=size)
-    parts = [_run(stages, {k: v[a:a + DEFAULT_STAGE_ROWS] for k, v in block.items()},
-                  seed=seed, epoch=epoch, size=size)
+        return run_chunk(stages, block, seed=seed, epoch=epoch, size=size)
+    parts = [run_chunk(stages, {k: v[a:a + DEFAULT_STAGE_ROWS] for k, v in block.items()},
+                       seed=seed, epoch=epoch, size=size)
              for a in range(0, n, DEFAULT_STAGE_ROWS)]
+    return join(stages, parts, epoch=epoch)
+
+
+def join(stages: tuple[UserStage, ...], parts: list[dict[str, np.ndarray]], *,
+         epoch: int) -> dict[str, np.ndarray]:
+    """The stages' outputs of consecutive chunks as one block (checked: same columns)."""
+    if len(parts) == 1:
+        return parts[0]
     keys = list(parts[0])
     for part in parts[1:]:
         if sorted(part) != sorted(keys):
@@ -91,8 +102,9 @@ def apply_stages(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *,
     return {k: np.concatenate([p[k] for p in parts]) for k in keys}
 
 
-def _run(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, seed: int,
-         epoch: int, size: int) -> dict[str, np.ndarray]:
+def run_chunk(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, seed: int,
+              epoch: int, size: int) -> dict[str, np.ndarray]:
+    """Run ``stages`` in order on one chunk of at most ``DEFAULT_STAGE_ROWS`` rows."""
     ids = block["id"]
     n = len(ids)
     for index, stage in enumerate(stages):

@@ -16,10 +16,10 @@ from raying.errors import RAISE_FIX, DecodeError
 from raying.options import use
 from raying.read import memory as _memory
 from raying.read import parquet as _parquet
-from raying.read.account import UnitAccount
-from raying.read.sources import open_source
+from raying.read.account import UnitAccount, add_counters
+from raying.read.sources import Part, open_source
 from raying.read.spec import ReadSpec, dataset_key
-from raying.read.stages import apply_stages
+from raying.read.stages import DEFAULT_STAGE_ROWS, join, run_chunk
 from raying.sampling.plan import ReadUnit
 from raying.storage import files as _storage
 
@@ -108,19 +108,14 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
         t1 = time.perf_counter()
         part = slice(a, b)
         out = _output(b - a, spec.transform.size) if reuse_output else None
-        got = source.part(part, out)
-        if got.errors and spec.on_error == "raise":
-            e = got.errors[0]
-            raise DecodeError(e.reason, e.detail, path=e.path, sample_id=e.sample_id,
-                              root=spec.root, fix=RAISE_FIX)
-        ok = got.ok
-        block = {"id": ids[part][ok], "label": labels[part][ok], "image": got.images,
-                 "weight": weights[part][ok], "prob": probs[part][ok]}
-        for name, values in extra.items():
-            block[name] = values[part][ok]
-        if spec.stages and len(block["id"]):
-            block = apply_stages(spec.stages, block, seed=spec.seed, epoch=unit.epoch,
-                                 size=spec.transform.size)
+        cols = {"id": ids, "label": labels, "weight": weights, "prob": probs, **extra}
+        if spec.stages and b > a:
+            got, block = _staged(spec, unit, source, a, b, out, cols)
+        else:
+            got = source.part(part, out)
+            _raise_first(spec, got)
+            block = {k: v[part][got.ok] for k, v in cols.items()}
+            block["image"] = got.images
         if skip:
             drop = min(skip, len(block["id"]))
             block = {k: v[drop:] for k, v in block.items()}
@@ -133,6 +128,50 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
             io=_with_retries(got.io, extra_io) if a == 0 and extra_io else got.io,
             pid=os.getpid(), worker_kib=_memory.own_kib() if b >= n else 0)
         yield block, account
+
+
+def _raise_first(spec: ReadSpec, got: Part) -> None:
+    if got.errors and spec.on_error == "raise":
+        e = got.errors[0]
+        raise DecodeError(e.reason, e.detail, path=e.path, sample_id=e.sample_id,
+                          root=spec.root, fix=RAISE_FIX)
+
+
+def _staged(spec: ReadSpec, unit: ReadUnit, source: Any, a: int, b: int,
+            out: np.ndarray | None, cols: dict[str, np.ndarray]
+            ) -> tuple[Part, dict[str, np.ndarray]]:
+    """Rows ``[a, b)`` decoded and run through the user stages a chunk at a time: each chunk
+    goes through the stages right after its decode, while its pixels are in cache. Chunks
+    start at multiples of ``DEFAULT_STAGE_ROWS`` of the unit's rows (the same chunks however
+    the unit is cut into blocks). Returns the rows' Part (its images unused) and the block."""
+    step = DEFAULT_STAGE_ROWS
+    oks, errors, parts = [], [], []
+    io: dict[str, int] = {}
+    nbytes, read_s = 0, 0.0
+    c0 = a
+    while c0 < b:
+        c1 = min(b, (c0 // step + 1) * step)
+        sub = slice(c0, c1)
+        got = source.part(sub, None if out is None else out[c0 - a:c1 - a])
+        _raise_first(spec, got)
+        oks.append(got.ok)
+        errors.extend(got.errors)
+        add_counters(io, got.io)
+        nbytes += got.bytes_read
+        read_s += got.read_s
+        chunk = {k: v[sub][got.ok] for k, v in cols.items()}
+        chunk["image"] = got.images
+        if len(chunk["id"]):
+            parts.append(run_chunk(spec.stages, chunk, seed=spec.seed, epoch=unit.epoch,
+                                   size=spec.transform.size))
+        c0 = c1
+    ok = np.concatenate(oks)
+    if parts:
+        block = join(spec.stages, parts, epoch=unit.epoch)
+    else:  # no row decoded: the block's columns, empty
+        block = {k: v[a:a] for k, v in cols.items()}
+        block["image"] = np.empty((0, spec.transform.size, spec.transform.size, 3), np.uint8)
+    return Part(np.empty(0), ok, errors, io, nbytes, read_s), block
 
 
 def _block_bounds(n: int, step: int, first: int | None) -> list[tuple[int, int]]:

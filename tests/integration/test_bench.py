@@ -140,6 +140,29 @@ def test_a_cache_row_is_labelled_not_anyone_s_best_peer():
     assert mem["value"] == pytest.approx(100.0 / 300.0) and mem["pass"] is True
 
 
+def test_the_train_path_is_held_against_the_iterator_and_ray_data_through_train():
+    wl = {"W1": {"rows": 10, "decoded": None}}
+
+    def cell(rate_s: float) -> dict:
+        return {"workload": "W1", "batch_size": 64, "mode": "iterate", "setup_s": 0.1,
+                "cpu_steady_s": 1.0, "peak_pss_mb": 100.0, "peak_whole_mb": 300.0,
+                "errors": [],
+                "epochs": [{"rows": 10, "problems": [], "request_s": 0.0, "first_s": 0.5,
+                            "end_s": 1.0, "ttfb_s": 0.5},
+                           {"rows": 10, "problems": [], "request_s": 1.0, "first_s": 1.1,
+                            "end_s": 1.0 + rate_s, "ttfb_s": 0.1}]}
+
+    runs = [{"peer": "raying", "round": 0, "cells": [cell(1.0)]},
+            {"peer": "raying-train", "round": 0, "cells": [cell(1.25)]},
+            {"peer": "raydata-train", "round": 0, "cells": [cell(2.0)]}]
+    rows = aggregate.combine(runs, wl, epochs=2)
+    checks = {c["target"]: c for c in aggregate.targets(rows)}
+    vs_iter = checks["W1 b64: Ray Train path steady / raying iterator"]
+    assert vs_iter["value"] == pytest.approx(0.8) and vs_iter["pass"] is False
+    vs_rd = checks["W1 b64: Ray Train path steady / Ray Data through Train"]
+    assert vs_rd["value"] == pytest.approx(1.6) and vs_rd["pass"] is True
+
+
 # -- the quick bench, end to end ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def quick_bench(tmp_path_factory):
@@ -173,7 +196,7 @@ def test_quick_bench_every_peer_runs_and_counts_rows(quick_bench):
         assert r["steady_img_s"] is not None and r["steady_img_s"] > 0, where
         assert r["cpu_s_per_1k"] is not None and r["peak_pss_mb"] is not None, where
         assert r["cold_img_s"] and r["peak_whole_mb"] and len(r["job_s"]) == expected_epochs, where
-        if r["peer"] in ("raydata", "raying", "raying-cache", "raying-train"):
+        if r["peer"] in ("raydata", "raying", "raying-cache", "raying-train", "raydata-train"):
             assert r["ray_start_s"] is not None, where
         if r["peer"] == "raying":
             assert r["read_worker_mb_max"] and r["read_worker_mb_max"] > 20, where

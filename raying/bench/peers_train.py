@@ -57,13 +57,19 @@ class _Sender:
             self._flush()
 
     def end(self, epoch: int) -> bool:
-        """Close the epoch; True when the bench asked the workers to stop."""
+        """Close the epoch; True when the bench asked the workers to stop. Rank 0 asks and
+        tells the others (a broadcast in Train's process group), so every worker stops after
+        the same epoch: a worker that went on alone would wait for ever in a split that
+        needs them all (Ray Data's ``streaming_split``)."""
         import ray
+        import torch.distributed as dist
 
         self.items.append((epoch, _END, None))
         self._flush()
         self.sent_in_epoch = 0
-        return bool(ray.get(self.relay.stopped.remote()))
+        flag = [bool(ray.get(self.relay.stopped.remote())) if self.rank == 0 else None]
+        dist.broadcast_object_list(flag, src=0)
+        return bool(flag[0])
 
     def _flush(self) -> None:
         import ray

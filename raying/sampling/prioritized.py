@@ -251,6 +251,7 @@ class PrioritizedSampler:
         self.flush()
         out = st.stats(self.handle)
         out["sampler"] = self.name
+        out["prior"] = self.prior is not None
         out["reports_sent"] = self._reporter.sent if self._reporter else 0
         out["reports_rejected_length"] = self._reporter.rejected_length if self._reporter else 0
         out["per_epoch"] = [self._per_epoch[e] for e in sorted(self._per_epoch)]

@@ -157,6 +157,7 @@ def test_a_class_balanced_prior_under_prioritized_sampling(tmp_path, ray_local):
         for epoch in range(4, 12):
             for b in pipe.iter_batches(batch_size=90, epoch=epoch):
                 np.add.at(drawn, b["id"], 1)
+        assert pipe.stats()["sampling"]["prior"] is True
     finally:
         pipe.close()
     groups = [m.labels == 0, np.isin(np.arange(len(m)), hard),

@@ -220,9 +220,14 @@ class Pipeline:
         if not self._spec_ready:
             from raying.read import decoded_cache as decoded
 
+            def size_of(ids):
+                return decoded.header_sizes(self.manifest, ids)
+
             budget = decoded.plan_budget(self.config.decoded_cache, self.manifest,
-                                         size_of=lambda ids: decoded.header_sizes(
-                                             self.manifest, ids), epochs=self.config.epochs)
+                                         size_of=size_of, epochs=self.config.epochs)
+            admit = 1.0  # "auto" is on only when the whole decoded set fits
+            if budget and self.config.decoded_cache != "auto":
+                admit = decoded.admit_share(budget, self.manifest, size_of)
             owner = decoded.owner_id()
             if budget:
                 decoded.claim(self._cache_name, owner)
@@ -230,6 +235,7 @@ class Pipeline:
                                              decoded_cache_name=self._cache_name,
                                              decoded_cache_auto=self.config.decoded_cache == "auto",
                                              decoded_cache_owner=owner,
+                                             decoded_cache_admit=admit,
                                              cache_namespace=dataset_key(
                 self.manifest.fingerprint(), self.manifest.storage))
             self._spec_ready = True

@@ -48,6 +48,8 @@ DEFAULT_NODE_TASK_TIMEOUT_S = 30.0
 DEFAULT_DECODED_CACHE_MIN_EPOCHS = 6
 # Headers sampled to estimate the decoded size of a dataset.
 DEFAULT_DECODED_CACHE_PROBE = 16
+# Share of a budget smaller than the decoded set that its fixed subset is sized to fill.
+DEFAULT_DECODED_CACHE_FILL = 0.9
 
 
 def _available_memory() -> int:
@@ -100,18 +102,48 @@ def plan_budget(setting: Any, manifest: Any, *, size_of: Any = None,
         budget = auto_budget()
         if budget <= 0 or size_of is None:
             return 0
-        n = len(manifest)
-        probe = np.linspace(0, n - 1, num=min(n, DEFAULT_DECODED_CACHE_PROBE)).astype(np.int64)
-        dims = [d for d in size_of(probe) if d is not None]
-        if not dims:
-            return 0
-        per_sample = float(np.mean([h * w * 3 for h, w in dims])) * 1.05 + 64
-        return budget if per_sample * n <= budget else 0
+        total = decoded_size(manifest, size_of)
+        return budget if total is not None and total <= budget else 0
     if isinstance(setting, (int, np.integer)) and not isinstance(setting, bool) and setting > 0:
         return int(setting)
     msg = (f"decoded_cache must be 'auto', 'off' or a positive number of bytes, got "
            f"{setting!r}")
     raise ConfigError(msg)
+
+
+def decoded_size(manifest: Any, size_of: Any) -> float | None:
+    """The dataset's decoded size in bytes, estimated from the headers of a few files (with
+    the cache's per-entry overhead); None when no header could be read."""
+    n = len(manifest)
+    probe = np.linspace(0, n - 1, num=min(n, DEFAULT_DECODED_CACHE_PROBE)).astype(np.int64)
+    dims = [d for d in size_of(probe) if d is not None]
+    if not dims:
+        return None
+    return (float(np.mean([h * w * 3 for h, w in dims])) * 1.05 + 64) * n
+
+
+def admit_share(budget: int, manifest: Any, size_of: Any) -> float:
+    """The share of ids the cache admits: all when the decoded set fits the budget, else a
+    fixed subset that does (``DEFAULT_DECODED_CACHE_FILL`` of the budget, for the estimate's
+    error). Epochs read in random order: an LRU smaller than the set evicts each entry
+    before its next read and never hits; a fixed subset hits on every read of it."""
+    if budget <= 0 or size_of is None:
+        return 1.0
+    total = decoded_size(manifest, size_of)
+    if total is None or total <= budget:
+        return 1.0
+    return max(0.0, min(1.0, DEFAULT_DECODED_CACHE_FILL * budget / total))
+
+
+def admitted(ids: np.ndarray, share: float) -> np.ndarray:
+    """Which ids belong to the admitted subset: a fixed hash of the id below ``share``, the
+    same in every process and epoch."""
+    ids = np.asarray(ids, dtype=np.uint64)
+    if share >= 1.0:
+        return np.ones(ids.shape, dtype=bool)
+    with np.errstate(over="ignore"):
+        mixed = ids * np.uint64(0x9E3779B97F4A7C15)
+    return (mixed >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < share
 
 
 def cache_dir(pipeline_name: str) -> str:
@@ -331,11 +363,13 @@ class DecodedCache:
     the same size-bounded, process-shared tier underneath.
     """
 
-    def __init__(self, directory: str, budget_bytes: int, namespace: str) -> None:
+    def __init__(self, directory: str, budget_bytes: int, namespace: str,
+                 admit: float = 1.0) -> None:
         from raying.options import CacheConfig
         from raying.read.cache.tiered import open_cache
 
         self.directory = directory
+        self.admit = float(admit)
         self._tier = open_cache(CacheConfig(memory_bytes=int(budget_bytes),
                                             memory_dir=directory, policy="lru"),
                                 namespace=namespace)
@@ -353,19 +387,32 @@ class DecodedCache:
         if spec.decoded_cache_auto:
             budget = min(budget, _node_budget())
         mark_owner(directory, spec.decoded_cache_owner)
-        return cls(directory, budget, spec.cache_namespace)
+        share = spec.decoded_cache_admit
+        if budget < spec.decoded_cache_bytes:  # this node allows less: a smaller subset
+            share *= budget / spec.decoded_cache_bytes
+        return cls(directory, budget, spec.cache_namespace, share)
 
     def get(self, ids: np.ndarray) -> list[np.ndarray | None]:
-        """The cached pixels of each id, None for a miss."""
-        got = self._tier.get_many([str(int(i)) for i in ids])
-        return [None if g is None else decode_array(g) for g in got]
+        """The cached pixels of each id, None for a miss (ids outside the admitted subset
+        are not looked up)."""
+        out: list[np.ndarray | None] = [None] * len(ids)
+        mine = np.flatnonzero(admitted(ids, self.admit))
+        if mine.size:
+            got = self._tier.get_many([str(int(ids[k])) for k in mine])
+            for k, g in zip(mine, got, strict=True):
+                if g is not None:
+                    out[k] = decode_array(g)
+        return out
 
     def put(self, ids: list[int], arrays: list[np.ndarray]) -> None:
-        """Offer freshly decoded pixels; dropped once the pipeline was released."""
+        """Offer freshly decoded pixels of the admitted subset; dropped once the pipeline
+        was released."""
         if released(self.directory):
             return
-        self._tier.put_many([str(int(i)) for i in ids],
-                            [memoryview(encode_array(a)) for a in arrays])
+        keep = np.flatnonzero(admitted(np.asarray(ids, dtype=np.int64), self.admit))
+        if keep.size:
+            self._tier.put_many([str(int(ids[k])) for k in keep],
+                                [memoryview(encode_array(arrays[k])) for k in keep])
 
 
 def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any

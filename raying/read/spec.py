@@ -30,6 +30,8 @@ class ReadSpec:
     decoded_cache_name: str = ""
     decoded_cache_auto: bool = False
     decoded_cache_owner: str = ""
+    # Share of the ids the cache admits (a fixed subset when the decoded set exceeds it).
+    decoded_cache_admit: float = 1.0
     cache_namespace: str = ""
     # The driver's settings (the RAYING_* environment as the Pipeline read it); read tasks
     # make them theirs before they read.

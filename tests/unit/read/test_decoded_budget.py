@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from raying.errors import ConfigError
@@ -118,10 +119,65 @@ def test_auto_caps_the_budget_at_the_nodes_own_share(monkeypatch, tmp_path):
     monkeypatch.setattr(decoded_cache, "_NODE_BUDGET", [5 << 20])
     opened = []
     monkeypatch.setattr(decoded_cache.DecodedCache, "__init__",
-                        lambda self, d, b, ns: opened.append((d, b)))
+                        lambda self, d, b, ns, admit=1.0: opened.append((d, b)))
     base = dict(root="/x", storage=None, fmt="images", files=(), image_column=None,
                 decoded=None, transform=None, seed=0, decoded_cache_bytes=1 << 30,
                 decoded_cache_name="p", decoded_cache_owner="h 1")
     decoded_cache.DecodedCache.of(ReadSpec(**base, decoded_cache_auto=True))
     decoded_cache.DecodedCache.of(ReadSpec(**base, decoded_cache_auto=False))
     assert opened == [(str(tmp_path / "p"), 5 << 20), (str(tmp_path / "p"), 1 << 30)]
+
+
+# -- a budget smaller than the decoded set: a fixed subset, not a thrashing LRU -------------------
+def test_the_admitted_subset_has_the_share_and_is_fixed():
+    ids = np.arange(200_000)
+    for share in (0.1, 0.37, 0.9):
+        mask = decoded_cache.admitted(ids, share)
+        assert abs(mask.mean() - share) < 0.005
+        assert np.array_equal(mask, decoded_cache.admitted(ids[::-1], share)[::-1])
+    assert decoded_cache.admitted(ids, 1.0).all()
+
+
+def test_admit_share_sizes_the_subset_to_the_budget():
+    m = _M(1000)
+
+    def size_of(ids):
+        return [(100, 100)] * len(ids)  # 30 kB each, ~31.6 MB in all with the overhead
+
+    total = decoded_cache.decoded_size(m, size_of)
+    assert total == pytest.approx((30_000 * 1.05 + 64) * 1000)
+    assert decoded_cache.admit_share(int(total * 2), m, size_of) == 1.0
+    share = decoded_cache.admit_share(int(total / 2), m, size_of)
+    assert share == pytest.approx(decoded_cache.DEFAULT_DECODED_CACHE_FILL / 2, rel=1e-3)
+
+
+def test_a_partial_fit_keeps_hitting_where_an_lru_would_thrash(tmp_path):
+    rng = np.random.default_rng(3)
+    n = 400
+    pixels = {i: np.full((40, 40, 3), i % 251, np.uint8) for i in range(n)}
+    entry = len(decoded_cache.encode_array(pixels[0]))
+    budget = entry * n // 2
+
+    def epochs(cache):
+        hits = []
+        for _ in range(4):
+            order = rng.permutation(n)
+            got = 0
+            for k in range(0, n, 40):
+                ids = order[k:k + 40]
+                found = cache.get(ids)
+                got += sum(f is not None for f in found)
+                for i, f in zip(ids, found, strict=True):
+                    if f is not None:
+                        assert np.array_equal(f, pixels[int(i)])
+                miss = [int(i) for i, f in zip(ids, found, strict=True) if f is None]
+                cache.put(miss, [pixels[i] for i in miss])
+                cache._tier.flush(10.0)  # the background writer drops offers it is behind on
+            hits.append(got / n)
+        return hits
+
+    share = decoded_cache.DEFAULT_DECODED_CACHE_FILL * 0.5
+    subset = epochs(decoded_cache.DecodedCache(str(tmp_path / "s"), budget, "t", share))
+    lru = epochs(decoded_cache.DecodedCache(str(tmp_path / "l"), budget, "t"))
+    assert subset[0] == 0.0 and min(subset[1:]) > 0.8 * share, subset
+    assert max(lru[1:]) < min(subset[1:]), (lru, subset)

@@ -2,14 +2,15 @@
 ``raying.train``, as users' training jobs do, or plain Ray Data's dataset through Train's own
 split (``get_dataset_shard``), the same work.
 
-Each worker iterates its share of every epoch (uint8 NHWC, the same work as every peer) and checks each batch's shape and dtype itself; what it sends the bench
-process, through one relay actor (a bounded queue per worker, a few batches per message), is
-each batch's row count and labels. The bench's consumer takes one batch from each worker in
-turn, as a data-parallel trainer's all-reduce holds its workers within a step of each other
-(here within ``CHUNK_BATCHES * RELAY_MESSAGES``): a worker whose queue is full waits,
-its loader's prefetch fills and its reads pause, and the cores go to the other worker's reads.
-(An unsynchronised consumer would let one worker run epochs ahead while Ray keeps handing it
-the CPUs its leases hold, and the other's reads starve.) The images stay in the workers (a
+Each worker iterates its share of every epoch (uint8 NHWC, the same work as every peer) and
+checks each batch's shape and dtype itself; what it sends the bench process, through one
+relay actor (a bounded queue per worker, a few batches per message), is each batch's row
+count and labels. The bench's consumer takes one batch from each worker in turn, as a
+data-parallel trainer's all-reduce holds its workers within a step of each other (here
+within ``CHUNK_BATCHES * RELAY_MESSAGES``): a worker whose queue is full waits, its loader's
+prefetch fills and its reads pause, and the cores go to the other worker's reads. (An
+unsynchronised consumer would let one worker run epochs ahead while Ray keeps handing it the
+CPUs its leases hold, and the other's reads starve.) The images stay in the workers (a
 trainer would use them there): the bench receives a zero-stride stand-in of the same shape,
 so ``check_batch`` sees the rows and shape, not pixels. ``close`` tells the workers to stop
 and drains the queues.

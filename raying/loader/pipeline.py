@@ -107,7 +107,7 @@ class Pipeline:
                     fn_kwargs: dict[str, Any] | None = None) -> Pipeline:
         """A pipeline that also runs ``fn`` on every batch, inside the read tasks.
 
-        ``fn(batch, **fn_kwargs)`` takes and returns a dict of numpy arrays (up to 32 rows of
+        ``fn(batch, **fn_kwargs)`` takes and returns a dict of numpy arrays (up to 16 rows of
         a read block per call; see :mod:`raying.read.stages`): ``image`` (uint8
         NHWC, after decode and the built-in transform), ``label``, ``id``, ``weight``,
         ``prob`` and the manifest's extra columns. It may change values and add columns; it

@@ -113,6 +113,7 @@ class PrioritizedSampler:
         self.rows_per_group = rows_per_group
         self.store_options = store
         self.prior = prior
+        self._prior_in_store = False
         self.handle: Any = None
         self.store_name: str | None = None
         self._reporter: Any = None
@@ -131,6 +132,9 @@ class PrioritizedSampler:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.update(_reporter=None, _buf=None, _lock=None)
+        if state.get("handle") is not None and state.get("prior") is not None:
+            # The bound store holds the prior; copies need not carry it.
+            state.update(prior=None, _prior_in_store=True)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -251,7 +255,7 @@ class PrioritizedSampler:
         self.flush()
         out = st.stats(self.handle)
         out["sampler"] = self.name
-        out["prior"] = self.prior is not None
+        out["prior"] = self.prior is not None or self._prior_in_store
         out["reports_sent"] = self._reporter.sent if self._reporter else 0
         out["reports_rejected_length"] = self._reporter.rejected_length if self._reporter else 0
         out["per_epoch"] = [self._per_epoch[e] for e in sorted(self._per_epoch)]

@@ -252,14 +252,7 @@ class Pipeline:
             window = self.config.window
             if window is None:
                 cpus = int(ray.cluster_resources().get("CPU", 1))
-                window = self.settings.inflight_tasks_per_cpu * cpus
-                if self.config.shard is not None:
-                    # The shards (Train workers) share the cluster's CPUs and object store:
-                    # together they keep one pipeline's window in flight, not one each
-                    # (2 workers each with a whole window of 1,024-row Parquet units spilled
-                    # 2 GB to disk on a 256 MB store and read at 0.37x the iterator).
-                    window //= self.config.shard[1]
-                window = max(2, window)
+                window = max(2, self.settings.inflight_tasks_per_cpu * cpus)
             opts: dict[str, Any] = {"num_cpus": self.config.task_num_cpus}
             if self.config.spread:
                 opts["scheduling_strategy"] = "SPREAD"

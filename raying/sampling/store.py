@@ -278,9 +278,11 @@ def sample_grouped_plan(handle: StoreHandle, k: int, starts: np.ndarray,
 def _global_mixture(infos: list[dict[str, Any]], n: int, eps: float) -> tuple[float, float, float]:
     """``(a, b, min_prob)`` with ``P_i = a * p_i**alpha + b`` over all shards."""
     total = math.fsum(info["total"] for info in infos)
+    a, b = ((1.0 - eps) / total, eps / n) if total > 0.0 else (0.0, 1.0 / n)
+    if len(infos) == 1 and "min_prob" in infos[0]:  # a prior: the table's own exact figure
+        return a, b, infos[0]["min_prob"]
     if total <= 0.0:
-        return 0.0, 1.0 / n, 1.0 / n
-    a, b = (1.0 - eps) / total, eps / n
+        return a, b, b
     if b > 0.0:
         return a, b, a * min(info["min"] for info in infos) + b
     return a, b, a * min(info["min_positive"] for info in infos)
@@ -291,8 +293,8 @@ def stats(handle: StoreHandle) -> dict[str, Any]:
     shards = _get([a.stats.remote() for a in handle.actors], "stats", handle.name)
     a, b, min_prob = _global_mixture([s["leaves"] for s in shards], handle.n,
                                      handle.uniform_mix)
-    sum_p2 = math.fsum(a * a * s["leaves"]["sum_sq"] + 2 * a * b * s["leaves"]["total"]
-                       + s["leaves"]["n"] * b * b for s in shards)
+    sum_p2 = math.fsum(a * a * s["leaves"]["sum_sq"] + 2 * a * b * s["leaves"]["cross"]
+                       + s["leaves"]["floor_sq"] * b * b for s in shards)
     rejected = dict.fromkeys(REJECT_REASONS, 0)
     for s in shards:
         for reason, count in s["rejected"].items():

@@ -368,11 +368,20 @@ class PriorityTable:
         return float(1.0 / np.dot(probs, probs))
 
     def leaf_summary(self) -> dict[str, float]:
-        """Sums and minima of ``p_i**alpha`` that a sharded store combines across tables."""
+        """Sums and minima of ``p_i**alpha`` that a sharded store combines across tables, and
+        the floor's weights: ``cross = sum(leaf * floor)``, ``floor_sq = sum(floor**2)`` (a
+        uniform floor: ``total`` and ``n``). With a prior, ``min_prob`` is the table's exact
+        least positive probability (such a store is one shard)."""
         leaves = self._tree.leaves
         low, low_positive = self.leaf_minima()
-        return {"n": self.n, "total": self._tree.total, "sum_sq": float(np.dot(leaves, leaves)),
-                "min": low, "min_positive": low_positive}
+        out = {"n": self.n, "total": self._tree.total, "sum_sq": float(np.dot(leaves, leaves)),
+               "min": low, "min_positive": low_positive, "cross": self._tree.total,
+               "floor_sq": float(self.n)}
+        if self._prior is not None:
+            out.update(cross=float(np.dot(leaves, self._prior)),
+                       floor_sq=float(np.dot(self._prior, self._prior)),
+                       min_prob=self.min_probability())
+        return out
 
     def age_summary(self) -> dict[str, float | int | None]:
         """Ages (update calls since each row's last refresh): mean, p50, p90, max, shares."""

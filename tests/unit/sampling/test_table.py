@@ -518,3 +518,20 @@ def test_a_prior_survives_state_round_trips_and_is_validated():
     for bad in ([1.0, 2.0], [1, 2, 3, 4, -1], [0, 0, 0, 0, 0], [1, 2, np.nan, 4, 5]):
         with pytest.raises(ConfigError, match="prior"):
             PriorityTable(5, prior=bad)
+
+
+def test_the_leaf_summary_gives_the_exact_ess_and_least_probability_with_a_prior():
+    import math
+
+    from raying.sampling.store import _global_mixture
+
+    rng = np.random.default_rng(8)
+    for prior in (None, rng.uniform(0.0, 2.0, 500)):
+        t = PriorityTable(500, alpha=0.8, uniform_mix=0.2, prior=prior)
+        t.update(np.arange(500), rng.exponential(1.0, 500))
+        info = t.leaf_summary()
+        a, b, min_prob = _global_mixture([info], 500, 0.2)
+        sum_p2 = a * a * info["sum_sq"] + 2 * a * b * info["cross"] + b * b * info["floor_sq"]
+        assert 1.0 / sum_p2 == pytest.approx(t.ess(), rel=1e-9)
+        assert min_prob == pytest.approx(t.min_probability(), rel=1e-12)
+        assert math.isfinite(min_prob) and min_prob > 0

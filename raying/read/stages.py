@@ -87,10 +87,11 @@ def apply_stages(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *,
 
 
 def join(stages: tuple[UserStage, ...], parts: list[dict[str, np.ndarray]], *,
-         epoch: int) -> dict[str, np.ndarray]:
-    """The stages' outputs of consecutive chunks as one block (checked: same columns)."""
+         epoch: int, image: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """The stages' outputs of consecutive chunks as one block (checked: same columns).
+    ``image``, when given, is the parts' images already joined (a read task's buffer)."""
     if len(parts) == 1:
-        return parts[0]
+        return parts[0] if image is None else {**parts[0], "image": image}
     keys = list(parts[0])
     for part in parts[1:]:
         if sorted(part) != sorted(keys):
@@ -99,7 +100,8 @@ def join(stages: tuple[UserStage, ...], parts: list[dict[str, np.ndarray]], *,
                                     f"returned columns {sorted(part)} for some rows and "
                                     f"{sorted(keys)} for others; return the same columns "
                                     f"for every batch")
-    return {k: np.concatenate([p[k] for p in parts]) for k in keys}
+    return {k: image if k == "image" and image is not None else
+            np.concatenate([p[k] for p in parts]) for k in keys}
 
 
 def run_chunk(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, seed: int,

@@ -148,6 +148,7 @@ def _staged(spec: ReadSpec, unit: ReadUnit, source: Any, a: int, b: int,
     oks, errors, parts = [], [], []
     io: dict[str, int] = {}
     nbytes, read_s = 0, 0.0
+    pos = 0  # rows of ``out`` holding staged images (never past the chunk being decoded)
     c0 = a
     while c0 < b:
         c1 = min(b, (c0 // step + 1) * step)
@@ -162,16 +163,30 @@ def _staged(spec: ReadSpec, unit: ReadUnit, source: Any, a: int, b: int,
         chunk = {k: v[sub][got.ok] for k, v in cols.items()}
         chunk["image"] = got.images
         if len(chunk["id"]):
-            parts.append(run_chunk(spec.stages, chunk, seed=spec.seed, epoch=unit.epoch,
-                                   size=spec.transform.size))
+            staged = run_chunk(spec.stages, chunk, seed=spec.seed, epoch=unit.epoch,
+                               size=spec.transform.size)
+            if out is not None:  # the chunk's pixels into the block's buffer while in cache
+                k = len(staged["id"])
+                staged["image"] = _into(out[pos:pos + k], staged["image"])
+                pos += k
+            parts.append(staged)
         c0 = c1
     ok = np.concatenate(oks)
     if parts:
-        block = join(spec.stages, parts, epoch=unit.epoch)
+        # With a buffer the chunks' images already lie in order in out[:pos]: no fresh pages.
+        block = join(spec.stages, parts, epoch=unit.epoch,
+                     image=None if out is None else out[:pos])
     else:  # no row decoded: the block's columns, empty
         block = {k: v[a:a] for k, v in cols.items()}
         block["image"] = np.empty((0, spec.transform.size, spec.transform.size, 3), np.uint8)
     return Part(np.empty(0), ok, errors, io, nbytes, read_s), block
+
+
+def _into(dst: np.ndarray, image: np.ndarray) -> np.ndarray:
+    """``image`` copied into ``dst`` (same shape), unless a stage returned ``dst`` itself."""
+    if not (image.ctypes.data == dst.ctypes.data and image.strides == dst.strides):
+        np.copyto(dst, image)  # numpy buffers overlapping views of the same buffer
+    return dst
 
 
 def _block_bounds(n: int, step: int, first: int | None) -> list[tuple[int, int]]:

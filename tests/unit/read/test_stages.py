@@ -309,3 +309,56 @@ def test_stages_see_a_block_in_chunks_joined_in_order():
 
     with pytest.raises(UserFunctionError, match=r"returned columns .* for some rows"):
         apply_stages((UserStage(moody),), dict(block), seed=0, epoch=0, size=size)
+
+
+def _same(batch):
+    return batch
+
+
+def _in_place(batch):
+    batch["image"][:, 0] = 7
+    return batch
+
+
+def _reversed_view(batch):  # a view of the input that overlaps where the buffer writes
+    batch["image"] = batch["image"][::-1]
+    return batch
+
+
+def _fresh(batch):
+    batch["image"] = (batch["image"] // 2).astype(np.uint8)
+    return batch
+
+
+@pytest.mark.parametrize("fn", [_same, _in_place, _reversed_view, _fresh])
+def test_staged_blocks_in_the_reused_buffer_equal_fresh_ones(tmp_path, fn):
+    """A read task's reused output buffer (chunks staged and written in place, bad rows
+    compacted out) gives the same blocks as fresh arrays, whatever a stage returns."""
+    from raying.read.stages import DEFAULT_STAGE_ROWS
+    from raying.read.task import iter_unit
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "img", n=3 * DEFAULT_STAGE_ROWS + 7, classes=2,
+                             size=(24, 32), seed=3, formats=("jpg",))
+    files = sorted(p for p in root.rglob("*.jpg"))
+    for bad in (files[1], files[DEFAULT_STAGE_ROWS + 4], files[-1]):
+        bad.write_bytes(b"not a jpeg")
+    m = raying.Manifest.scan(str(root))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=1)).map_batches(fn)
+    for block_rows in (None, 20):
+        fresh, reused = [], []
+        for u in pipe.plan(0).units:
+            unit, paths = pipe._fill(u)
+            fresh += [{k: v.copy() for k, v in b.items()} for b, _ in
+                      iter_unit(pipe._spec, unit, paths, block_rows=block_rows)]
+            reused += [{k: v.copy() for k, v in b.items()} for b, _ in
+                       iter_unit(pipe._spec, unit, paths, block_rows=block_rows,
+                                 reuse_output=True)]
+        assert sum(len(b["id"]) for b in fresh) == len(files) - 3
+        assert len(fresh) == len(reused)
+        for f, r in zip(fresh, reused, strict=True):
+            assert sorted(f) == sorted(r)
+            for k in f:
+                np.testing.assert_array_equal(f[k], r[k], err_msg=k)
+    pipe.close()

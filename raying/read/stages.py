@@ -5,13 +5,16 @@ Each stage takes a block (a dict of numpy arrays: ``image`` uint8 NHWC after dec
 order, after the built-in transform, on every path that runs read tasks (``pipe.iter_*`` and
 ``pipe.dataset(e)``).
 
-Stages see a block ``DEFAULT_STAGE_ROWS`` rows at a time: a function that works in float32
-on 256 images would sweep ~150 MB of temporaries per call, while a few images stay near the
-caches (the bench's colour jitter took 0.57 ms per image in chunks of 8 or 16, 0.62 in 32,
-0.83 in 64, 1.58 in 256). A read task decodes a chunk's rows and runs the stages on them at
-once, while the pixels are still in cache (see ``raying.read.task``). Chunks start at
-multiples of ``DEFAULT_STAGE_ROWS`` of the unit's rows, so they are the same however the
-unit is cut into blocks; they are joined in order.
+A read task decodes ``DEFAULT_STAGE_ROWS`` rows at a time and runs the stages on them at
+once, while the pixels are still in cache (see ``raying.read.task``), in calls of
+``stage_call_rows(size)`` rows: at most ``STAGE_CALL_BYTES`` of images, so a function that
+works in float32 keeps its temporaries in the core's L2 cache instead of sweeping the shared
+L3 or memory (the bench's colour jitter took 1.58 ms per image on 256 rows at once, ~0.6 in
+chunks of 16; with two read tasks on two cores, decode, crop and jitter took 1.12-1.15 ms per
+image in 1-row calls against 1.23-1.26 in 16-row ones). Chunks start at multiples of
+``DEFAULT_STAGE_ROWS`` of the unit's rows, and calls at multiples of their rows within a
+chunk, so they are the same however the unit is cut into aligned blocks; they are joined in
+order.
 
 A stage with ``with_rng=True`` gets ``rng=``, a ``numpy.random.Generator`` seeded from
 (pipeline seed, epoch, the stage's position, the chunk's ids): an epoch is reproducible, and
@@ -35,8 +38,11 @@ from raying.image.rng import epoch_key
 _STREAM_BASE = 1 << 20
 # Ids a UserFunctionError names at most.
 _IDS_SHOWN = 8
-# Rows of a block each call of the stages sees at most.
+# Rows of a block decoded together before the stages run on them.
 DEFAULT_STAGE_ROWS = 16
+# Bytes of images one call of the stages sees at most: a stage that works in float32 makes
+# temporaries of 4x that, which then stay within a core's L2 cache (1 row of 224 px).
+STAGE_CALL_BYTES = 256 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +60,16 @@ class UserStage:
         qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
         module = getattr(fn, "__module__", None)
         return f"{module}.{qual}" if module and module not in ("__main__", "builtins") else qual
+
+
+def stage_call_rows(size: int) -> int:
+    """Rows per call of the stages for ``size`` px images: the largest power of two up to
+    ``DEFAULT_STAGE_ROWS`` whose images fit ``STAGE_CALL_BYTES`` (at least 1). A function of
+    the size only, so calls cut a chunk alike on every worker (their rngs key by the ids)."""
+    rows = DEFAULT_STAGE_ROWS
+    while rows > 1 and rows * size * size * 3 > STAGE_CALL_BYTES:
+        rows //= 2
+    return rows
 
 
 def stage_rng(seed: int, epoch: int, index: int, ids: np.ndarray) -> np.random.Generator:

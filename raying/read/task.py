@@ -16,6 +16,7 @@ from raying.errors import RAISE_FIX, DecodeError
 from raying.options import use
 from raying.read import memory as _memory
 from raying.read import parquet as _parquet
+from raying.read import stages as _stages
 from raying.read.account import UnitAccount, add_counters
 from raying.read.sources import Part, open_source
 from raying.read.spec import ReadSpec, dataset_key
@@ -145,6 +146,7 @@ def _staged(spec: ReadSpec, unit: ReadUnit, source: Any, a: int, b: int,
     start at multiples of ``DEFAULT_STAGE_ROWS`` of the unit's rows (the same chunks however
     the unit is cut into blocks). Returns the rows' Part (its images unused) and the block."""
     step = DEFAULT_STAGE_ROWS
+    calls = _stages.stage_call_rows(spec.transform.size)
     oks, errors, parts = [], [], []
     io: dict[str, int] = {}
     nbytes, read_s = 0, 0.0
@@ -162,10 +164,12 @@ def _staged(spec: ReadSpec, unit: ReadUnit, source: Any, a: int, b: int,
         read_s += got.read_s
         chunk = {k: v[sub][got.ok] for k, v in cols.items()}
         chunk["image"] = got.images
-        if len(chunk["id"]):
-            staged = run_chunk(spec.stages, chunk, seed=spec.seed, epoch=unit.epoch,
+        rows = len(chunk["id"])
+        for s0 in range(0, rows, calls):  # the stages a few rows at a time (see stages.py)
+            part = chunk if calls >= rows else {k: v[s0:s0 + calls] for k, v in chunk.items()}
+            staged = run_chunk(spec.stages, part, seed=spec.seed, epoch=unit.epoch,
                                size=spec.transform.size)
-            if out is not None:  # the chunk's pixels into the block's buffer while in cache
+            if out is not None:  # the rows' pixels into the block's buffer while in cache
                 k = len(staged["id"])
                 staged["image"] = _into(out[pos:pos + k], staged["image"])
                 pos += k

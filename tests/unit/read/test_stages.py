@@ -362,3 +362,46 @@ def test_staged_blocks_in_the_reused_buffer_equal_fresh_ones(tmp_path, fn):
             for k in f:
                 np.testing.assert_array_equal(f[k], r[k], err_msg=k)
     pipe.close()
+
+
+def test_stage_call_rows_keep_a_call_small_and_divide_a_chunk():
+    from raying.read.stages import DEFAULT_STAGE_ROWS, STAGE_CALL_BYTES, stage_call_rows
+
+    for size in (8, 16, 64, 100, 128, 224, 512, 1024):
+        rows = stage_call_rows(size)
+        assert DEFAULT_STAGE_ROWS % rows == 0
+        assert rows == 1 or rows * size * size * 3 <= STAGE_CALL_BYTES
+        assert rows == DEFAULT_STAGE_ROWS or 2 * rows * size * size * 3 > STAGE_CALL_BYTES
+    assert stage_call_rows(224) == 1 and stage_call_rows(16) == DEFAULT_STAGE_ROWS
+
+
+def test_seeded_stage_in_small_calls_gives_the_same_pixels_however_blocks_are_cut(tmp_path):
+    """At 128 px a call of the stages sees 4 rows; a unit cut into aligned blocks (a short
+    first block, then 32s) draws the same numbers as the whole unit."""
+    from raying.read.stages import stage_call_rows
+    from raying.read.task import iter_unit
+    from raying.tools.datagen import make_image_folder
+
+    assert stage_call_rows(128) == 4
+    root = make_image_folder(tmp_path / "img", n=70, classes=2, size=(24, 32), seed=5,
+                             formats=("jpg",))
+    calls = []
+
+    def seeded(batch, rng):
+        calls.append(len(batch["id"]))
+        return jitter(batch, rng)
+
+    pipe = raying.Pipeline(raying.Manifest.scan(str(root)),
+                           transform=raying.ImageTransform(size=128),
+                           sampler=raying.UniformSampler(seed=4)).map_batches(seeded,
+                                                                               with_rng=True)
+    unit, paths = pipe._fill(pipe.plan(0).units[0])
+    whole = run_unit(pipe._spec, unit, paths)[0]
+    assert set(calls) == {4}
+    cut = [{k: v.copy() for k, v in b.items()} for b, _ in  # the buffer is reused
+           iter_unit(pipe._spec, unit, paths, block_rows=32, first_block_rows=16,
+                     reuse_output=True)]
+    assert len(cut) > 1
+    np.testing.assert_array_equal(np.concatenate([b["id"] for b in cut]), whole["id"])
+    np.testing.assert_array_equal(np.concatenate([b["image"] for b in cut]), whole["image"])
+    pipe.close()

@@ -29,6 +29,9 @@ DEFAULT_PACK_ROW_GROUP_ROWS = 256
 DEFAULT_PACK_SHARD_ROWS = 4096
 # Read tasks in flight per CPU the executor may use.
 DEFAULT_INFLIGHT_TASKS_PER_CPU = 2
+# Share of the object store that the decoded blocks of read tasks in flight may fill (split
+# between the Train workers of one pipeline); the rest is for blocks being consumed.
+DEFAULT_INFLIGHT_STORE_SHARE = 0.75
 # Object store of a local Ray that raying starts itself (``ensure_ray``): this many MB per CPU,
 # at least the floor, at most Ray's own default (30% of memory). Ray keeps consumed blocks in
 # the store until it needs their room, so its tmpfs pages grow to the store's size whatever

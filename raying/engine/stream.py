@@ -71,6 +71,13 @@ class BlockStream:
         make_plan: ``epoch -> EpochPlan``.
         fill: completes a unit just before it is submitted (draws prioritized ids, paths).
         window: read tasks in flight at most.
+        inflight_bytes: the decoded bytes (rows x size x size x 3) the units in flight may
+            hold together, or None: a unit beyond it waits, unless fewer than
+            ``min_window`` are in flight. Blocks of large units (Parquet row groups of
+            1,024 rows are 150 MB at 224 px) would otherwise overflow the object store and
+            spill to disk.
+        min_window: units kept in flight whatever their bytes (enough to keep the cores
+            this stream may use decoding).
         keep_warm: submit the next epoch's first units while the current one drains.
         task_options: Ray options of the read task (num_cpus, scheduling_strategy, ...).
     """
@@ -78,7 +85,8 @@ class BlockStream:
     def __init__(self, spec: ReadSpec, *, make_plan: Callable[[int], EpochPlan],
                  fill: Callable[[ReadUnit], tuple[ReadUnit, list[str] | None]],
                  window: int, block_rows: int, keep_warm: bool = True,
-                 task_options: dict[str, Any] | None = None) -> None:
+                 task_options: dict[str, Any] | None = None,
+                 inflight_bytes: int | None = None, min_window: int = 1) -> None:
         import ray
 
         self._spec_ref = ray.put(spec)
@@ -92,6 +100,9 @@ class BlockStream:
         self._make_plan = make_plan
         self._fill = fill
         self._window = max(1, int(window))
+        self._budget = None if inflight_bytes is None else max(1, int(inflight_bytes))
+        self._min_window = max(1, min(int(min_window), self._window))
+        self._row_bytes = int(spec.transform.size) ** 2 * 3
         self._keep_warm = keep_warm
         self._block_rows = int(block_rows)
         self._options = {"num_cpus": 1, "max_retries": DEFAULT_TASK_MAX_RETRIES,
@@ -102,6 +113,7 @@ class BlockStream:
                          **(task_options or {})}
         # (epoch, unit index) -> ObjectRef of (block, account), in submission order.
         self._inflight: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
+        self._inflight_bytes: dict[tuple[int, int], int] = {}  # the same keys: decoded bytes
         self._pending: collections.deque[ReadUnit] = collections.deque()
         self._pending_epoch: int | None = None
         self._next_epoch_plan: EpochPlan | None = None
@@ -120,6 +132,18 @@ class BlockStream:
         ref = _remote().options(**self._options).remote(self._spec_ref, unit, paths,
                                                          self._block_rows, first)
         self._inflight[(unit.epoch, unit.index)] = ref
+        self._inflight_bytes[(unit.epoch, unit.index)] = unit.num_rows * self._row_bytes
+
+    def _room_for(self, unit: ReadUnit) -> bool:
+        """Whether ``unit`` may start now under the byte budget."""
+        if self._budget is None or len(self._inflight) < self._min_window:
+            return True
+        held = sum(self._inflight_bytes.values())
+        return held + unit.num_rows * self._row_bytes <= self._budget
+
+    def _pop(self, key: tuple[int, int]) -> Any:
+        self._inflight_bytes.pop(key, None)
+        return self._inflight.pop(key, None)
 
     def _top_up(self) -> None:
         while len(self._inflight) < self._window:
@@ -134,6 +158,8 @@ class BlockStream:
                 self._pending_epoch = nxt
                 if not self._pending:
                     return
+            if not self._room_for(self._pending[0]):
+                return
             self._submit(self._pending.popleft())
 
     def _start(self, epoch: int, start_unit: int, skip_rows: int) -> EpochPlan:
@@ -172,10 +198,11 @@ class BlockStream:
                 self._check(mine)
                 self._top_up()
                 key = (epoch, index)
-                ref = self._inflight.pop(key, None)
+                ref = self._pop(key)
                 if ref is None:  # a unit the window has not reached (should not happen)
                     self._top_up()
-                    ref = self._inflight.pop(key)
+                    ref = self._inflight[key]
+                    self._pop(key)
             for part in ref:
                 try:
                     block, account = ray.get(part)
@@ -216,6 +243,7 @@ class BlockStream:
         # pending", task_manager.cc; 3 of 6 runs of 300 break-and-close loops). The tasks
         # in flight (at most a window of units) finish on their own and their blocks are freed.
         self._inflight.clear()
+        self._inflight_bytes.clear()
         self._pending.clear()
         self._pending_epoch = None
         self._next_epoch_plan = None

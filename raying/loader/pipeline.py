@@ -24,7 +24,13 @@ from raying.engine.ray_setup import ensure_ray
 from raying.errors import ConfigError
 from raying.image.transform import ImageTransform
 from raying.loader.batches import BatchAssembler, TorchConverter, prefetch
-from raying.options import DEFAULT_BATCH_SIZE, PipelineConfig, Settings, use
+from raying.options import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_INFLIGHT_STORE_SHARE,
+    PipelineConfig,
+    Settings,
+    use,
+)
 from raying.read.account import UnitAccount
 from raying.read.memory import Footprint, dir_bytes, own_kib
 from raying.read.spec import ReadSpec, dataset_key
@@ -249,17 +255,27 @@ class Pipeline:
 
             ensure_ray()
             self._bind()
+            resources = ray.cluster_resources()
+            cpus = int(resources.get("CPU", 1))
             window = self.config.window
             if window is None:
-                cpus = int(ray.cluster_resources().get("CPU", 1))
                 window = max(2, self.settings.inflight_tasks_per_cpu * cpus)
+            # Decoded bytes in flight: a share of the object store, split between the
+            # streams that share it (a Train worker's shard); at least one unit per core
+            # this stream may use, plus the one being consumed.
+            shards = self.config.shard[1] if self.config.shard else 1
+            store = resources.get("object_store_memory")
+            inflight_bytes = (int(store * DEFAULT_INFLIGHT_STORE_SHARE / shards)
+                              if store else None)
+            min_window = -(-cpus // shards) + 1
             opts: dict[str, Any] = {"num_cpus": self.config.task_num_cpus}
             if self.config.spread:
                 opts["scheduling_strategy"] = "SPREAD"
             opts.update(self.config.ray_remote_args or {})
             self._stream = BlockStream(self._ready_spec(), make_plan=self.plan, fill=self._fill,
                                        window=window, block_rows=self.block_rows(),
-                                       keep_warm=self.config.keep_warm, task_options=opts)
+                                       keep_warm=self.config.keep_warm, task_options=opts,
+                                       inflight_bytes=inflight_bytes, min_window=min_window)
         return self._stream
 
     # -- iteration -----------------------------------------------------------------------------

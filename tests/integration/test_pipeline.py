@@ -264,3 +264,32 @@ def test_keep_warm_reads_one_epoch_ahead_not_more(image_folder, ray_local):
         assert sorted(ids) == list(range(60))
         assert {e for e, _ in pipe._stream._inflight} == {epoch + 1}, list(pipe._stream._inflight)
     pipe.close()
+
+
+@pytest.mark.parametrize("share, most", [(1e-9, 3), (0.75, 8)])
+def test_units_in_flight_stay_within_the_object_store_share(image_folder, ray_local,
+                                                            monkeypatch, share, most):
+    """Decoded bytes in flight are bounded by a share of the object store: with a share
+    smaller than one unit, only the minimum (a unit per CPU plus the one consumed) runs; with
+    the default the window of 8 fills. Every id is read either way."""
+    import raying.loader.pipeline as pipeline_module
+
+    monkeypatch.setattr(pipeline_module, "DEFAULT_INFLIGHT_STORE_SHARE", share)
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=8, window=8,
+                                                        keep_warm=True, decoded_cache="off"))
+    stream = pipe._block_stream()
+    seen: list[int] = []
+    submit = stream._submit
+
+    def counting(unit):
+        submit(unit)
+        seen.append(len(stream._inflight))
+
+    monkeypatch.setattr(stream, "_submit", counting)
+    for epoch in (0, 1, 2):
+        ids = [i for b in pipe.iter_batches(batch_size=16, epoch=epoch) for i in b["id"]]
+        assert sorted(ids) == list(range(60))
+    assert max(seen) == most, seen
+    pipe.close()

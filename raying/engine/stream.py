@@ -114,6 +114,8 @@ class BlockStream:
         # (epoch, unit index) -> ObjectRef of (block, account), in submission order.
         self._inflight: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
         self._inflight_bytes: dict[tuple[int, int], int] = {}  # the same keys: decoded bytes
+        # Units taken out of the window and being consumed (their tasks may still run).
+        self._reading: dict[tuple[int, int], Any] = {}
         self._pending: collections.deque[ReadUnit] = collections.deque()
         self._pending_epoch: int | None = None
         self._next_epoch_plan: EpochPlan | None = None
@@ -203,6 +205,7 @@ class BlockStream:
                     self._top_up()
                     ref = self._inflight[key]
                     self._pop(key)
+                self._reading[key] = ref
             for part in ref:
                 try:
                     block, account = ray.get(part)
@@ -220,6 +223,7 @@ class BlockStream:
                     on_account(account)
                 yield index, block, account.final
             with self._lock:
+                self._reading.pop(key, None)
                 self._check(mine)
                 self._top_up()
             index += 1
@@ -244,11 +248,31 @@ class BlockStream:
         # in flight (at most a window of units) finish on their own and their blocks are freed.
         self._inflight.clear()
         self._inflight_bytes.clear()
+        self._reading.clear()  # a dropped generator's ref would pin its blocks in the store
         self._pending.clear()
         self._pending_epoch = None
         self._next_epoch_plan = None
 
-    def close(self) -> None:
+    def close(self) -> list[Any]:
+        """Stop: an iterator still running stops at its next step, nothing more is submitted.
+        Returns the read tasks that may still run (dropped, not cancelled: see ``_cancel``),
+        for a caller that must wait for them, e.g. before removing files they write."""
         with self._lock:
-            self._generation += 1  # an iterator still running stops at its next step
+            self._generation += 1
+            running = [*self._inflight.values(), *self._reading.values()]
             self._cancel()
+        return running
+
+    def wait_done(self, tasks: list[Any], timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for ``tasks`` (from :meth:`close`) to finish; True when
+        they all did."""
+        import ray
+
+        if not tasks or not ray.is_initialized():
+            return True
+        done = [t.completed() for t in tasks]
+        try:
+            ready, _ = ray.wait(done, num_returns=len(done), timeout=timeout_s)
+        except Exception:  # noqa: BLE001 - a task that failed has finished all the same
+            return False
+        return len(ready) == len(done)

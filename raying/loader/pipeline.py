@@ -11,6 +11,7 @@ What is in flight for ``pipe.iter_torch_batches(epoch=e)``::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -42,6 +43,10 @@ from raying.sampling.uniform import UniformSampler
 _ON_ERROR = ("skip", "raise")
 # Smallest block a small epoch is cut into (below it, per-task costs dominate).
 MIN_BLOCK_ROWS = 32
+# How long close() waits for read tasks still running before it removes the decoded cache.
+DEFAULT_CLOSE_WAIT_S = 30.0
+
+logger = logging.getLogger(__name__)
 
 
 class Pipeline:
@@ -509,8 +514,9 @@ class Pipeline:
     def close(self, *, release_store: bool = True) -> None:
         """Cancel reads in flight, flush pending feedback and, with ``release_store``, stop the
         priority store this pipeline created (after a final snapshot, if it takes them)."""
-        if self._stream is not None:
-            self._stream.close()
+        stream, running = self._stream, []
+        if stream is not None:
+            running = stream.close()
             self._stream = None
         if self._dataset_reads is not None:
             self._dataset_reads.release()  # the dataset() reads' account actor; account kept
@@ -518,6 +524,12 @@ class Pipeline:
         if self._spec.decoded_cache_bytes:
             from raying.read import decoded_cache as decoded
 
+            # Read tasks still running (the next epoch's first units) would write cache
+            # entries after the release and leave the directory behind: let them finish.
+            if stream is not None and not stream.wait_done(running, DEFAULT_CLOSE_WAIT_S):
+                logger.warning("pipeline %s: %d read tasks still ran %.0f s after close(); "
+                               "the decoded cache is released without them", self.name,
+                               len(running), DEFAULT_CLOSE_WAIT_S)
             decoded.release_everywhere(self._cache_name)  # every node's copy
         self._bound = False
         self._closed = True

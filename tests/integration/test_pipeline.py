@@ -293,3 +293,41 @@ def test_units_in_flight_stay_within_the_object_store_share(image_folder, ray_lo
         assert sorted(ids) == list(range(60))
     assert max(seen) == most, seen
     pipe.close()
+
+
+def _slow(batch):
+    import time
+
+    time.sleep(0.2)
+    return batch
+
+
+def test_close_waits_for_running_reads_before_it_frees_the_decoded_cache(image_folder,
+                                                                         ray_local, monkeypatch):
+    """The next epoch's first read tasks still run when the trainer closes the pipeline; they
+    write cache entries, so close() lets them finish before it removes the cache (else a
+    late writer leaves a directory behind on its node)."""
+    import ray
+
+    from raying.engine.stream import BlockStream
+    from raying.read import decoded_cache
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=8, window=4, keep_warm=True,
+                                                        decoded_cache=32 * 2**20)
+                           ).map_batches(_slow)
+    assert sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=0)) == 60
+    dropped: list = []
+    close = BlockStream.close
+
+    def recording(self):
+        dropped.extend(close(self))
+        return dropped
+
+    monkeypatch.setattr(BlockStream, "close", recording)
+    pipe.close()
+    assert dropped, "the next epoch's reads were in flight at close()"
+    done, _ = ray.wait([t.completed() for t in dropped], num_returns=len(dropped), timeout=0)
+    assert len(done) == len(dropped)
+    assert not os.path.exists(decoded_cache.cache_dir(pipe._cache_name))

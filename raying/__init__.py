@@ -1,27 +1,73 @@
 """raying: a Ray Data loader for deep-learning training that learns which samples matter."""
 
-from raying.dataset.manifest import Manifest
-from raying.engine.pack import pack
-from raying.errors import (
-    ConfigError,
-    CredentialsError,
-    DataError,
-    DecodeError,
-    DependencyError,
-    RayingError,
-    StorageError,
-    SupersededError,
-    UserFunctionError,
-)
-from raying.image.transform import ImageTransform
-from raying.loader.pipeline import Pipeline, PipelineConfig
-from raying.options import StorageOptions
-from raying.sampling.feedback import report
-from raying.sampling.infobatch import InfoBatchSampler
-from raying.sampling.prioritized import PrioritizedSampler
-from raying.sampling.table import PriorityTable
-from raying.sampling.uniform import UniformSampler
-from raying.sampling.weighted import WeightedSampler
+from typing import TYPE_CHECKING
+
+# The public names load on first use (PEP 562): a Ray read worker imports ``raying.read.task``,
+# which runs this file, and should pay only for the read path, not for the manifest scanner,
+# the pipeline and the samplers (about 0.1 s and tens of MB per worker).
+_PUBLIC = {
+    "ConfigError": "raying.errors", "CredentialsError": "raying.errors",
+    "DataError": "raying.errors", "DecodeError": "raying.errors",
+    "DependencyError": "raying.errors", "RayingError": "raying.errors",
+    "StorageError": "raying.errors", "SupersededError": "raying.errors",
+    "UserFunctionError": "raying.errors",
+    "ImageTransform": "raying.image.transform",
+    "InfoBatchSampler": "raying.sampling.infobatch",
+    "Manifest": "raying.dataset.manifest",
+    "Pipeline": "raying.loader.pipeline", "PipelineConfig": "raying.loader.pipeline",
+    "PrioritizedSampler": "raying.sampling.prioritized",
+    "PriorityTable": "raying.sampling.table",
+    "StorageOptions": "raying.options",
+    "UniformSampler": "raying.sampling.uniform",
+    "WeightedSampler": "raying.sampling.weighted",
+    "pack": "raying.engine.pack",
+    "report": "raying.sampling.feedback",
+}
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors
+    from raying.dataset.manifest import Manifest
+    from raying.engine.pack import pack
+    from raying.errors import (
+        ConfigError,
+        CredentialsError,
+        DataError,
+        DecodeError,
+        DependencyError,
+        RayingError,
+        StorageError,
+        SupersededError,
+        UserFunctionError,
+    )
+    from raying.image.transform import ImageTransform
+    from raying.loader.pipeline import Pipeline, PipelineConfig
+    from raying.options import StorageOptions
+    from raying.sampling.feedback import report
+    from raying.sampling.infobatch import InfoBatchSampler
+    from raying.sampling.prioritized import PrioritizedSampler
+    from raying.sampling.table import PriorityTable
+    from raying.sampling.uniform import UniformSampler
+    from raying.sampling.weighted import WeightedSampler
+
+
+def __getattr__(name: str):
+    import importlib
+
+    module = _PUBLIC.get(name)
+    if module is None:
+        try:  # a subpackage used as an attribute (``raying.train`` after ``import raying``)
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
 
 __version__ = "0.1.0"
 
@@ -49,8 +95,8 @@ __all__ = [
     "report",
 ]
 
-if __all__ != sorted(__all__):  # pragma: no cover - a guard for maintainers, as torchdata does
-    raise RuntimeError("raying.__all__ must stay sorted")
+if __all__ != sorted(__all__) or set(__all__) != set(_PUBLIC):  # pragma: no cover - a guard
+    raise RuntimeError("raying.__all__ must stay sorted and name every lazily loaded name")
 
 
 # Import paths of the flat layout, kept for one release: importing one warns and gives the

@@ -38,6 +38,8 @@ class RunAccount:
         self.rows_by_node: dict[str, int] = {}
         # (node, pid) of each read worker -> its largest own memory (KiB) seen at a unit's end
         self.worker_kib: dict[tuple[str | None, int], int] = {}
+        # (node, pid) of each read worker -> the heavy frameworks it had imported
+        self.worker_frameworks: dict[tuple[str | None, int], set[str]] = {}
         self._iter_s = 0.0  # wall seconds spent inside iteration loops (stall share's base)
         self._logged = 0
         self.stall = [0.0]  # seconds the consumer waited for a batch (shared with prefetch)
@@ -117,6 +119,7 @@ class RunAccount:
             if account.pid and account.worker_kib:
                 key = (node, account.pid)
                 self.worker_kib[key] = max(self.worker_kib.get(key, 0), account.worker_kib)
+                self.worker_frameworks.setdefault(key, set()).update(account.frameworks)
             for sid, path, reason, detail in account.skipped:
                 self.skip_events += 1
                 if int(sid) in self._skipped_ids:
@@ -173,18 +176,29 @@ class RunAccount:
                 "rows_by_node": dict(self.rows_by_node),
                 "skipped_by_reason": dict(self.skipped_by_reason),
                 "skipped": list(self.skipped),
-                "read_workers": workers_summary(self.worker_kib),
+                "read_workers": workers_summary(self.worker_kib, self.worker_frameworks),
             }
 
 
-def workers_summary(worker_kib: dict[tuple[str | None, int], int]) -> dict[str, Any]:
-    """The read workers' count and own memory (largest seen per worker, MB)."""
+def workers_summary(worker_kib: dict[tuple[str | None, int], int],
+                    frameworks: dict[tuple[str | None, int], set[str]] | None = None
+                    ) -> dict[str, Any]:
+    """The read workers' count and own memory (largest seen per worker, MB), and the heavy
+    frameworks each had imported (only the workers that had any)."""
     mb = [v / 1024.0 for v in worker_kib.values()]
+
+    def name(key: tuple[str | None, int]) -> str:
+        return f"{key[0] or 'local'}:{key[1]}"
+
+    def order(kv: tuple[tuple[str | None, int], Any]) -> tuple[str, int]:
+        return str(kv[0][0]), kv[0][1]
+
     return {"count": len(mb), "pss_mb_max": max(mb) if mb else None,
             "pss_mb_mean": sum(mb) / len(mb) if mb else None, "pss_mb_sum": sum(mb),
-            "by_worker": {f"{node or 'local'}:{pid}": round(v / 1024.0, 1)
-                          for (node, pid), v in sorted(worker_kib.items(),
-                                                       key=lambda kv: (str(kv[0][0]), kv[0][1]))}}
+            "by_worker": {name(k): round(v / 1024.0, 1)
+                          for k, v in sorted(worker_kib.items(), key=order)},
+            "frameworks": {name(k): sorted(v)
+                           for k, v in sorted((frameworks or {}).items(), key=order) if v}}
 
 
 def _io_summary(totals: dict[str, float]) -> dict[str, Any]:

@@ -462,6 +462,10 @@ class Pipeline:
             from raying.read import decoded_cache as decoded
 
             cache = dir_bytes(decoded.cache_dir(self._cache_name)) / (1024.0 * 1024.0)
+        frameworks: dict[str, list[str]] = {}
+        for part in (out["read_workers"], out.get("dataset", {}).get("read_workers", {})):
+            for worker, names in part.get("frameworks", {}).items():
+                frameworks[worker] = sorted(set(frameworks.get(worker, [])) | set(names))
         pss = sorted(workers.values())
         return {
             "driver_mb": round(driver, 1),
@@ -469,6 +473,9 @@ class Pipeline:
             "read_worker_mb_max": pss[-1] if pss else None,
             "read_worker_mb_median": pss[len(pss) // 2] if pss else None,
             "read_workers_mb": round(sum(pss), 1),
+            # worker -> the heavy frameworks (torch, tensorflow, pandas, ...) it had imported:
+            # raying's read path imports none, so any here came with a user stage
+            "read_worker_frameworks": frameworks,
             "tmpfs_growth_mb": round(tmpfs, 1),
             "decoded_cache_mb": round(cache, 1),
             "whole_mb": round(driver + sum(pss) + tmpfs, 1),

@@ -27,6 +27,9 @@ class UnitAccount:
         pid: the process that ran the read (0: not recorded).
         worker_kib: that process's own memory (PSS of its anonymous and file pages, see
             :mod:`raying.read.memory`) when it finished the unit; 0 on earlier blocks.
+        frameworks: the heavy frameworks that process had imported by then (a user stage's
+            ``import torch``, say; :data:`raying.read.memory.FRAMEWORKS`); () on earlier
+            blocks.
     """
 
     epoch: int
@@ -42,6 +45,7 @@ class UnitAccount:
     io: dict[str, int] = dataclasses.field(default_factory=dict)
     pid: int = 0
     worker_kib: int = 0
+    frameworks: tuple[str, ...] = ()
 
     def merge(self, later: UnitAccount) -> UnitAccount:
         """One account for this block followed by ``later`` (a later block of the same unit):
@@ -54,7 +58,8 @@ class UnitAccount:
             skipped=[*self.skipped, *later.skipped], bytes_read=self.bytes_read + later.bytes_read,
             read_s=self.read_s + later.read_s, decode_s=self.decode_s + later.decode_s,
             final=later.final, io=io, pid=later.pid or self.pid,
-            worker_kib=max(self.worker_kib, later.worker_kib))
+            worker_kib=max(self.worker_kib, later.worker_kib),
+            frameworks=tuple(sorted(set(self.frameworks) | set(later.frameworks))))
 
 
 def add_counters(into: dict[str, int], more: dict[str, int]) -> dict[str, int]:

@@ -42,6 +42,18 @@ def own_kib(pid: int | None = None) -> int:
     return k["anon"] + k["file"]
 
 
+# Frameworks that cost a read worker tens to hundreds of MB each. raying's read path imports
+# none of them; a user stage may (``pipe.stats()["memory"]`` names them per worker).
+FRAMEWORKS = ("torch", "torchvision", "tensorflow", "keras", "jax", "pandas", "matplotlib")
+
+
+def loaded_frameworks() -> tuple[str, ...]:
+    """The :data:`FRAMEWORKS` this process has imported."""
+    import sys
+
+    return tuple(name for name in FRAMEWORKS if name in sys.modules)
+
+
 def tmpfs_used_bytes(path: str = DEFAULT_TMPFS) -> int:
     """Bytes in use in the tmpfs at ``path`` (0 if there is none)."""
     try:

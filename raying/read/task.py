@@ -127,7 +127,8 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
             bytes_read=got.bytes_read + (extra_bytes if a == 0 else 0), read_s=(read_s if a == 0 else 0.0) + got.read_s,
             decode_s=time.perf_counter() - t1, node=node, final=b >= n,
             io=_with_retries(got.io, extra_io) if a == 0 and extra_io else got.io,
-            pid=os.getpid(), worker_kib=_memory.own_kib() if b >= n else 0)
+            pid=os.getpid(), worker_kib=_memory.own_kib() if b >= n else 0,
+            frameworks=_memory.loaded_frameworks() if b >= n else ())
         yield block, account
 
 

@@ -141,8 +141,10 @@ def test_a_stage_that_imports_torch_shows_in_the_workers_memory(parquet_set, ray
         mem = pipe.stats()["memory"]
         pipe.close()
         assert rows > 0 and mem["read_workers"] >= 1, mem
-        return mem["read_worker_mb_max"]
+        return mem["read_worker_mb_max"], mem["read_worker_frameworks"]
 
     # numpy first: the same worker processes then import torch for the second pipeline.
-    before, after = worker_mb(plain), worker_mb(with_torch)
+    (before, _), (after, frameworks) = worker_mb(plain), worker_mb(with_torch)
     assert after >= before + 50, (before, after)
+    # every worker that ran the stage names torch as what it loaded
+    assert frameworks and all("torch" in names for names in frameworks.values()), frameworks

@@ -73,3 +73,20 @@ def test_an_epoch_tally_refuses_an_epoch_where_every_read_was_bad():
     fine.add(UnitAccount(epoch=0, unit=0, rows_in=12, rows_out=1,
                          skipped=[(1, "1.jpg", "empty", "")]))
     fine.refuse_all_bad(12, "/d", 0)  # one good row: not refused
+
+
+def test_a_run_account_keeps_each_workers_largest_memory_and_every_framework_it_loaded():
+    run = RunAccount()
+    run.add(UnitAccount(epoch=0, unit=0, node="n1", pid=7, worker_kib=100 * 1024))
+    run.add(UnitAccount(epoch=0, unit=1, node="n1", pid=7, worker_kib=300 * 1024,
+                        frameworks=("torch",)))
+    run.add(UnitAccount(epoch=0, unit=2, node="n1", pid=7, worker_kib=200 * 1024,
+                        frameworks=("pandas",)))
+    run.add(UnitAccount(epoch=0, unit=3, node="n2", pid=7, worker_kib=50 * 1024))
+    workers = run.summary()["read_workers"]
+    assert workers["by_worker"] == {"n1:7": 300.0, "n2:7": 50.0}
+    assert workers["pss_mb_max"] == 300.0 and workers["count"] == 2
+    assert workers["frameworks"] == {"n1:7": ["pandas", "torch"]}
+    a = UnitAccount(epoch=0, unit=0, final=False, frameworks=())
+    b = UnitAccount(epoch=0, unit=0, frameworks=("torch",))
+    assert a.merge(b).frameworks == ("torch",)

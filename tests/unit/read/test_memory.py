@@ -60,3 +60,52 @@ def test_dir_bytes_counts_files_below(tmp_path):
     (tmp_path / "y").write_bytes(b"0" * 5_000)
     assert memory.dir_bytes(str(tmp_path)) >= 15_000
     assert memory.dir_bytes(str(tmp_path / "gone")) == 0
+
+
+_WORKER = r"""
+import json, pickle, sys
+with open(sys.argv[1], "rb") as fh:
+    task, spec, unit, paths = pickle.load(fh)   # what a Ray read worker unpickles
+rows, frameworks = 0, ()
+for block, account in task(spec, unit, paths, 8):
+    rows += len(block["id"])
+    frameworks = account.frameworks or frameworks
+heavy = ("raying.loader.pipeline", "raying.dataset.manifest", "raying.sampling.prioritized",
+         "ray.data")
+print(json.dumps({"rows": rows, "frameworks": list(frameworks),
+                  "loaded": [m for m in (*memory_names, *heavy) if m in sys.modules]}))
+"""
+
+
+def test_a_read_task_imports_no_framework_and_none_of_the_driver_side(tmp_path):
+    """A read worker runs the task after unpickling it: it must not pay for torch, tf,
+    pandas or matplotlib, nor for the manifest scanner, the pipeline or Ray Data."""
+    import pickle
+
+    import raying
+    from raying.engine.stream import read_task
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "imgs", n=12, classes=2, size=(40, 30), seed=0)
+    pipe = raying.Pipeline(raying.Manifest.scan(str(root)),
+                           transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=8, decoded_cache="off"))
+    unit, paths = pipe._fill(pipe.plan(0).units[0])
+    job = tmp_path / "task.pkl"
+    job.write_bytes(pickle.dumps((read_task, pipe._spec, unit, paths)))
+    code = f"memory_names = {memory.FRAMEWORKS!r}\n" + _WORKER
+    proc = subprocess.run([sys.executable, "-c", code, str(job)], capture_output=True,
+                          text=True, check=False, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["rows"] == len(unit.ids) > 0, got
+    assert got == {"rows": got["rows"], "frameworks": [], "loaded": []}, got
+
+
+def test_loaded_frameworks_names_what_this_process_imported():
+    import sys as _sys
+
+    assert "numpy" not in memory.FRAMEWORKS
+    assert set(memory.loaded_frameworks()) == {n for n in memory.FRAMEWORKS if n in _sys.modules}

@@ -38,8 +38,8 @@ def anneal_start(epochs: int | None, anneal: float) -> int | None:
     return int(math.ceil(anneal * epochs - 1e-9))
 
 
-def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator,
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator, *,
+               mean: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Which samples an epoch keeps, with their inclusion probabilities and weights.
 
     A sample whose score is below the mean score is *well learned*: it is kept with
@@ -51,6 +51,8 @@ def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator,
         scores: one score (the latest reported loss) per candidate sample.
         prune_ratio: the share ``r`` of the well-learned samples dropped, in ``[0, 1)``.
         rng: the plan's generator; one uniform number is drawn per candidate, kept or not.
+        mean: the threshold; default the mean of ``scores`` (a prior's plan passes the
+            prior-weighted mean, the expected score of one draw).
 
     Returns:
         ``(keep, probs, weights)``: a boolean mask over ``scores``, and for every candidate
@@ -58,7 +60,9 @@ def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator,
     """
     scores = np.asarray(scores, dtype=np.float64)
     coins = rng.random(scores.size)
-    low = scores < scores.mean() if scores.size else np.zeros(0, dtype=bool)
+    if mean is None:
+        mean = float(scores.mean()) if scores.size else 0.0
+    low = scores < mean
     keep = ~low | (coins >= prune_ratio)
     probs = np.where(low, 1.0 - prune_ratio, 1.0)
     weights = np.where(low, 1.0 / (1.0 - prune_ratio), 1.0)
@@ -92,17 +96,29 @@ class InfoBatchSampler:
         seed: the seed of the plans.
         window_row_groups: Parquet row groups shuffled together in one read task.
         store: store options (``coalesce``, ``snapshot_uri``, ...), a dict or ``StoreConfig``.
+        prior: static weights under the pruning: a ``WeightedSampler`` (its ``weights`` and
+            ``class_balanced``), one weight per sample, or a dict ``{class: weight}``. An
+            epoch is then ``samples_per_epoch`` draws with replacement in proportion to the
+            prior (``q_i``), as ``WeightedSampler`` makes them, and pruning applies to each
+            draw: a draw of a sample whose loss is below the prior-weighted mean loss (the
+            expected loss of one draw) is dropped with probability ``prune_ratio`` and, when
+            kept, carries ``1 / (1 - prune_ratio)``. The expected weighted loss of an epoch
+            is that of the prior's full epoch. ``prob`` is then the probability that one draw
+            yields the sample and keeps it: ``q_i * (1 - prune_ratio)`` or ``q_i``. Annealed
+            epochs and the first one keep every draw.
+        samples_per_epoch: draws per epoch under a prior (default: the dataset's size); only
+            with ``prior`` (without one, an epoch reads each kept sample once).
     """
 
     name = "infobatch"
     lazy = False
     uses_store = True
-    samples_per_epoch = None
 
     def __init__(self, prune_ratio: float = 0.5, anneal: float = 0.875,
                  epochs: int | None = None, seed: int = 0, *,
                  window_row_groups: int | None = None,
-                 store: Mapping[str, Any] | Any = None) -> None:
+                 store: Mapping[str, Any] | Any = None, prior: Any = None,
+                 samples_per_epoch: int | None = None) -> None:
         if isinstance(prune_ratio, bool) or not isinstance(prune_ratio, (int, float)) \
                 or not 0.0 <= prune_ratio < 1.0:
             msg = (f"InfoBatchSampler(prune_ratio=...) must be in [0, 1), got {prune_ratio!r}; "
@@ -121,6 +137,13 @@ class InfoBatchSampler:
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             msg = f"InfoBatchSampler(seed=...) must be a non-negative int, got {seed!r}"
             raise ConfigError(msg)
+        if samples_per_epoch is not None and (
+                prior is None or isinstance(samples_per_epoch, bool)
+                or not isinstance(samples_per_epoch, (int, np.integer)) or samples_per_epoch < 1):
+            msg = (f"InfoBatchSampler(samples_per_epoch={samples_per_epoch!r}) needs a prior "
+                   f"and an integer >= 1; without a prior an epoch reads each kept sample "
+                   f"once, so leave it None")
+            raise ConfigError(msg)
         window = settings().parquet_window_row_groups if window_row_groups is None \
             else window_row_groups
         if window < 1:
@@ -132,6 +155,9 @@ class InfoBatchSampler:
         self.seed = int(seed)
         self.window_row_groups = int(window)
         self.store_options = store
+        self.prior = prior
+        self.samples_per_epoch = None if samples_per_epoch is None else int(samples_per_epoch)
+        self._prior_q: np.ndarray | None = None
         self.handle: Any = None
         self.store_name: str | None = None
         self._reporter: Any = None
@@ -154,7 +180,8 @@ class InfoBatchSampler:
 
     def __repr__(self) -> str:
         return (f"InfoBatchSampler(prune_ratio={self.prune_ratio}, anneal={self.anneal}, "
-                f"epochs={self.epochs}, seed={self.seed})")
+                f"epochs={self.epochs}, seed={self.seed}"
+                f"{', prior=...' if self.prior is not None else ''})")
 
     # -- set-up --------------------------------------------------------------------------------
     def bind(self, manifest: Any, *, name: str) -> None:
@@ -163,6 +190,7 @@ class InfoBatchSampler:
         from raying.sampling.feedback import Reporter
 
         self._n = len(manifest)
+        self._prior_q = self.prior_probabilities(manifest)  # validated before a store exists
         self.store_name = f"{name}-priorities"
         # The table only holds the scores (the plans are made here); its guard statistics
         # report how much of the top of the loss ranking is persistently high-loss.
@@ -171,6 +199,22 @@ class InfoBatchSampler:
         self.handle, self._created = bind_store(self.store_name, self._n, table=table,
                                                 store=self.store_options)
         self._reporter = Reporter(self.handle)
+
+    def prior_probabilities(self, manifest: Any) -> np.ndarray | None:
+        """The prior's draw probability of every sample (None without a prior)."""
+        if self.prior is None:
+            return None
+        if self._prior_q is not None and self._prior_q.size == len(manifest):
+            return self._prior_q
+        from raying.sampling.weighted import WeightedSampler, static_probabilities
+
+        weights, balanced = self.prior, False
+        if isinstance(self.prior, WeightedSampler):
+            weights, balanced = self.prior.weights, self.prior.class_balanced
+        self._prior_q = static_probabilities(manifest.labels, weights=weights,
+                                             class_balanced=balanced,
+                                             classes=getattr(manifest, "classes", None))
+        return self._prior_q
 
     # -- plans ---------------------------------------------------------------------------------
     def scores(self) -> np.ndarray:
@@ -217,6 +261,10 @@ class InfoBatchSampler:
         start = anneal_start(self.epochs, self.anneal)
         annealed = start is not None and epoch >= start
         ratio = 0.0 if annealed else self.prune_ratio
+        q = self.prior_probabilities(manifest)
+        if q is not None:
+            return self._prior_plan(manifest, epoch, scores, q, active, ratio, annealed, rng,
+                                    block_rows)
         keep_c, probs_c, weights_c = prune_plan(scores[candidates], ratio, rng)
         keep = np.zeros(n, dtype=bool)
         keep[candidates[keep_c]] = True
@@ -244,6 +292,43 @@ class InfoBatchSampler:
             "below_mean_share": below, "annealed": bool(annealed),
             "plan_weight_min": float(w_kept.min()) if kept else None,
             "plan_weight_max": float(w_kept.max()) if kept else None}
+        return EpochPlan(epoch=epoch, units=units, sampler=self.name)
+
+    def _prior_plan(self, manifest: Any, epoch: int, scores: np.ndarray, q: np.ndarray,
+                    active: np.ndarray, ratio: float, annealed: bool,
+                    rng: np.random.Generator, block_rows: int) -> EpochPlan:
+        """An epoch of draws in proportion to the prior, each pruned like a sample."""
+        from raying.sampling.weighted import draw_units
+
+        q = np.where(active, q, 0.0)
+        if not q.sum() > 0.0:
+            msg = ("InfoBatchSampler: every sample with a positive prior weight was set aside "
+                   "as unreadable; nothing is left to draw")
+            raise ConfigError(msg)
+        q = q / q.sum()
+        k = self.samples_per_epoch or len(manifest)
+        draws = rng.choice(len(manifest), size=k, replace=True, p=q).astype(np.int64)
+        mean = float(q @ scores)
+        keep, _, weights_d = prune_plan(scores[draws], ratio, rng, mean=mean)
+        kept = draws[keep]
+        # A sample's keep probability and weight depend on its score only, so every draw of
+        # it carries the same ones.
+        low = scores < mean
+        probs = q * np.where(low, 1.0 - ratio, 1.0)
+        weights = np.where(low, 1.0 / (1.0 - ratio), 1.0)
+        units = draw_units(manifest, epoch, kept, rng, block_rows)
+        for u in units:
+            ids: Any = u.ids
+            u.probs = probs[ids]
+            u.weights = weights[ids].astype(np.float32)
+        w_kept = weights_d[keep]
+        self._per_epoch[int(epoch)] = {
+            "epoch": int(epoch), "planned": int(kept.size), "candidates": int(k),
+            "pruned_share": 1.0 - kept.size / k,
+            "below_mean_share": float(np.mean(low[draws])) if k else 0.0,
+            "annealed": bool(annealed),
+            "plan_weight_min": float(w_kept.min()) if kept.size else None,
+            "plan_weight_max": float(w_kept.max()) if kept.size else None}
         return EpochPlan(epoch=epoch, units=units, sampler=self.name)
 
     def _parquet_units(self, manifest: Any, epoch: int, keep: np.ndarray,
@@ -310,7 +395,9 @@ class InfoBatchSampler:
         with self._lock:
             plans = {int(e): s.copy() for e, s in self._scores.items()}
         return {"sampler": self.name, "seed": self.seed, "prune_ratio": self.prune_ratio,
-                "anneal": self.anneal, "epochs": self.epochs, "tables": tables,
+                "anneal": self.anneal, "epochs": self.epochs,
+                "samples_per_epoch": self.samples_per_epoch, "prior": self.prior is not None,
+                "tables": tables,
                 "plan_scores": plans, "set_aside": self._set_aside.copy()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -321,9 +408,12 @@ class InfoBatchSampler:
             msg = (f"state was saved by a {state.get('sampler')!r} sampler; this pipeline uses "
                    f"{self.name!r}")
             raise ConfigError(msg)
-        saved = {k: state.get(k) for k in ("seed", "prune_ratio", "anneal", "epochs")}
+        saved = {k: state.get(k) for k in ("seed", "prune_ratio", "anneal", "epochs",
+                                            "samples_per_epoch")}
+        saved["prior"] = bool(state.get("prior", False))
         own = {"seed": self.seed, "prune_ratio": self.prune_ratio, "anneal": self.anneal,
-               "epochs": self.epochs}
+               "epochs": self.epochs, "samples_per_epoch": self.samples_per_epoch,
+               "prior": self.prior is not None}
         if saved != own:
             msg = (f"state was saved with InfoBatchSampler{saved}, this pipeline has {own}; "
                    f"build the sampler with the saved settings")

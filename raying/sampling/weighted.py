@@ -79,6 +79,25 @@ def static_probabilities(labels: np.ndarray, *, weights: Any = None,
     return w / total
 
 
+def draw_units(manifest: Any, epoch: int, ids: np.ndarray, rng: np.random.Generator,
+               block_rows: int) -> list[ReadUnit]:
+    """Read units of about ``block_rows`` for ids drawn in random order (repeats allowed).
+
+    For Parquet the ids are sorted first, so a unit's ids are neighbours and read few row
+    groups; the units' order and the rows inside each unit are then shuffled.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if manifest.format != "parquet":
+        return chunk_units(epoch, ids, block_rows)
+    units = chunk_units(epoch, np.sort(ids), block_rows)
+    order = rng.permutation(len(units))
+    units = [units[j] for j in order]
+    for index, u in enumerate(units):
+        u.index = index
+        u.ids = rng.permutation(np.asarray(u.ids))
+    return units
+
+
 class WeightedSampler:
     """Draws each epoch's ids in proportion to static weights, like torch's WeightedRandomSampler.
 
@@ -155,17 +174,7 @@ class WeightedSampler:
         k = self.samples_per_epoch or n
         rng = np.random.default_rng([self.seed, int(epoch), _PLAN_STREAM])
         ids = rng.choice(n, size=k, replace=True, p=probs).astype(np.int64)
-        if manifest.format == "parquet":
-            # Units of nearby ids read few row groups; their order and rows are shuffled.
-            ids.sort()
-            units = chunk_units(epoch, ids, block_rows)
-            order = rng.permutation(len(units))
-            units = [units[j] for j in order]
-            for index, u in enumerate(units):
-                u.index = index
-                u.ids = rng.permutation(np.asarray(u.ids))
-        else:
-            units = chunk_units(epoch, ids, block_rows)
+        units = draw_units(manifest, epoch, ids, rng, block_rows)
         positive = probs[probs > 0]
         low = float(positive.min())
         for u in units:

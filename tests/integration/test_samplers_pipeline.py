@@ -172,3 +172,47 @@ def _report(pipe, losses):
     pipe.report(np.arange(losses.size), losses)
     pipe.sampler.flush()
     store.flush(pipe.sampler.handle)
+
+
+def test_infobatch_under_a_class_balanced_prior_through_the_pipeline(tmp_path, ray_local):
+    """Epoch 0 draws the classes equally (no losses yet: no pruning); after skewed losses,
+    each below-mean draw is kept with probability 1 - r and reweighted, and the weighted
+    class totals stay balanced."""
+    m = raying.Manifest.scan(str(_folder(tmp_path / "imbi", [30, 600])))  # 1:20
+    r = 0.5
+    sampler = raying.InfoBatchSampler(prune_ratio=r, epochs=None, seed=6,
+                                      prior=raying.WeightedSampler(class_balanced=True))
+    pipe = _pipe(m, sampler, "ib-prior")
+    q = np.where(m.labels == 0, 0.5 / 30, 0.5 / 600)
+    try:
+        first = [b for b in pipe.iter_batches(batch_size=90, epoch=0)]
+        labels = np.concatenate([b["label"] for b in first])
+        assert labels.size == len(m)
+        counts = np.bincount(labels, minlength=2)
+        expected = np.full(2, labels.size / 2)
+        assert chi2_sf(float(np.sum((counts - expected) ** 2 / expected)), 1) > 1e-3, counts
+        assert all(np.all(b["weight"] == 1.0) and np.allclose(b["prob"], q[b["id"]])
+                   for b in first)
+        # Class 0 hard (loss 4), class 1 easy (loss 1): the prior-weighted mean is 2.5, so
+        # every class-1 draw is pruned with probability r.
+        _report(pipe, np.where(m.labels == 0, 4.0, 1.0))
+        kept = np.zeros(2)
+        weighted = np.zeros(2)
+        epochs = 6
+        for epoch in range(1, 1 + epochs):
+            for b in pipe.iter_batches(batch_size=90, epoch=epoch):
+                easy = b["label"] == 1
+                assert np.allclose(b["prob"], q[b["id"]] * np.where(easy, 1 - r, 1.0))
+                assert np.array_equal(b["weight"], np.where(easy, 1 / (1 - r), 1.0))
+                kept += np.bincount(b["label"], minlength=2)
+                weighted += np.bincount(b["label"], weights=b["weight"], minlength=2)
+        per_epoch = pipe.stats()["sampling"]["per_epoch"]
+    finally:
+        pipe.close()
+    # Per epoch, hard reads ~ Bin(630, 1/2) (all kept) and easy reads ~ Bin(630, (1 - r) / 2)
+    # (a draw is easy with probability 1/2, then kept with 1 - r): z-scores over 6 epochs.
+    for got, p in ((kept[0], 0.5), (kept[1], 0.5 * (1 - r))):
+        mean, var = epochs * len(m) * p, epochs * len(m) * p * (1 - p)
+        assert abs(got - mean) < 4 * np.sqrt(var), (kept, mean, var)
+    assert abs(weighted[1] / weighted[0] - 1.0) < 0.1, weighted
+    assert per_epoch[-1]["candidates"] == len(m) and per_epoch[-1]["pruned_share"] > 0.1

@@ -160,6 +160,8 @@ def test_set_aside_ids_leave_later_plans():
     ({"anneal": 0.0}, r"anneal=...\) must be in \(0, 1\], got 0.0"),
     ({"epochs": 0}, r"epochs=...\) must be an integer >= 1 or None, got 0"),
     ({"seed": -1}, r"seed=...\) must be a non-negative int, got -1"),
+    ({"samples_per_epoch": 100}, r"samples_per_epoch=100\) needs a prior"),
+    ({"samples_per_epoch": 0, "prior": {0: 2.0}}, r"samples_per_epoch=0\) needs a prior and"),
 ])
 def test_bad_settings_are_refused(kwargs, match):
     with pytest.raises(raying.ConfigError, match=match):
@@ -185,3 +187,96 @@ def test_the_sampler_implements_the_protocol():
     s = raying.InfoBatchSampler(epochs=3)
     assert isinstance(s, Sampler)
     assert (s.lazy, s.uses_store, s.samples_per_epoch) == (False, True, None)
+
+
+# -- a static prior under the pruning --------------------------------------------------------
+
+def _imbalanced(seed: int = 0):
+    """1:20 classes (10 / 50 / 200 samples) and skewed scores."""
+    labels = np.repeat([0, 1, 2], [10, 50, 200])
+    return FakeManifest(labels), _scores(labels.size, seed)
+
+
+def test_a_prior_draws_in_proportion_and_prunes_each_below_mean_draw():
+    m, scores = _imbalanced()
+    n, r, k = len(m), 0.5, 300
+    s = raying.InfoBatchSampler(prune_ratio=r, epochs=None, seed=3, samples_per_epoch=k,
+                                prior=raying.WeightedSampler(class_balanced=True))
+    q = np.repeat([1 / 30, 1 / 150, 1 / 600], [10, 50, 200])
+    assert np.allclose(s.prior_probabilities(m), q)
+    mean = float(q @ scores)  # the expected score of one draw, the prior's mean
+    low = scores < mean
+    epochs = 400
+    counts = np.zeros(n)
+    kept_total = 0
+    for e in range(epochs):
+        plan = s.plan_from_scores(m, e, scores, block_rows=64)
+        ids = _plan_ids(plan)
+        counts += np.bincount(ids, minlength=n)
+        kept_total += ids.size
+        probs = np.concatenate([u.probs for u in plan.units])
+        weights = np.concatenate([u.weights for u in plan.units])
+        assert np.allclose(probs, q[ids] * np.where(low[ids], 1 - r, 1.0))
+        assert np.array_equal(weights, np.where(low[ids], 1 / (1 - r), 1.0).astype(np.float32))
+        assert all(u.num_rows <= 64 for u in plan.units)
+    # Each id's reads per epoch follow k * q_i * keep_i: chi-square over the ids.
+    expected = epochs * k * q * np.where(low, 1 - r, 1.0)
+    chi2 = float(np.sum((counts - expected) ** 2 / expected))
+    assert chi2_sf(chi2, n - 1) > 1e-3, chi2
+    # Classes are drawn equally before pruning: the weighted counts per class are equal.
+    weighted = counts * np.where(low, 1 / (1 - r), 1.0)
+    per_class = np.bincount(m.labels, weights=weighted) / (epochs * k)
+    assert np.allclose(per_class, 1 / 3, atol=0.02), per_class
+    stats = s.stats()["per_epoch"][-1]
+    assert stats["candidates"] == k and stats["planned"] == ids.size
+    assert low.any() and kept_total < epochs * k
+
+
+def test_a_priors_epoch_is_unbiased_for_the_priors_full_epoch():
+    m, scores = _imbalanced(seed=1)
+    losses = np.random.default_rng(4).random(len(m))
+    s = raying.InfoBatchSampler(prune_ratio=0.7, epochs=None, seed=8,
+                                prior={"class_00": 20.0, "class_01": 4.0})
+    w = np.repeat([20.0, 4.0, 1.0], [10, 50, 200])
+    q = w / w.sum()
+    k = len(m)
+    totals = []
+    for e in range(3000):
+        plan = s.plan_from_scores(m, e, scores, block_rows=64)
+        totals.append(sum(float(np.sum(u.weights * losses[u.ids])) for u in plan.units))
+    totals = np.asarray(totals)
+    se = totals.std() / np.sqrt(totals.size)
+    assert abs(totals.mean() - k * float(q @ losses)) < 4 * se, (totals.mean(), k * q @ losses)
+
+
+def test_with_a_prior_the_first_and_annealed_epochs_keep_every_draw():
+    m, scores = _imbalanced()
+    s = raying.InfoBatchSampler(prune_ratio=0.5, anneal=0.5, epochs=4, seed=0,
+                                prior=[1.0] * len(m))
+    for epoch, scored in ((2, scores), (3, scores), (0, np.ones(len(m)))):
+        plan = s.plan_from_scores(m, epoch, scored, block_rows=50)
+        assert _plan_ids(plan).size == len(m)
+        assert all(np.all(u.weights == 1.0) for u in plan.units)
+    assert _plan_ids(s.plan_from_scores(m, 1, scores, block_rows=50)).size < len(m)
+    # Parquet: units of neighbouring ids, every draw present.
+    pm = FakeManifest(m.labels, fmt="parquet", group_rows=16)
+    plan = s.plan_from_scores(pm, 3, scores, block_rows=32)
+    assert _plan_ids(plan).size == len(m)
+    assert all(np.ptp(u.ids) < 64 for u in plan.units)
+
+
+def test_a_prior_that_names_an_unknown_class_or_has_the_wrong_length_is_refused():
+    m, scores = _imbalanced()
+    with pytest.raises(raying.ConfigError, match="names class 'cat'"):
+        raying.InfoBatchSampler(prior={"cat": 2.0}).plan_from_scores(m, 1, scores,
+                                                                     block_rows=8)
+    with pytest.raises(raying.ConfigError):
+        raying.InfoBatchSampler(prior=[1.0, 2.0]).plan_from_scores(m, 1, scores, block_rows=8)
+
+
+def test_a_state_saved_with_a_prior_is_refused_without_one():
+    state = raying.InfoBatchSampler(epochs=4, prior={0: 2.0}).state_dict()
+    assert state["prior"] is True
+    with pytest.raises(raying.ConfigError, match="'prior': True"):
+        raying.InfoBatchSampler(epochs=4).load_state_dict(state)
+    raying.InfoBatchSampler(epochs=4, prior={0: 3.0}).load_state_dict(state)

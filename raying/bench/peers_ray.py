@@ -194,6 +194,17 @@ class _RayingLoader:
         self.pipe.close()
 
 
+def import_raying() -> None:
+    """Load the raying names a peer builds its loader from. ``import raying`` loads them on
+    first use; the peers' frameworks (torch, tensorflow) are imported before any timing, so
+    raying's are too, rather than inside the first cell's time to first batch."""
+    import raying
+
+    for name in ("Manifest", "Pipeline", "PipelineConfig", "ImageTransform",
+                 "PrioritizedSampler", "UniformSampler"):
+        getattr(raying, name)
+
+
 class RayingPeer:
     """raying.Pipeline with default settings (uniform), prioritized with live updates on W5."""
 
@@ -203,6 +214,7 @@ class RayingPeer:
     def start(self, cores: int) -> dict[str, Any]:
         from raying.engine.ray_setup import default_object_store_bytes
 
+        import_raying()
         return _start_ray(cores, default_object_store_bytes(cores))
 
     def open(self, wl: Workload, *, batch_size: int, cores: int, seed: int) -> _RayingLoader:

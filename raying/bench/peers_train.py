@@ -214,9 +214,10 @@ class RayingTrainPeer:
     """raying with default settings, read by 2 Ray Train workers through raying.train."""
 
     def start(self, cores: int) -> dict[str, Any]:
-        from raying.bench.peers_ray import _start_ray
+        from raying.bench.peers_ray import _start_ray, import_raying
         from raying.engine.ray_setup import default_object_store_bytes
 
+        import_raying()
         return _start_ray(cores, default_object_store_bytes(cores),
                           resources={TRAINER_SLOT: TRAIN_WORKERS})
 

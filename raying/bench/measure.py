@@ -120,11 +120,17 @@ class TreeWatch:
         self._thread.join(timeout=5)
 
     def mark(self, name: str) -> None:
-        """Record the tree's CPU seconds now under ``name`` (new processes looked up first)."""
+        """Record the tree's CPU seconds now under ``name`` (new processes looked up first),
+        and read the memory of the phase in force: the end of a phase is often its fullest
+        moment (Ray's workers, prestarted as ``ray.init`` returns, are found here rather than
+        up to a discovery interval later, when the start phase is over)."""
         with self._lock:
             self._discover_locked()
             self._read_cpu_locked()
             self.marks[name] = (time.monotonic(), self._total_locked())
+            reading = self._phase is not None
+        if reading:
+            self._read_pss()
 
     def phase(self, name: str | None) -> None:
         """Attribute PSS samples from now on to ``name`` (None: to no phase)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -288,7 +289,8 @@ def part_pruning(data: Path, seeds: list[int], say: Any) -> dict[str, Any]:
             "sampler": {"prune_ratio": 0.5, "anneal": 0.875}, "per_seed": rows}
 
 
-def part_noise(data: Path, seeds: list[int], say: Any) -> dict[str, Any]:
+def part_noise(data: Path, seeds: list[int], say: Any,
+               guard_table: dict[str, Any] | None = None) -> dict[str, Any]:
     import raying
 
     spec = NOISE_TASK
@@ -304,7 +306,8 @@ def part_noise(data: Path, seeds: list[int], say: Any) -> dict[str, Any]:
         for seed in seeds:
             for arm, guard in arms.items():
                 sampler = raying.UniformSampler(seed=seed) if guard is None else \
-                    raying.PrioritizedSampler(**PRIORITIZED, seed=seed, guard=guard)
+                    raying.PrioritizedSampler(**PRIORITIZED, seed=seed, guard=guard,
+                                              table=guard_table if guard else None)
                 run = train(manifest, sampler, (x_test, y_test), arm=arm, seed=seed,
                             classes=spec.classes, max_steps=NOISE_MAX_STEPS,
                             target=NOISE_TARGET, name=f"study-noise-{labels}-{arm}-{seed}")
@@ -502,6 +505,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="pruning,noise,balanced")
     p.add_argument("--out", default=DEFAULT_OUT, help="folder for summary.json and samplers.png")
     p.add_argument("--data", default=None, help="cache folder of the generated images")
+    p.add_argument("--guard-after", type=int, default=None,
+                   help="the guarded arm's guard_after (default: the sampler's)")
+    p.add_argument("--guard-quantile", type=float, default=None,
+                   help="the guarded arm's guard_quantile (default: the sampler's)")
     args = p.parse_args(argv)
     from raying.engine.ray_setup import ensure_ray
 
@@ -516,7 +523,11 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     ensure_ray()
-    funcs = {"pruning": part_pruning, "noise": part_noise, "balanced": part_balanced}
+    guard_table = {k: v for k, v in (("guard_after", args.guard_after),
+                                     ("guard_quantile", args.guard_quantile)) if v is not None}
+    funcs = {"pruning": part_pruning,
+             "noise": functools.partial(part_noise, guard_table=guard_table or None),
+             "balanced": part_balanced}
     summary: dict[str, Any] = {"seeds": seeds, "parts": {}}
     for part in parts:
         summary["parts"][part] = funcs[part](data, seeds, say)

@@ -46,7 +46,7 @@ class PrioritizedSampler:
         samples_per_epoch: draws per epoch; default the dataset size.
         rows_per_group: Parquet rows drawn per chosen row group (1 = flat draws).
         guard: the noisy-label guard (off by default): a sample whose last ``guard_after``
-            (default 3) reported losses were all in the top quarter of priorities and did not
+            (default 6) reported losses were all in the top quarter of priorities and did not
             fall by a fifth is drawn at the median priority until its loss falls (a
             mislabelled sample never stops being "hard"; a learnable one's loss falls as it
             is drawn; see PriorityTable). In the sampler study (docs/concepts.md) it cost

@@ -95,7 +95,7 @@ def test_states_saved_without_the_guard_load():
 
 
 @pytest.mark.parametrize(("kw", "match"), [
-    ({"guard_after": 0}, r"guard_after must be an integer >= 1 .* got 0; pass e.g. guard_after=3"),
+    ({"guard_after": 0}, r"guard_after must be an integer >= 1 .* got 0; pass e.g. guard_after=6"),
     ({"guard_quantile": 1.5}, r"guard_quantile must be a finite number > 0.0 and <= 1.0"),
 ])
 def test_bad_guard_settings_are_refused(kw, match):

@@ -74,7 +74,7 @@ DEFAULT_AGE_RATE = 0.05
 # priority. The quantile is below 0.9 so that a noise rate of 20 % is still caught. Six
 # reports rather than three let a hard but learnable sample show progress first: in the
 # sampler study's noise part the guarded steps to target stayed within 0.1 of the clean run's
-# on 5 seeds of 6 (two runs) with 6, on 1 of 3 with 3 in the same session.
+# on 8 seeds of 9 (three runs) with 6, on 1 of 3 with 3 in the same session.
 # InfoBatch stores track the same streaks for their statistics.
 DEFAULT_GUARD_AFTER = 6
 DEFAULT_GUARD_QUANTILE = 0.75

@@ -170,8 +170,10 @@ class InfoBatchSampler:
 
     def __getstate__(self) -> dict[str, Any]:
         # Copies travel to Ray Data read tasks: units are complete, nothing of this is needed.
+        # The prior's probabilities are dropped too (N floats); a copy that plans (a Train
+        # worker) recomputes them from ``prior`` and the manifest's labels.
         state = dict(self.__dict__)
-        state.update(_reporter=None, _lock=None, _scores={})
+        state.update(_reporter=None, _lock=None, _scores={}, _prior_q=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

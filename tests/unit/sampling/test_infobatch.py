@@ -280,3 +280,15 @@ def test_a_state_saved_with_a_prior_is_refused_without_one():
     with pytest.raises(raying.ConfigError, match="'prior': True"):
         raying.InfoBatchSampler(epochs=4).load_state_dict(state)
     raying.InfoBatchSampler(epochs=4, prior={0: 3.0}).load_state_dict(state)
+
+
+def test_a_copy_leaves_the_priors_probabilities_behind_and_recomputes_them():
+    import pickle
+
+    m, scores = _imbalanced()
+    s = raying.InfoBatchSampler(epochs=None, seed=2, prior={0: 5.0})
+    plan = s.plan_from_scores(m, 1, scores, block_rows=64)
+    copy = pickle.loads(pickle.dumps(s))
+    assert copy._prior_q is None and copy.prior == {0: 5.0}
+    again = copy.plan_from_scores(m, 1, scores, block_rows=64)
+    assert np.array_equal(_plan_ids(again), _plan_ids(plan))

@@ -47,10 +47,10 @@ class PrioritizedSampler:
         rows_per_group: Parquet rows drawn per chosen row group (1 = flat draws).
         guard: the noisy-label guard (off by default): a sample whose last ``guard_after``
             (default 6) reported losses were all in the top quarter of priorities and did not
-            fall by a fifth is drawn at the median priority until its loss falls (a
-            mislabelled sample never stops being "hard"; a learnable one's loss falls as it
-            is drawn; see PriorityTable). In the sampler study (docs/concepts.md) it cost
-            nothing on clean labels and kept most of the rare-mode speed-up under 20 % label
+            fall by a fifth is drawn at the median priority until a loss falls out of that top
+            quarter (a mislabelled sample never stops being "hard"; a learnable one's loss
+            falls as it is drawn; see PriorityTable). In the sampler study (docs/concepts.md)
+            it cost nothing on clean labels and kept the rare-mode speed-up under 20 % label
             noise. It stays off by default because on the demo's clean data, whose rare
             classes take many draws before their losses fall, it held them down like flipped
             labels (one seed: 300 steps to target against 220, rare-class accuracy 76.7 %

@@ -58,9 +58,11 @@ class PriorityTable:
       of the streak's first loss; one that has is progress and starts a new streak from it.
       A row with ``k`` or more such reports in a row is *persistently high-loss*: it is drawn
       as if its priority were at most the median priority, until a report falls below the
-      threshold or shows progress. A learnable hard sample's loss falls as it is drawn; a
-      mislabelled one's stays high, and without the guard it would keep a large share of the
-      draws. The median, not the mean: under label noise the mean is inflated by the noisy
+      threshold. Progress keeps a row from being held, but does not release a held one: a
+      mislabelled sample the model starts to memorise shows falling losses too, and drawing
+      it at its own priority then would speed the memorising up. A learnable hard sample's
+      loss falls as it is drawn; a mislabelled one's stays high, and without the guard it
+      would keep a large share of the draws. The median, not the mean: under label noise the mean is inflated by the noisy
       rows' own losses, and holding them there would still draw them several times as often
       as a typical sample.
     * Importance weights ``w = (n * P)**-beta / max_j (n * P_j)**-beta``: the maximum is taken
@@ -179,7 +181,8 @@ class PriorityTable:
             high = values >= self._guard_threshold
             cur, ref = self._streak[ids], self._streak_ref[ids]
             progress = (cur > 0) & (values < ref * (1.0 - DEFAULT_GUARD_DECLINE))
-            streak = np.where(high, np.where(progress, 1, cur + 1), 0)
+            held = cur >= self.config.guard_after  # released only by a report below the threshold
+            streak = np.where(high, np.where(progress & ~held, 1, cur + 1), 0)
             self._streak[ids] = streak
             self._streak_ref[ids] = np.where(streak == 1, values, ref)
         leaves = self._leaf_values(values, ids)

@@ -59,6 +59,26 @@ def test_a_high_loss_that_keeps_falling_is_progress_not_a_streak():
     assert u.guarded()[8]
 
 
+def test_a_held_row_stays_held_while_high_even_as_its_loss_falls():
+    """Progress keeps a row from being held, not a held row from staying held: a flipped
+    label being memorised shows falling losses too. Only a report below the threshold
+    releases it."""
+    from raying.options import DEFAULT_GUARD_DECLINE
+
+    t = _table()
+    for _ in range(3):
+        t.update([8], [20.0])
+    assert t.guarded()[8]
+    loss = 20.0
+    for _ in range(3):
+        loss *= (1.0 - DEFAULT_GUARD_DECLINE) * 0.9  # progress, still above the threshold
+        assert loss > t.guard_summary()["threshold"]
+        t.update([8], [loss])
+        assert t.guarded()[8]
+    t.update([8], [1.0])
+    assert not t.guarded()[8]
+
+
 def test_the_guard_changes_nothing_before_its_first_refresh_or_when_off():
     t = PriorityTable(4, guard_after=1)
     t.update([0], [5.0])

@@ -208,14 +208,9 @@ class InfoBatchSampler:
             return None
         if self._prior_q is not None and self._prior_q.size == len(manifest):
             return self._prior_q
-        from raying.sampling.weighted import WeightedSampler, static_probabilities
+        from raying.sampling.weighted import prior_probabilities
 
-        weights, balanced = self.prior, False
-        if isinstance(self.prior, WeightedSampler):
-            weights, balanced = self.prior.weights, self.prior.class_balanced
-        self._prior_q = static_probabilities(manifest.labels, weights=weights,
-                                             class_balanced=balanced,
-                                             classes=getattr(manifest, "classes", None))
+        self._prior_q = prior_probabilities(self.prior, manifest)
         return self._prior_q
 
     # -- plans ---------------------------------------------------------------------------------

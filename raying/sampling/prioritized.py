@@ -171,13 +171,9 @@ class PrioritizedSampler:
         """The prior resolved against the dataset's labels (validated here), or None."""
         if self.prior is None:
             return None
-        from raying.sampling.weighted import WeightedSampler, static_probabilities
+        from raying.sampling.weighted import prior_probabilities
 
-        weights, balanced = self.prior, False
-        if isinstance(self.prior, WeightedSampler):
-            weights, balanced = self.prior.weights, self.prior.class_balanced
-        return static_probabilities(manifest.labels, weights=weights, class_balanced=balanced,
-                                    classes=getattr(manifest, "classes", None))
+        return prior_probabilities(self.prior, manifest)
 
     # -- plans ---------------------------------------------------------------------------------
     def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:

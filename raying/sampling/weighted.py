@@ -79,6 +79,17 @@ def static_probabilities(labels: np.ndarray, *, weights: Any = None,
     return w / total
 
 
+def prior_probabilities(prior: Any, manifest: Any) -> np.ndarray:
+    """A loss-driven sampler's ``prior`` resolved against the dataset's labels: a
+    ``WeightedSampler`` (its ``weights`` and ``class_balanced``), one weight per sample, or a
+    mapping ``{class: weight}``; validated as :func:`static_probabilities` does."""
+    weights, balanced = prior, False
+    if isinstance(prior, WeightedSampler):
+        weights, balanced = prior.weights, prior.class_balanced
+    return static_probabilities(manifest.labels, weights=weights, class_balanced=balanced,
+                                classes=getattr(manifest, "classes", None))
+
+
 def draw_units(manifest: Any, epoch: int, ids: np.ndarray, rng: np.random.Generator,
                block_rows: int) -> list[ReadUnit]:
     """Read units of about ``block_rows`` for ids drawn in random order (repeats allowed).

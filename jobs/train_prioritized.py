@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=1.0, help="priority exponent")
     p.add_argument("--beta", type=float, default=0.0, help="importance-weight exponent")
     p.add_argument("--uniform-mix", type=float, default=0.1, help="uniform share of draws")
+    p.add_argument("--guard", action="store_true",
+                   help="turn on the prioritized sampler's noisy-label guard")
     p.add_argument("--arms", default="uniform,prioritized", help="comma list of arms to run")
     p.add_argument("--common-per-class", type=_common.positive, default=None,
                    help="training images per common class (default: the demo's)")
@@ -148,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     val = load_eval_set(raying.Manifest.scan(str(data.val)), size=spec.size)
     results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in args.arms}
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-    prio = {"alpha": args.alpha, "beta": args.beta, "uniform_mix": args.uniform_mix}
+    prio = {"alpha": args.alpha, "beta": args.beta, "uniform_mix": args.uniform_mix,
+            "guard": args.guard}
     for seed in seeds:
         for arm in args.arms:
             cfg = ArmConfig(arm=arm, seed=seed, max_steps=args.max_steps,

@@ -35,6 +35,7 @@ class ArmConfig:
         alpha: priority exponent (prioritized).
         beta: importance-weight exponent (prioritized); 0 trains on the drawn mix as is.
         uniform_mix: uniform share of draws (prioritized).
+        guard: the noisy-label guard of the prioritized sampler (``PrioritizedSampler(guard=)``).
         block_rows: images per read task.
         size: image size the transform outputs.
         crop_scale: the training crop's area range (random-resized-crop).
@@ -55,6 +56,7 @@ class ArmConfig:
     alpha: float = 1.0
     beta: float = 0.0
     uniform_mix: float = 0.1
+    guard: bool = False
     block_rows: int = 128
     size: int = 32
     crop_scale: tuple[float, float] = (0.6, 1.0)
@@ -196,7 +198,8 @@ def train_arm(train_manifest: Any, val: tuple[Any, Any], cfg: ArmConfig, *,
                                       scale=cfg.crop_scale)
     if cfg.arm == "prioritized":
         sampler: Any = raying.PrioritizedSampler(alpha=cfg.alpha, beta=cfg.beta,
-                                                 uniform_mix=cfg.uniform_mix, seed=cfg.seed)
+                                                 uniform_mix=cfg.uniform_mix, seed=cfg.seed,
+                                                 guard=cfg.guard)
     else:
         sampler = raying.UniformSampler(seed=cfg.seed)
     pipe = raying.Pipeline(train_manifest, transform=transform, sampler=sampler,

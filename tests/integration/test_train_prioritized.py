@@ -24,7 +24,8 @@ def test_smoke_test_prints_a_json_summary(tmp_path):
     summary = _common.find_summary(proc.stdout)
     assert summary["job"] == "train_prioritized" and summary["smoke_test"] is True
     assert summary["seeds"] == [0] and summary["max_steps"] == 30
-    assert summary["prioritized"] == {"alpha": 1.0, "beta": 0.0, "uniform_mix": 0.1}
+    assert summary["prioritized"] == {"alpha": 1.0, "beta": 0.0, "uniform_mix": 0.1,
+                                      "guard": False}
     for arm in ("uniform", "prioritized"):
         a = summary["arms"][arm]
         assert a["steps"] == [30]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import struct
 import zlib
+from collections.abc import Callable
 
 import cv2
 import numpy as np
@@ -163,8 +164,10 @@ def jpeg_scale_eighths(height: int, width: int, min_height: int, min_width: int)
     return 8
 
 
-def decode_jpeg_stored(buf: memoryview, height: int, width: int, eighths: int = 8) -> np.ndarray:
-    """Decode a JPEG at ``eighths``/8 of its stored size, before orientation.
+def decode_jpeg_stored(buf: memoryview, height: int, width: int, eighths: int = 8,
+                       out: np.ndarray | None = None) -> np.ndarray:
+    """Decode a JPEG at ``eighths``/8 of its stored size, before orientation (into ``out``,
+    a writable uint8 array of that size and 3 channels, when given).
 
     Strict: data that ends early raises ``truncated`` (libjpeg would pad it with grey), and
     libjpeg's "Corrupt JPEG data" warnings raise ``corrupt``, except extraneous bytes between
@@ -174,7 +177,7 @@ def decode_jpeg_stored(buf: memoryview, height: int, width: int, eighths: int = 
     scaled_w = -(-width * eighths // 8)
     try:
         return simplejpeg.decode_jpeg(buf, "RGB", min_height=scaled_h, min_width=scaled_w,
-                                      strict=True)
+                                      buffer=out, strict=True)
     except ValueError as exc:
         text = str(exc)
         if _is_truncation(exc):
@@ -183,7 +186,7 @@ def decode_jpeg_stored(buf: memoryview, height: int, width: int, eighths: int = 
             raise DecodeError("corrupt", f"JPEG: {text}") from None
     try:
         return simplejpeg.decode_jpeg(buf, "RGB", min_height=scaled_h, min_width=scaled_w,
-                                      strict=False)
+                                      buffer=out, strict=False)
     except ValueError as exc:
         raise DecodeError("corrupt", f"JPEG: {exc}") from None
 
@@ -362,6 +365,25 @@ def decode_image(data, *, max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
     eighths = jpeg_scale_eighths(height, width, min_height, min_width)
     arr = decode_jpeg_stored(buf, height, width, eighths)
     return _exif.apply_orientation(arr, orientation)
+
+
+def decode_image_to(data, alloc: Callable[[tuple[int, int, int]], np.ndarray], *,
+                    max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[np.ndarray, bool]:
+    """:func:`decode_image` at full size, decoded straight into ``alloc((h, w, 3))`` where
+    the decoder can write the final pixels there (an upright JPEG libjpeg-turbo decodes).
+
+    Returns ``(image, placed)``: ``placed`` says the image is the array ``alloc`` returned;
+    otherwise (other formats, EXIF-turned JPEGs) it is a fresh array and ``alloc`` was not
+    called. Raises what :func:`decode_image` raises.
+    """
+    check_max_pixels(max_pixels)
+    buf = start_buffer(data)
+    header = jpeg_header(buf, max_pixels)
+    if header is None or header[2] != 1:
+        return decode_image(buf, max_pixels=max_pixels), False
+    height, width, _ = header
+    dst = alloc((height, width, 3))
+    return decode_jpeg_stored(buf, height, width, 8, out=dst), True
 
 
 def image_size(data) -> tuple[int, int]:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError, DecodeError
-from raying.read.cache.arrays import decode_array, encode_array
+from raying.read.cache.arrays import decode_array, encode_array, new_array_payload
 from raying.read.cache.pids import alive as pid_alive
 
 # Share of the node's available memory (and of free tmpfs) the auto budget may take.
@@ -404,15 +404,34 @@ class DecodedCache:
                     out[k] = decode_array(g)
         return out
 
-    def put(self, ids: list[int], arrays: list[np.ndarray]) -> None:
+    def admits(self, sample_id: int) -> bool:
+        """Whether ``sample_id`` is in the admitted subset (the only ids cached)."""
+        return bool(admitted(np.array([sample_id], dtype=np.int64), self.admit)[0])
+
+    def put(self, ids: list[int], arrays: list[np.ndarray],
+            payloads: list[np.ndarray | None] | None = None) -> None:
         """Offer freshly decoded pixels of the admitted subset; dropped once the pipeline
-        was released."""
+        was released. ``payloads[k]``, when given and not None, is ``arrays[k]`` already laid
+        out as a cache entry (:func:`new_array_payload`), so it is offered without a copy."""
         if released(self.directory):
             return
         keep = np.flatnonzero(admitted(np.asarray(ids, dtype=np.int64), self.admit))
         if keep.size:
+            bodies = [payloads[k] if payloads is not None and payloads[k] is not None
+                      else encode_array(arrays[k]) for k in keep]
             self._tier.put_many([str(int(ids[k])) for k in keep],
-                                [memoryview(encode_array(arrays[k])) for k in keep])
+                                [memoryview(b).cast("B") for b in bodies])
+
+
+class _PayloadAlloc:
+    """The ``alloc`` of :func:`raying.image.decode.decode_image_to`: a cache entry's payload
+    with its pixels still to be written, kept for the offer."""
+
+    payload: np.ndarray | None = None
+
+    def __call__(self, shape: tuple[int, int, int]) -> np.ndarray:
+        self.payload, view = new_array_payload(shape)
+        return view
 
 
 def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
@@ -427,7 +446,7 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
 
     Returns ``(arrays, io_account, bytes_read)``; misses that decode are offered to the cache.
     """
-    from raying.image.decode import decode_image
+    from raying.image.decode import decode_image, decode_image_to
 
     cache = DecodedCache.of(spec)
     arrays: list[Any] = cache.get(ids) if cache is not None else [None] * len(ids)
@@ -439,7 +458,7 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
         datas, io_account = fetch(miss)
         for key, value in io_account.items():
             account[key] = account.get(key, 0) + value
-        fresh_ids, fresh = [], []
+        fresh_ids, fresh, payloads = [], [], []
         for k, data in zip(miss, datas, strict=True):
             if data is None or isinstance(data, BaseException):
                 reason = "missing" if data is None else "read_error"
@@ -447,8 +466,15 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
                 arrays[k] = DecodeError(reason, detail, path=where[k], sample_id=int(ids[k]))
                 continue
             nbytes += len(data)
+            payload = None
             try:
-                arr = decode_image(data, max_pixels=spec.max_pixels)
+                if cache is not None and cache.admits(int(ids[k])):
+                    # Decoded straight into the cache entry's bytes: no copy to offer it.
+                    alloc = _PayloadAlloc()
+                    arr, placed = decode_image_to(data, alloc, max_pixels=spec.max_pixels)
+                    payload = alloc.payload if placed else None
+                else:
+                    arr = decode_image(data, max_pixels=spec.max_pixels)
             except DecodeError as exc:
                 arrays[k] = DecodeError(exc.reason, exc.detail, path=where[k],
                                         sample_id=int(ids[k]))
@@ -456,8 +482,9 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
             arrays[k] = arr
             fresh_ids.append(int(ids[k]))
             fresh.append(arr)
+            payloads.append(payload)
         if fresh and cache is not None:
-            cache.put(fresh_ids, fresh)
+            cache.put(fresh_ids, fresh, payloads)
     return arrays, account, nbytes
 
 

@@ -24,6 +24,21 @@ def encode_array(arr: np.ndarray) -> bytearray:
     return out
 
 
+def new_array_payload(shape: tuple[int, ...], dtype: np.dtype | str = np.uint8
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """An :func:`encode_array` payload whose pixels are still to be written, and the array
+    view of them: a decoder that writes into the view leaves the payload ready, without the
+    copy (and the zeroed pages) of encoding a decoded array."""
+    dtype = np.dtype(dtype)
+    head = json.dumps({"dtype": dtype.str, "shape": list(shape)}).encode()
+    lead = _ARRAY_HEAD.pack(_ARRAY_MAGIC, len(head)) + head
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    payload = np.empty(len(lead) + nbytes, dtype=np.uint8)  # pages touched by the writer
+    payload[:len(lead)] = np.frombuffer(lead, dtype=np.uint8)
+    view = payload[len(lead):].view(dtype).reshape(shape)
+    return payload, view
+
+
 def decode_array(data: bytes | memoryview) -> np.ndarray:
     """The array of :func:`encode_array` (a read-only view of ``data``)."""
     view = memoryview(data)

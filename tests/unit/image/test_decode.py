@@ -12,7 +12,7 @@ from PIL import Image, ImageFile, ImageOps
 
 from raying.errors import ConfigError, DecodeError
 from raying.image import exif as _exif
-from raying.image.decode import DECODE_ERROR_REASONS, decode_image, image_size
+from raying.image.decode import DECODE_ERROR_REASONS, decode_image, decode_image_to, image_size
 from raying.options import DEFAULT_MAX_IMAGE_PIXELS
 from tests.corpus.images import BOMB_SIDE, make_image_corpus, quadrant_mean
 
@@ -247,3 +247,45 @@ def test_extraneous_bytes_are_tolerated_but_corrupt_data_is_not(corpus):
     case = next(c for c in corpus.bad if c.kind == "corrupt_jpeg")
     with pytest.raises(DecodeError, match="^corrupt: JPEG"):
         decode_image(_read(corpus, case))
+
+
+def test_decode_image_to_writes_an_upright_jpeg_where_alloc_says():
+    from raying.read.cache.arrays import decode_array, new_array_payload
+
+    data = _jpeg(_gradient(30, 50))
+    held = {}
+
+    def alloc(shape):
+        held["payload"], view = new_array_payload(shape)
+        return view
+
+    img, placed = decode_image_to(data, alloc)
+    assert placed and img.shape == (30, 50, 3)
+    assert np.shares_memory(img, held["payload"])
+    assert np.array_equal(img, decode_image(data))
+    # The payload is a cache entry as encode_array would write it, pixels included.
+    assert np.array_equal(decode_array(memoryview(held["payload"])), decode_image(data))
+
+
+@pytest.mark.parametrize("kind", ["png", "exif6", "bad"])
+def test_decode_image_to_falls_back_without_calling_alloc(kind):
+    def alloc(shape):
+        raise AssertionError("alloc must not be called")
+
+    buf = io.BytesIO()
+    if kind == "png":
+        Image.fromarray(_gradient(20, 40)).save(buf, "PNG")
+    elif kind == "exif6":
+        exif = Image.Exif()
+        exif[0x0112] = 6
+        Image.fromarray(_gradient(20, 40)).save(buf, "JPEG", exif=exif.tobytes())
+    else:
+        buf.write(b"not an image at all")
+    data = buf.getvalue()
+    if kind == "bad":
+        with pytest.raises(DecodeError):
+            decode_image_to(data, alloc)
+        return
+    img, placed = decode_image_to(data, alloc)
+    assert not placed and np.array_equal(img, decode_image(data))
+    assert img.shape == ((40, 20, 3) if kind == "exif6" else (20, 40, 3))

@@ -79,7 +79,8 @@ def cmd_pack(ns: argparse.Namespace) -> int:
     res = pack(ns.src, ns.dst, decode_size=ns.decode_size, shard_rows=ns.shard_rows,
                row_group_rows=ns.row_group_rows, storage=_storage(ns),
                on_error=ns.on_error, verify=ns.verify, progress=not ns.json,
-               label=None if ns.label == "none" else "folder", overwrite=ns.overwrite)
+               label=None if ns.label == "none" else "folder", overwrite=ns.overwrite,
+               shuffle=not ns.no_shuffle, seed=ns.seed)
     out = res.summary()
     _print(out, ns.json)
     for s in res.skipped[:20]:
@@ -132,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'folder' (class subfolders) or 'none' (a flat, unlabelled folder)")
     k.add_argument("--overwrite", action="store_true",
                    help="delete Parquet files already in DST first (else they are refused)")
+    k.add_argument("--no-shuffle", action="store_true",
+                   help="keep the folder's order (default: rows in a random order, so that "
+                        "row groups, and batches, mix classes)")
+    k.add_argument("--seed", type=int, default=0, help="seed of the rows' random order")
     k.add_argument("--json", action="store_true", help="print JSON")
     _storage_args(k)
     k.set_defaults(func=cmd_pack)

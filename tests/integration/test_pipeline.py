@@ -87,6 +87,45 @@ def test_folder_epoch_every_id_once_with_label(image_folder, ray_local):
     pipe.close()
 
 
+def _source_ids(m) -> np.ndarray:
+    """The packed rows' source ids (the ``id`` column), in the manifest's id order."""
+    import pyarrow.parquet as pq
+
+    return np.concatenate([pq.read_table(os.path.join(m.root, f), columns=["id"])
+                           .column("id").to_numpy() for f in m.files])
+
+
+def test_pack_shuffles_rows_so_row_groups_mix_classes_unless_told_not_to(image_folder,
+                                                                          tmp_path, ray_local):
+    src = raying.Manifest.scan(str(image_folder))
+    classes = len(src.classes)
+    out = {}
+    for name, kwargs in (("shuffled", {}), ("again", {}), ("seed1", {"seed": 1}),
+                         ("ordered", {"shuffle": False})):
+        raying.pack(str(image_folder), str(tmp_path / name), shard_rows=25, row_group_rows=8,
+                    progress=False, **kwargs)
+        m = raying.Manifest.scan(str(tmp_path / name), format="parquet", label="label")
+        source = _source_ids(m)
+        # Every row keeps its source id, label and path.
+        assert sorted(source.tolist()) == list(range(len(src)))
+        assert np.array_equal(m.labels, src.labels[source])
+        out[name] = (m, source)
+    assert out["ordered"][1].tolist() == list(range(len(src)))
+    assert np.array_equal(out["shuffled"][1], out["again"][1]), "the order is the seed's"
+    assert not np.array_equal(out["shuffled"][1], out["seed1"][1])
+    # Row groups: in folder order most hold one class; shuffled, they mix. Count the classes
+    # per full row group of 8 (60 images in 3 classes, 20 each: a shuffled group of 8 holds
+    # all 3 classes with probability ~0.88).
+    def classes_per_group(m):
+        f, g, start, rows = m.row_group_table()
+        return [len(np.unique(m.labels[a:a + r])) for a, r in zip(start, rows, strict=True)
+                if r == 8]
+
+    ordered, shuffled = classes_per_group(out["ordered"][0]), classes_per_group(out["shuffled"][0])
+    assert classes == 3 and np.mean(ordered) < 1.5 and np.mean(shuffled) > 2.5, (ordered,
+                                                                               shuffled)
+
+
 def test_parquet_epoch_matches_folder(image_folder, packed, ray_local):
     src = raying.Manifest.scan(str(image_folder))
     m = raying.Manifest.scan(str(packed), format="parquet", label="label")
@@ -100,8 +139,10 @@ def test_parquet_epoch_matches_folder(image_folder, packed, ray_local):
                            config=raying.PipelineConfig(block_rows=16, decoded_cache="off"))
     ids, labels = _epoch(pipe, 0)
     assert sorted(ids.tolist()) == list(range(60))
-    # Packing keeps the source order, so ids and labels agree with the folder's.
-    assert np.array_equal(labels[np.argsort(ids)], src.labels)
+    # Packing shuffles the rows; each keeps its source id, so labels agree with the folder's.
+    source = _source_ids(m)
+    assert sorted(source.tolist()) == list(range(60)) and source.tolist() != list(range(60))
+    assert np.array_equal(labels[np.argsort(ids)], src.labels[source])
     ids1, _ = _epoch(pipe, 1)
     assert sorted(ids1.tolist()) == list(range(60)) and ids1.tolist() != ids.tolist()
     st = pipe.stats()

@@ -396,7 +396,7 @@ class DecodedCache:
         """The cached pixels of each id, None for a miss (ids outside the admitted subset
         are not looked up)."""
         out: list[np.ndarray | None] = [None] * len(ids)
-        mine = np.flatnonzero(admitted(ids, self.admit))
+        mine = np.flatnonzero(self.admits(ids))
         if mine.size:
             got = self._tier.get_many([str(int(ids[k])) for k in mine])
             for k, g in zip(mine, got, strict=True):
@@ -404,9 +404,9 @@ class DecodedCache:
                     out[k] = decode_array(g)
         return out
 
-    def admits(self, sample_id: int) -> bool:
-        """Whether ``sample_id`` is in the admitted subset (the only ids cached)."""
-        return bool(admitted(np.array([sample_id], dtype=np.int64), self.admit)[0])
+    def admits(self, ids: np.ndarray) -> np.ndarray:
+        """Mask of ``ids`` in the admitted subset (the only ids cached)."""
+        return admitted(np.asarray(ids, dtype=np.int64), self.admit)
 
     def put(self, ids: list[int], arrays: list[np.ndarray],
             payloads: list[np.ndarray | None] | None = None) -> None:
@@ -415,7 +415,7 @@ class DecodedCache:
         out as a cache entry (:func:`new_array_payload`), so it is offered without a copy."""
         if released(self.directory):
             return
-        keep = np.flatnonzero(admitted(np.asarray(ids, dtype=np.int64), self.admit))
+        keep = np.flatnonzero(self.admits(ids))
         if keep.size:
             bodies = [payloads[k] if payloads is not None and payloads[k] is not None
                       else encode_array(arrays[k]) for k in keep]
@@ -459,6 +459,7 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
         for key, value in io_account.items():
             account[key] = account.get(key, 0) + value
         fresh_ids, fresh, payloads = [], [], []
+        admit = cache.admits(ids) if cache is not None else np.zeros(len(ids), dtype=bool)
         for k, data in zip(miss, datas, strict=True):
             if data is None or isinstance(data, BaseException):
                 reason = "missing" if data is None else "read_error"
@@ -468,7 +469,7 @@ def load_arrays(spec: Any, ids: np.ndarray, where: list[str], fetch: Any
             nbytes += len(data)
             payload = None
             try:
-                if cache is not None and cache.admits(int(ids[k])):
+                if admit[k]:
                     # Decoded straight into the cache entry's bytes: no copy to offer it.
                     alloc = _PayloadAlloc()
                     arr, placed = decode_image_to(data, alloc, max_pixels=spec.max_pixels)

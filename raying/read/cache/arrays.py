@@ -13,15 +13,13 @@ _ARRAY_MAGIC = b"RYA1"
 _ARRAY_HEAD = struct.Struct("<4sI")
 
 
-def encode_array(arr: np.ndarray) -> bytearray:
-    """An array as bytes: magic, header length, JSON (dtype, shape), then the raw data."""
+def encode_array(arr: np.ndarray) -> np.ndarray:
+    """An array as bytes (a flat uint8 array): magic, header length, JSON (dtype, shape), then
+    the raw data, copied once."""
     arr = np.asarray(arr)
-    head = json.dumps({"dtype": arr.dtype.str, "shape": list(arr.shape)}).encode()
-    lead = _ARRAY_HEAD.pack(_ARRAY_MAGIC, len(head)) + head
-    out = bytearray(len(lead) + arr.nbytes)  # one copy of the pixels, not three
-    out[:len(lead)] = lead
-    np.frombuffer(out, dtype=arr.dtype, offset=len(lead)).reshape(arr.shape)[...] = arr
-    return out
+    payload, view = new_array_payload(arr.shape, arr.dtype)
+    view[...] = arr
+    return payload
 
 
 def new_array_payload(shape: tuple[int, ...], dtype: np.dtype | str = np.uint8

@@ -62,9 +62,9 @@ class PriorityTable:
       mislabelled sample the model starts to memorise shows falling losses too, and drawing
       it at its own priority then would speed the memorising up. A learnable hard sample's
       loss falls as it is drawn; a mislabelled one's stays high, and without the guard it
-      would keep a large share of the draws. The median, not the mean: under label noise the mean is inflated by the noisy
-      rows' own losses, and holding them there would still draw them several times as often
-      as a typical sample.
+      would keep a large share of the draws. The median, not the mean: under label noise the
+      mean is inflated by the noisy rows' own losses, and holding them there would still draw
+      them several times as often as a typical sample.
     * Importance weights ``w = (n * P)**-beta / max_j (n * P_j)**-beta``: the maximum is taken
       over the whole table (the row of least positive probability), not over the batch, so
       ``0 < w <= 1`` and weights of different batches are comparable.

@@ -17,6 +17,7 @@ or repeated.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -78,15 +79,29 @@ class BlockStream:
             spill to disk.
         min_window: units kept in flight whatever their bytes (enough to keep the cores
             this stream may use decoding).
+
         keep_warm: submit the next epoch's first units while the current one drains.
         task_options: Ray options of the read task (num_cpus, scheduling_strategy, ...).
+        split_units: run units over their byte share as slices (below).
+
+    With ``split_units``, a unit larger than its share of ``inflight_bytes``
+    (``inflight_bytes / min_window``) runs as several tasks, each decoding a slice of its rows
+    (a whole number of blocks). A stream that shares the object store with others whose
+    consumers advance in step (the shards of Ray Train workers) needs it: a window of Parquet
+    row groups is 1,024 rows or more (150 MB at 224 px), every shard keeps ``min_window`` of
+    them, and the store spills to disk. Each slice reads the row groups its rows lie in, so a
+    shuffled window is read once per slice; on a single consumer, which drains blocks as
+    fast as they are made and does not spill, that costs more than it saves, so it stays
+    off there. The plan, the delivery order and resume positions stay the unit's: slices
+    are an execution detail, keyed ``(epoch, unit, part)``.
     """
 
     def __init__(self, spec: ReadSpec, *, make_plan: Callable[[int], EpochPlan],
                  fill: Callable[[ReadUnit], tuple[ReadUnit, list[str] | None]],
                  window: int, block_rows: int, keep_warm: bool = True,
                  task_options: dict[str, Any] | None = None,
-                 inflight_bytes: int | None = None, min_window: int = 1) -> None:
+                 inflight_bytes: int | None = None, min_window: int = 1,
+                 split_units: bool = False) -> None:
         import ray
 
         self._spec_ref = ray.put(spec)
@@ -95,14 +110,20 @@ class BlockStream:
         # same chunks as dataset(e)'s whole blocks when every block edge is such a multiple.
         aligned = (DEFAULT_FIRST_BLOCK_ROWS % DEFAULT_STAGE_ROWS == 0
                    and int(block_rows) % DEFAULT_STAGE_ROWS == 0)
-        self._short_first = aligned or not any(getattr(s, "with_rng", False)
-                                               for s in spec.stages)
+        rng_stages = any(getattr(s, "with_rng", False) for s in spec.stages)
+        self._short_first = aligned or not rng_stages
         self._make_plan = make_plan
         self._fill = fill
         self._window = max(1, int(window))
         self._budget = None if inflight_bytes is None else max(1, int(inflight_bytes))
         self._min_window = max(1, min(int(min_window), self._window))
         self._row_bytes = int(spec.transform.size) ** 2 * 3
+        # Slices start at multiples of block_rows: the same stage chunks as the whole unit's.
+        self._part_rows = _part_rows(self._budget, self._min_window, self._row_bytes,
+                                     int(block_rows),
+                                     splittable=split_units and (
+                                         not rng_stages
+                                         or int(block_rows) % DEFAULT_STAGE_ROWS == 0))
         self._keep_warm = keep_warm
         self._block_rows = int(block_rows)
         self._options = {"num_cpus": 1, "max_retries": DEFAULT_TASK_MAX_RETRIES,
@@ -111,12 +132,17 @@ class BlockStream:
                          # next pipeline's reads. The window bounds memory instead.
                          "num_returns": "streaming",
                          **(task_options or {})}
-        # (epoch, unit index) -> ObjectRef of (block, account), in submission order.
-        self._inflight: collections.OrderedDict[tuple[int, int], Any] = collections.OrderedDict()
-        self._inflight_bytes: dict[tuple[int, int], int] = {}  # the same keys: decoded bytes
-        # Units taken out of the window and being consumed (their tasks may still run).
-        self._reading: dict[tuple[int, int], Any] = {}
+        # (epoch, unit index, part) -> ObjectRef of (block, account), in submission order.
+        self._inflight: collections.OrderedDict[tuple[int, int, int], Any] = (
+            collections.OrderedDict())
+        self._inflight_bytes: dict[tuple[int, int, int], int] = {}  # the same keys: bytes
+        # Parts taken out of the window and being consumed (their tasks may still run).
+        self._reading: dict[tuple[int, int, int], Any] = {}
         self._pending: collections.deque[ReadUnit] = collections.deque()
+        # The filled parts of the unit being submitted: (part unit, its paths, part number).
+        self._parts: collections.deque[tuple[ReadUnit, list[str] | None, int]] = (
+            collections.deque())
+        self._nparts: dict[tuple[int, int], int] = {}  # (epoch, unit) -> its parts
         self._pending_epoch: int | None = None
         self._next_epoch_plan: EpochPlan | None = None
         self._consuming: int | None = None  # the epoch being iterated: warm up only the next
@@ -126,50 +152,84 @@ class BlockStream:
         self._generation = 0
 
     # -- submission ----------------------------------------------------------------------------
-    def _submit(self, unit: ReadUnit) -> None:
+    def _split(self, unit: ReadUnit) -> None:
+        """Fill ``unit`` (ids drawn, paths found) and queue it as one part or, when its
+        decoded rows exceed a unit's share of the byte budget, as row slices."""
         unit, paths = self._fill(unit)
+        n, step = unit.num_rows, self._part_rows
+        if step is None or unit.skip_rows or unit.ids is None or n <= step:
+            parts = [(unit, paths, 0)]
+        else:
+            parts = [(_slice_unit(unit, a, min(n, a + step)),
+                      None if paths is None else paths[a:a + step], k)
+                     for k, a in enumerate(range(0, n, step))]
+        self._nparts[(unit.epoch, unit.index)] = len(parts)
+        self._parts.extend(parts)
+
+    def _submit(self, part: tuple[ReadUnit, list[str] | None, int]) -> None:
+        unit, paths, k = part
         # The first window of an epoch yields a short first block (see __init__ for stages).
-        first = (DEFAULT_FIRST_BLOCK_ROWS if unit.index < self._window and self._short_first
-                 else None)
+        first = (DEFAULT_FIRST_BLOCK_ROWS
+                 if k == 0 and unit.index < self._window and self._short_first else None)
         ref = _remote().options(**self._options).remote(self._spec_ref, unit, paths,
                                                          self._block_rows, first)
-        self._inflight[(unit.epoch, unit.index)] = ref
-        self._inflight_bytes[(unit.epoch, unit.index)] = unit.num_rows * self._row_bytes
+        key = (unit.epoch, unit.index, k)
+        self._inflight[key] = ref
+        self._inflight_bytes[key] = unit.num_rows * self._row_bytes
 
-    def _room_for(self, unit: ReadUnit) -> bool:
-        """Whether ``unit`` may start now under the byte budget."""
+    def _room_for(self, rows: int) -> bool:
+        """Whether a part of ``rows`` rows may start now under the byte budget."""
         if self._budget is None or len(self._inflight) < self._min_window:
             return True
         held = sum(self._inflight_bytes.values())
-        return held + unit.num_rows * self._row_bytes <= self._budget
+        return held + rows * self._row_bytes <= self._budget
 
-    def _pop(self, key: tuple[int, int]) -> Any:
+    def _pop(self, key: tuple[int, int, int]) -> Any:
         self._inflight_bytes.pop(key, None)
         return self._inflight.pop(key, None)
 
     def _top_up(self) -> None:
         while len(self._inflight) < self._window:
-            if not self._pending:
-                if (not self._keep_warm or self._pending_epoch is None
-                        or self._pending_epoch != self._consuming):  # one epoch ahead at most
-                    return
-                nxt = self._pending_epoch + 1
-                plan = self._make_plan(nxt)
-                self._next_epoch_plan = plan
-                self._pending.extend(plan.units)
-                self._pending_epoch = nxt
+            if not self._parts:
                 if not self._pending:
+                    if (not self._keep_warm or self._pending_epoch is None
+                            or self._pending_epoch != self._consuming):  # one epoch ahead
+                        return
+                    nxt = self._pending_epoch + 1
+                    plan = self._make_plan(nxt)
+                    self._next_epoch_plan = plan
+                    self._pending.extend(plan.units)
+                    self._pending_epoch = nxt
+                    if not self._pending:
+                        return
+                head = self._pending[0].num_rows
+                if not self._room_for(head if self._part_rows is None
+                                      else min(head, self._part_rows)):
                     return
-            if not self._room_for(self._pending[0]):
+                self._split(self._pending.popleft())
+            if not self._room_for(self._parts[0][0].num_rows):
                 return
-            self._submit(self._pending.popleft())
+            self._submit(self._parts.popleft())
+
+    def _take(self, key: tuple[int, int, int]) -> Any:
+        """The ref of part ``key``, submitting up to it when the window has not reached it."""
+        ref = self._pop(key)
+        while ref is None:
+            if not self._parts:
+                if not self._pending:
+                    msg = f"read part {key} was neither submitted nor pending"
+                    raise RuntimeError(msg)
+                self._split(self._pending.popleft())
+            self._submit(self._parts.popleft())
+            ref = self._pop(key)
+        return ref
 
     def _start(self, epoch: int, start_unit: int, skip_rows: int) -> EpochPlan:
         reuse = (self._pending_epoch == epoch and self._next_epoch_plan is not None
                  and self._next_epoch_plan.epoch == epoch and start_unit == 0 and skip_rows == 0)
         keys = list(self._inflight)
         self._consuming = epoch
-        if reuse and keys and keys[0] == (epoch, 0):
+        if reuse and keys and keys[0] == (epoch, 0, 0):
             return self._next_epoch_plan  # type: ignore[return-value]  # warm: already running
         self.cancel()  # (keeps _consuming)
         plan = self._make_plan(epoch)
@@ -196,36 +256,42 @@ class BlockStream:
         last = plan.units[-1].index if plan.units else -1
         index = start_unit
         while index <= last:
-            with self._lock:
-                self._check(mine)
-                self._top_up()
-                key = (epoch, index)
-                ref = self._pop(key)
-                if ref is None:  # a unit the window has not reached (should not happen)
-                    self._top_up()
-                    ref = self._inflight[key]
-                    self._pop(key)
-                self._reading[key] = ref
-            for part in ref:
-                try:
-                    block, account = ray.get(part)
-                except ray.exceptions.RayTaskError as exc:
-                    with self._lock:
-                        if self._generation == mine:
-                            self.cancel()
-                    cause = getattr(exc, "cause", None)
-                    if isinstance(cause, RayingError):
-                        raise cause from None
-                    raise
+            k = 0
+            while True:  # the unit's parts, in order
                 with self._lock:
                     self._check(mine)
-                if on_account is not None:
-                    on_account(account)
-                yield index, block, account.final
-            with self._lock:
-                self._reading.pop(key, None)
-                self._check(mine)
-                self._top_up()
+                    self._top_up()
+                    key = (epoch, index, k)
+                    ref = self._take(key)
+                    self._reading[key] = ref
+                    last_part = k + 1 >= self._nparts.get((epoch, index), 1)
+                for part in ref:
+                    try:
+                        block, account = ray.get(part)
+                    except ray.exceptions.RayTaskError as exc:
+                        with self._lock:
+                            if self._generation == mine:
+                                self.cancel()
+                        cause = getattr(exc, "cause", None)
+                        if isinstance(cause, RayingError):
+                            raise cause from None
+                        raise
+                    with self._lock:
+                        self._check(mine)
+                    if account.final and not last_part:  # the unit goes on in the next part
+                        account = dataclasses.replace(account, final=False)
+                    if on_account is not None:
+                        on_account(account)
+                    yield index, block, account.final
+                with self._lock:
+                    self._reading.pop(key, None)
+                    self._check(mine)
+                    if last_part:
+                        self._nparts.pop((epoch, index), None)
+                    self._top_up()
+                if last_part:
+                    break
+                k += 1
             index += 1
 
     def _check(self, mine: int) -> None:
@@ -250,6 +316,8 @@ class BlockStream:
         self._inflight_bytes.clear()
         self._reading.clear()  # a dropped generator's ref would pin its blocks in the store
         self._pending.clear()
+        self._parts.clear()
+        self._nparts.clear()
         self._pending_epoch = None
         self._next_epoch_plan = None
 
@@ -276,3 +344,23 @@ class BlockStream:
         except Exception:  # noqa: BLE001 - a task that failed has finished all the same
             return False
         return len(ready) == len(done)
+
+
+def _part_rows(budget: int | None, min_window: int, row_bytes: int, block_rows: int, *,
+               splittable: bool) -> int | None:
+    """Rows of one part of a unit: the most whole blocks within a unit's share of the byte
+    budget (at least one block), or None when units are never split."""
+    if budget is None or not splittable:
+        return None
+    share = budget // max(1, min_window)
+    blocks = share // max(1, row_bytes) // max(1, block_rows)
+    return max(1, blocks) * block_rows
+
+
+def _slice_unit(unit: ReadUnit, a: int, b: int) -> ReadUnit:
+    """Rows ``[a, b)`` of a filled unit, as a unit of their own (same epoch and index)."""
+    def cut(v: Any) -> Any:
+        return None if v is None else v[a:b]
+
+    return dataclasses.replace(unit, draw=b - a, ids=cut(unit.ids), labels=cut(unit.labels),
+                               probs=cut(unit.probs), weights=cut(unit.weights))

@@ -280,7 +280,8 @@ class Pipeline:
             self._stream = BlockStream(self._ready_spec(), make_plan=self.plan, fill=self._fill,
                                        window=window, block_rows=self.block_rows(),
                                        keep_warm=self.config.keep_warm, task_options=opts,
-                                       inflight_bytes=inflight_bytes, min_window=min_window)
+                                       inflight_bytes=inflight_bytes, min_window=min_window,
+                                       split_units=shards > 1)
         return self._stream
 
     # -- iteration -----------------------------------------------------------------------------

@@ -303,7 +303,8 @@ def test_keep_warm_reads_one_epoch_ahead_not_more(image_folder, ray_local):
     for epoch in (0, 1, 2):
         ids = [i for b in pipe.iter_batches(batch_size=64, epoch=epoch) for i in b["id"]]
         assert sorted(ids) == list(range(60))
-        assert {e for e, _ in pipe._stream._inflight} == {epoch + 1}, list(pipe._stream._inflight)
+        assert {key[0] for key in pipe._stream._inflight} == {epoch + 1}, list(
+            pipe._stream._inflight)
     pipe.close()
 
 
@@ -334,6 +335,73 @@ def test_units_in_flight_stay_within_the_object_store_share(image_folder, ray_lo
         assert sorted(ids) == list(range(60))
     assert max(seen) == most, seen
     pipe.close()
+
+
+
+def _jitter(batch, rng):
+    noise = rng.integers(0, 40, size=batch["image"].shape, dtype=np.uint8)
+    return {**batch, "image": batch["image"] // 2 + noise}
+
+
+@pytest.mark.parametrize("stage", [None, _jitter])
+def test_a_unit_over_its_byte_share_runs_as_slices_with_the_same_rows(packed, ray_local,
+                                                                      monkeypatch, stage):
+    """On a Train worker's shard, a window of 4 row groups (32 rows here) over its share of
+    the byte budget runs as tasks of one block each; the epoch's rows, their order and their
+    pixels (a seeded user stage included) are those of the unsplit unit. A pipeline of its
+    own (no shard) never splits."""
+    import raying.loader.pipeline as pipeline_module
+
+    m = raying.Manifest.scan(str(packed), format="parquet", label="label")
+
+    def run(share, shard):
+        monkeypatch.setattr(pipeline_module, "DEFAULT_INFLIGHT_STORE_SHARE", share)
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=32),
+                               sampler=raying.UniformSampler(seed=3, window_row_groups=4),
+                               config=raying.PipelineConfig(block_rows=16, window=4,
+                                                            decoded_cache="off", shard=shard))
+        if stage is not None:
+            pipe = pipe.map_batches(stage, with_rng=True)
+        stream = pipe._block_stream()
+        tasks: list[tuple[int, int, int]] = []
+        submit = stream._submit
+
+        def counting(part):
+            unit, _, k = part
+            tasks.append((unit.epoch, unit.index, k))
+            submit(part)
+
+        monkeypatch.setattr(stream, "_submit", counting)
+        got = [stream._part_rows]
+        for epoch in (0, 1):
+            blocks = list(pipe.iter_blocks(epoch))
+            got.append((np.concatenate([b["id"] for b in blocks]),
+                        np.concatenate([b["image"] for b in blocks])))
+        units = pipe.plan(0).units
+        pipe.close()
+        return got, tasks, units
+
+    alone, _, _ = run(1e-9, None)
+    assert alone[0] is None
+    seen: list[int] = []
+    parts = 0  # tasks beyond one per unit, both shards
+    for rank in (0, 1):
+        whole, tasks_whole, units = run(0.75, (rank, 2))
+        split, tasks_split, _ = run(1e-9, (rank, 2))
+        assert whole[0] >= 32 and split[0] == 16, (whole[0], split[0])
+        for (ids_w, img_w), (ids_s, img_s) in zip(whole[1:], split[1:], strict=True):
+            assert np.array_equal(ids_w, ids_s) and np.array_equal(img_w, img_s)
+        seen.extend(split[1][0].tolist())
+        # Split, a unit of n rows ran as ceil(n / 16) tasks, parts 0, 1, ...; whole, as one.
+        assert max(k for _, _, k in tasks_whole) == 0
+        per_unit: dict[tuple[int, int], list[int]] = {}
+        for e, i, k in tasks_split:
+            if e == 0:
+                per_unit.setdefault((e, i), []).append(k)
+        assert per_unit == {(0, u.index): list(range(-(-u.num_rows // 16))) for u in units}
+        parts += sum(len(v) - 1 for v in per_unit.values())
+    assert sorted(seen) == list(range(60))  # the two shards' epoch 0: every id once
+    assert parts >= 2  # windows of up to 32 rows were split on the shards
 
 
 def _slow(batch):

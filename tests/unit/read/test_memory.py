@@ -109,3 +109,30 @@ def test_loaded_frameworks_names_what_this_process_imported():
 
     assert "numpy" not in memory.FRAMEWORKS
     assert set(memory.loaded_frameworks()) == {n for n in memory.FRAMEWORKS if n in _sys.modules}
+
+
+def test_a_read_workers_memory_is_read_at_most_once_a_second_unless_a_framework_loads(
+        monkeypatch):
+    """Each unit's account carries its worker's memory; /proc is read afresh only when the
+    last reading is a second old or a framework was imported since."""
+    import raying.read.task as task
+
+    readings: list[int] = []
+    loaded = [("numpy",)]
+    clock = [100.0]
+
+    def own_kib():
+        readings.append(1)
+        return 1000 * len(readings)
+
+    monkeypatch.setattr(task._memory, "own_kib", own_kib)
+    monkeypatch.setattr(task._memory, "loaded_frameworks", lambda: loaded[0])
+    monkeypatch.setattr(task.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(task, "_worker_memory", [None, 0.0, ()])
+    assert task._worker_kib() == 1000
+    clock[0] += 0.5
+    assert task._worker_kib() == 1000 and len(readings) == 1  # half a second: the same
+    loaded[0] = ("numpy", "torch")
+    assert task._worker_kib() == 2000  # torch imported: read again at once
+    clock[0] += task.WORKER_MEMORY_EVERY_S
+    assert task._worker_kib() == 3000 and len(readings) == 3

@@ -66,6 +66,8 @@ DEFAULT_SNAPSHOT_INTERVAL_S = 30.0
 DEFAULT_STORE_SHARD_ROWS = 10_000_000
 DEFAULT_REPORT_FLUSH_IDS = 1024
 DEFAULT_REPORT_FLUSH_S = 0.05
+# 1: JPEGs decode only the region their crop needs (raying.image._jpegroi); 0: whole.
+DEFAULT_ROI_DECODE = 1
 # Share of the gap to the mean that a stale priority closes per update call (see `age`).
 DEFAULT_AGE_RATE = 0.05
 # The noisy-label guard of prioritized sampling (PrioritizedSampler(guard=True)): a sample
@@ -110,6 +112,7 @@ ENVIRONMENT: dict[str, tuple[str, type]] = {
     "RAYING_STORE_SHARD_ROWS": ("store_shard_rows", int),
     "RAYING_REPORT_FLUSH_IDS": ("report_flush_ids", int),
     "RAYING_REPORT_FLUSH_S": ("report_flush_s", float),
+    "RAYING_ROI_DECODE": ("roi_decode", int),
 }
 
 
@@ -143,6 +146,7 @@ class Settings:
     store_shard_rows: int = DEFAULT_STORE_SHARD_ROWS
     report_flush_ids: int = DEFAULT_REPORT_FLUSH_IDS
     report_flush_s: float = DEFAULT_REPORT_FLUSH_S
+    roi_decode: int = DEFAULT_ROI_DECODE
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -36,7 +36,15 @@ from PIL import Image, UnidentifiedImageError
 
 from raying.errors import ConfigError, DecodeError
 from raying.image import exif as _exif
-from raying.options import DEFAULT_MAX_IMAGE_PIXELS
+from raying.options import DEFAULT_MAX_IMAGE_PIXELS, settings
+
+try:  # the C extension (setup.py), built when libjpeg's headers were there at install
+    from raying.image._jpegroi import decode_region as _decode_region
+except ImportError:  # pragma: no cover - a build without libjpeg-dev
+    _decode_region = None
+
+# Whether JPEGs can decode only the region a crop needs (see decode_jpeg_region).
+ROI_DECODE = _decode_region is not None
 
 __all__ = ["DECODE_ERROR_REASONS", "decode_image", "image_size"]
 
@@ -189,6 +197,30 @@ def decode_jpeg_stored(buf: memoryview, height: int, width: int, eighths: int = 
                                       buffer=out, strict=False)
     except ValueError as exc:
         raise DecodeError("corrupt", f"JPEG: {exc}") from None
+
+
+def decode_jpeg_region(buf: memoryview, eighths: int, top: int, left: int, height: int,
+                       width: int, out: np.ndarray) -> bool:
+    """Decode rows ``[top, top + height)`` and columns ``[left, left + width)`` of a JPEG
+    at ``eighths``/8 of its stored size (before orientation) into ``out``, a C-contiguous
+    ``(height, width, 3)`` uint8 array; True when done.
+
+    libjpeg entropy-decodes the rows above the region without their IDCT and colour
+    conversion, never reads the rows below it, and runs the IDCT only on the columns that
+    cover it, with 16 pixels of context around it so the pixels equal the whole decode's.
+    False (nothing decoded) when the extension is not built or ``RAYING_ROI_DECODE=0``,
+    when the data is not a sound stream to its end (a missing end marker, a stray marker:
+    the region decode would not read that far, so a truncated or corrupt file goes to the
+    whole, strict decode, which names it), and when libjpeg refuses or warns within the
+    region (the whole decode then raises the error the caller reports). Bit errors that
+    libjpeg would only notice below the region are not seen.
+    """
+    if _decode_region is None or not settings().roi_decode:
+        return False
+    try:
+        return bool(_decode_region(buf, eighths, top, left, height, width, out))
+    except ValueError:
+        return False
 
 
 def _is_truncation(exc: BaseException) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import threading
 from collections.abc import Sequence
 
 import cv2
@@ -14,6 +16,7 @@ from raying.image import exif as _exif
 from raying.image import rng as _rng
 from raying.image.decode import (
     check_max_pixels,
+    decode_jpeg_region,
     decode_jpeg_stored,
     decode_pil,
     jpeg_header,
@@ -36,6 +39,18 @@ INTERPOLATIONS = {
 }
 
 _cv2_single_threaded = False
+# Scaled-source pixels kept around a crop's footprint for the warp's interpolation (cubic
+# reads 2 beyond), so a region decode resamples exactly what the whole image would give.
+_REGION_SUPPORT = 3
+_scratch = threading.local()  # each thread's buffer for decoded regions
+
+
+def _region_buffer(nbytes: int) -> np.ndarray:
+    """This thread's scratch buffer, at least ``nbytes`` long (grown, never shrunk)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _scratch.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf
 
 
 def _worker_setup() -> None:
@@ -314,9 +329,13 @@ class ImageTransform:
         return out
 
     def _render_jpeg(self, buf, header, box, flip, dst: np.ndarray) -> None:
-        """Decode only as much resolution as the crop needs, then resample into dst."""
+        """Decode only as much resolution, and only the region, the crop needs, then
+        resample into dst (the same pixels as from the whole image)."""
         height, width, orientation = header
         eighths = _crop.reduce_eighths(box[2], box[3], self.size)
+        if orientation == 1 and self._render_jpeg_region(buf, height, width, eighths, box,
+                                                         flip, dst):
+            return
         src = decode_jpeg_stored(buf, height, width, eighths)
         if eighths == 8 and orientation == 1:
             self._resize(src, box, flip, dst)
@@ -324,6 +343,33 @@ class ImageTransform:
         # libjpeg's n/8 scaled IDCT maps full-size pixel edges exactly by n/8.
         matrix = _crop.inverse_map(box, flip, self.size, orientation, height, width, eighths / 8)
         self._warp(src, matrix, dst)
+
+    def _render_jpeg_region(self, buf, height: int, width: int, eighths: int, box, flip,
+                            dst: np.ndarray) -> bool:
+        """The crop's region of an upright JPEG, decoded alone (decode_jpeg_region) and
+        resampled into dst; False when the region decode declined."""
+        top, left, box_h, box_w = box
+        if eighths == 8:  # whole pixels: the crop itself, resized
+            y0, x0, rh, rw = top, left, box_h, box_w
+        else:  # the crop's scaled footprint and the resampler's support around it
+            s = eighths / 8
+            sh, sw = -(-height * eighths // 8), -(-width * eighths // 8)
+            y0 = max(0, int(top * s) - _REGION_SUPPORT)
+            x0 = max(0, int(left * s) - _REGION_SUPPORT)
+            rh = min(sh, int(math.ceil((top + box_h) * s)) + _REGION_SUPPORT) - y0
+            rw = min(sw, int(math.ceil((left + box_w) * s)) + _REGION_SUPPORT) - x0
+        need = rh * rw * 3
+        src = _region_buffer(need)[:need].reshape(rh, rw, 3)
+        if not decode_jpeg_region(buf, eighths, y0, x0, rh, rw, src):
+            return False
+        if eighths == 8:
+            self._resize(src, (0, 0, box_h, box_w), flip, dst)
+            return True
+        matrix = _crop.inverse_map(box, flip, self.size, 1, height, width, eighths / 8)
+        matrix[0, 2] -= x0  # the region's origin in the scaled image
+        matrix[1, 2] -= y0
+        self._warp(src, matrix, dst)
+        return True
 
     def _render_array(self, arr: np.ndarray, box, flip, dst: np.ndarray) -> None:
         """Crop (a view), reduce by 2x area steps like the JPEG path, resample into dst."""

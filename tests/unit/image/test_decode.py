@@ -289,3 +289,64 @@ def test_decode_image_to_falls_back_without_calling_alloc(kind):
     img, placed = decode_image_to(data, alloc)
     assert not placed and np.array_equal(img, decode_image(data))
     assert img.shape == ((40, 20, 3) if kind == "exif6" else (20, 40, 3))
+
+
+def _noisy_jpeg(h, w, mode="RGB", **kwargs) -> bytes:
+    rng = np.random.default_rng(h * w)
+    arr = (np.cumsum(rng.integers(0, 255, (h, w, 3), np.uint8), axis=1) % 256).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).convert(mode).save(buf, "JPEG", quality=85, **kwargs)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["420", "422", "444", "progressive", "gray"])
+def test_region_decode_equals_the_whole_decode_at_every_scale(kind):
+    """Random regions of JPEGs decoded alone equal the same rows and columns of the whole
+    decode, at 1/8 to 8/8 scale, for every chroma layout, progressive and grayscale files."""
+    from raying.image import decode as decode_module
+
+    if not decode_module.ROI_DECODE:
+        pytest.skip("the region-decode extension was not built (no libjpeg headers)")
+    kwargs = {"420": {"subsampling": 2}, "422": {"subsampling": 1}, "444": {"subsampling": 0},
+              "progressive": {"progressive": True}, "gray": {}}[kind]
+    rng = np.random.default_rng(7)
+    checked = 0
+    for h, w in [(301, 517), (37, 53), (480, 640)]:
+        data = _noisy_jpeg(h, w, "L" if kind == "gray" else "RGB", **kwargs)
+        for eighths in (8, 4, 2, 1):
+            sh, sw = -(-h * eighths // 8), -(-w * eighths // 8)
+            whole = simplejpeg.decode_jpeg(data, "RGB", min_height=sh, min_width=sw)
+            assert whole.shape[:2] == (sh, sw)
+            for _ in range(6):
+                rh, rw = int(rng.integers(1, sh + 1)), int(rng.integers(1, sw + 1))
+                top, left = int(rng.integers(0, sh - rh + 1)), int(rng.integers(0, sw - rw + 1))
+                out = np.empty((rh, rw, 3), np.uint8)
+                assert decode_module.decode_jpeg_region(memoryview(data), eighths, top, left,
+                                                        rh, rw, out)
+                assert np.array_equal(out, whole[top:top + rh, left:left + rw]), (
+                    eighths, top, left, rh, rw)
+                checked += 1
+    assert checked == 72
+
+
+def test_region_decode_declines_what_only_the_whole_decode_can_judge(monkeypatch):
+    """A file cut short, one with a stray marker past the region, a region outside the
+    image, or RAYING_ROI_DECODE=0: nothing decoded, False, so the caller decodes the whole
+    image strictly and reports what is wrong with it."""
+    from raying.image import decode as decode_module
+    from raying.options import Settings, use
+    from tests.corpus.images import _corrupt_jpeg
+
+    if not decode_module.ROI_DECODE:
+        pytest.skip("the region-decode extension was not built (no libjpeg headers)")
+    data = _noisy_jpeg(240, 320)
+    out = np.zeros((8, 8, 3), np.uint8)
+    assert decode_module.decode_jpeg_region(memoryview(data), 8, 0, 0, 8, 8, out)
+    for bad in (data[:len(data) * 2 // 3], _corrupt_jpeg(data)):
+        out[:] = 0
+        assert not decode_module.decode_jpeg_region(memoryview(bad), 8, 0, 0, 8, 8, out)
+        assert not out.any()
+    assert not decode_module.decode_jpeg_region(memoryview(data), 8, 236, 0, 8, 8, out)
+    monkeypatch.setattr("raying.options._active", None)
+    use(Settings(roi_decode=0))
+    assert not decode_module.decode_jpeg_region(memoryview(data), 8, 0, 0, 8, 8, out)

@@ -371,8 +371,13 @@ def test_eval_mode_is_resize_then_centre_crop():
     assert tuple(boxes[0]) == (0, 50, 300, 301)
 
 
-def test_dct_downscale_path_matches_full_decode():
-    """Decoding a JPEG at 1/2-1/8 scale before the crop gives nearly the same pixels."""
+def test_dct_downscale_path_matches_full_decode(monkeypatch):
+    """Decoding a whole JPEG at 1/2-1/8 scale before the crop gives nearly the same pixels
+    (the region decode off: it does not go through simplejpeg)."""
+    from raying.options import Settings, use
+
+    monkeypatch.setattr("raying.options._active", None)  # restored after the test
+    use(Settings(roi_decode=0))
     datas = _jpegs(24, 480, 640, quality=95)
     ids = np.arange(24)
     t = ImageTransform(size=64)
@@ -422,3 +427,35 @@ def test_exif_rotated_jpeg_crops_the_upright_image(orientation):
         got = t.apply_encoded([buf.getvalue()] * 16, ids, seed=0, epoch=0).images
         ref = t.apply_decoded([upright] * 16, ids, seed=0, epoch=0)
         assert np.abs(got.astype(int) - ref).mean() < 2.0, size
+
+
+@pytest.mark.parametrize("interpolation", ["linear", "cubic"])
+def test_region_decode_gives_the_whole_decodes_pixels(monkeypatch, interpolation):
+    """A crop rendered from the JPEG region it needs equals the one rendered from the whole
+    image: exactly at full scale, within one level after a DCT-scaled decode (the warp's
+    fixed-point offsets move with the region's origin)."""
+    from raying.image import decode as decode_module
+    from raying.options import Settings, use
+
+    if not decode_module.ROI_DECODE:
+        pytest.skip("the region-decode extension was not built (no libjpeg headers)")
+    monkeypatch.setattr("raying.options._active", None)
+    datas = _jpegs(16, 375, 500) + _jpegs(16, 1200, 1500, quality=80)
+    ids = np.arange(len(datas))
+    calls = []
+    real = decode_module._decode_region
+
+    def counting(*args):
+        calls.append(args[1])  # the scale in eighths
+        return real(*args)
+
+    monkeypatch.setattr(decode_module, "_decode_region", counting)
+    out = {}
+    for roi in (0, 1):
+        use(Settings(roi_decode=roi))
+        t = ImageTransform(size=96, interpolation=interpolation)
+        out[roi] = t.apply_encoded(datas, ids, seed=4, epoch=2).images.astype(int)
+    assert len(calls) == len(datas) and 8 in calls and min(calls) < 8, calls
+    full = [i for i, e in enumerate(calls) if e == 8]
+    assert np.array_equal(out[0][full], out[1][full])
+    assert np.abs(out[0] - out[1]).max() <= 1

@@ -79,7 +79,6 @@ class BlockStream:
             spill to disk.
         min_window: units kept in flight whatever their bytes (enough to keep the cores
             this stream may use decoding).
-
         keep_warm: submit the next epoch's first units while the current one drains.
         task_options: Ray options of the read task (num_cpus, scheduling_strategy, ...).
         split_units: run units over their byte share as slices (below).

@@ -40,7 +40,10 @@ INTERPOLATIONS = {
 
 _cv2_single_threaded = False
 # Scaled-source pixels kept around a crop's footprint for the warp's interpolation (cubic
-# reads 2 beyond), so a region decode resamples exactly what the whole image would give.
+# reads 2 beyond), so the warp reads the same source pixels as from the whole image (its
+# output within one level: cv2's fixed-point offsets move with the region's origin). A
+# region is at most about (2 x size) x (2 x size x 4/3) pixels: reduce_eighths scales larger
+# crops down, and the crop's aspect ratio is bounded.
 _REGION_SUPPORT = 3
 _scratch = threading.local()  # each thread's buffer for decoded regions
 
@@ -330,7 +333,8 @@ class ImageTransform:
 
     def _render_jpeg(self, buf, header, box, flip, dst: np.ndarray) -> None:
         """Decode only as much resolution, and only the region, the crop needs, then
-        resample into dst (the same pixels as from the whole image)."""
+        resample into dst (the whole image's pixels at full scale; within one level after a
+        DCT-scaled decode)."""
         height, width, orientation = header
         eighths = _crop.reduce_eighths(box[2], box[3], self.size)
         if orientation == 1 and self._render_jpeg_region(buf, height, width, eighths, box,

@@ -41,12 +41,8 @@ def ray_local(hdfs, ray_local):
 
 
 def upload(cluster, local_dir: Path, path: str) -> str:
-    """Copy a local folder to ``path`` on the cluster; its ``hdfs://`` URI."""
-    uri = cluster.uri(path)
-    fs, root = storage.resolve(uri)
-    pafs.copy_files(str(local_dir), root, source_filesystem=pafs.LocalFileSystem(),
-                    destination_filesystem=fs)
-    return uri
+    """Copy a local folder to ``path`` on the cluster (Hadoop's shell, its own JVM); its URI."""
+    return cluster.put(local_dir, path)
 
 
 @pytest.fixture(scope="module")

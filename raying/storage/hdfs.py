@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
+import faulthandler
 import glob
+import io
 import os
 import sys
 from collections.abc import Mapping
@@ -136,6 +139,32 @@ def _check_classpath(classpath: str | None) -> None:
     raise DependencyError(msg)
 
 
+def keep_jvm_signal_handlers() -> None:
+    """Keep a later ``ray.init`` in this process from displacing the JVM's signal handlers.
+
+    libhdfs runs a JVM inside the process, and the JVM takes SIGSEGV by design (safepoint
+    polls, implicit null checks in compiled code), relying on its own handler to resume. A
+    handler installed over the JVM's turns the next such fault into the end of the process
+    ("Fatal Python error: Segmentation fault") at a random moment of some later HDFS call.
+    ``ray.init`` installs two: Ray's C++ failure handler, and Python's faulthandler when it is
+    not on yet. The usual order, scanning an ``hdfs://`` dataset and then building the
+    pipeline (which starts Ray), would put both over the JVM's; a JVM started after
+    ``ray.init`` chains to them and is safe. So, before the JVM starts: faulthandler is turned
+    on now (the JVM then passes it the faults that are not its own, and Ray leaves it be),
+    and Ray's switch ``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``, read when Ray is imported, is
+    set in the environment (for an import still to come, and the processes Ray starts) and
+    in Ray's constants if they are loaded. Ray then prints no C++ stack trace on a crash in
+    this process; the JVM's and Python's crash reports remain.
+    """
+    if not faulthandler.is_enabled():
+        with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+            faulthandler.enable()  # as ray.init would; stderr may have no descriptor
+    os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = "1"
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
 def hdfs_filesystem(host: str, port: int, user: str | None) -> pafs.HadoopFileSystem:
     """Check the environment, then connect pyarrow's HadoopFileSystem.
 
@@ -145,6 +174,7 @@ def hdfs_filesystem(host: str, port: int, user: str | None) -> pafs.HadoopFileSy
         StorageError: the namenode could not be reached or libhdfs failed to load.
     """
     check_hdfs_environment()
+    keep_jvm_signal_handlers()
     try:
         return pafs.HadoopFileSystem(host, port, user=user)
     except (OSError, RuntimeError) as exc:

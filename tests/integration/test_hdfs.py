@@ -121,6 +121,43 @@ def test_write_list_read_roundtrip(hdfs):
         storage.list_files(fs, "/scratch/missing")
 
 
+_SIGSEGV_OWNER = """
+import ctypes, sys
+import ray
+import raying
+from raying.storage import files
+fs, path = files.resolve(sys.argv[1])  # the JVM starts in this process, before Ray
+fs.get_file_info(path)
+ray.init(address="local", num_cpus=1, include_dashboard=False)
+action = ctypes.create_string_buffer(256)  # struct sigaction: the handler comes first
+ctypes.CDLL(None).sigaction(11, None, action)
+handler = ctypes.c_void_p.from_buffer(action).value or 0
+owner = "nothing mapped"
+for line in open("/proc/self/maps"):  # the file mapped where the handler's code lies
+    span, *rest = line.split()
+    lo, hi = (int(x, 16) for x in span.split("-"))
+    if lo <= handler < hi:
+        owner = rest[-1] if len(rest) >= 5 else "anonymous memory"
+print("SIGSEGV handler in", owner)
+ray.shutdown()
+"""
+
+
+def test_ray_started_after_the_jvm_leaves_it_its_signal_handler(hdfs, tmp_path):
+    """A driver that scans an hdfs:// dataset (starting libhdfs's JVM) and then starts Ray
+    keeps the JVM's SIGSEGV handler: Ray's failure handler over it turns the JVM's own
+    deliberate faults into crashes of the process."""
+    script = tmp_path / "owner.py"
+    script.write_text(_SIGSEGV_OWNER)
+    env = {**os.environ, **hdfs.client_env}
+    env.pop("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    done = subprocess.run([sys.executable, str(script), hdfs.uri("/")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = [x for x in done.stdout.splitlines() if x.startswith("SIGSEGV handler in")]
+    assert Path(line.split(" in ", 1)[1]).name.startswith("libjvm"), line
+
+
 # --- scan, pack, pipeline: the same as local ------------------------------------------------
 
 

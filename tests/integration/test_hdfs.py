@@ -124,7 +124,6 @@ def test_write_list_read_roundtrip(hdfs):
 _SIGSEGV_OWNER = """
 import ctypes, sys
 import ray
-import raying
 from raying.storage import files
 fs, path = files.resolve(sys.argv[1])  # the JVM starts in this process, before Ray
 fs.get_file_info(path)

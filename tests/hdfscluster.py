@@ -53,6 +53,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import venv
 from pathlib import Path
@@ -382,8 +383,16 @@ class HDFSCluster:
 
     def _spawn(self, main: str, log_name: str) -> subprocess.Popen:
         log = open(self.dir / log_name, "ab")  # noqa: SIM115 - the child owns it
+        cmd = self._java(main)
+        # A test process that dies hard (a crash, SIGKILL) runs neither the fixture's
+        # teardown nor atexit: the daemon gets SIGTERM from the kernel instead. Linux sends
+        # it when the *thread* that started the child ends, so only from the main thread (a
+        # DataNode restarted from a short-lived thread is stopped by the fixture as before).
+        setpriv = shutil.which("setpriv")
+        if setpriv and threading.current_thread() is threading.main_thread():
+            cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]
         try:
-            return subprocess.Popen(self._java(main), stdout=log, stderr=subprocess.STDOUT,
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         finally:
             log.close()

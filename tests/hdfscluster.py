@@ -431,7 +431,7 @@ class HDFSCluster:
             time.sleep(0.1)
 
     def put(self, local: str | os.PathLike, path: str, timeout_s: float = 120.0) -> str:
-        """Copy a local folder's files to ``path`` (replaced if there) through pyarrow and
+        """Copy a local folder's files to ``path`` (emptied first) through pyarrow and
         libhdfs in a Python process of its own; its ``hdfs://`` URI.
 
         Test data goes in this way rather than through libhdfs in the test process: the test
@@ -445,8 +445,7 @@ class HDFSCluster:
         script = (
             "import sys, pyarrow.fs as f\n"
             "fs = f.HadoopFileSystem(sys.argv[1], int(sys.argv[2]))\n"
-            "fs.delete_dir(sys.argv[4]) if fs.get_file_info(sys.argv[4]).type.name != "
-            "'NotFound' else None\n"
+            "fs.delete_dir_contents(sys.argv[4], missing_dir_ok=True)\n"
             "f.copy_files(sys.argv[3], sys.argv[4], source_filesystem=f.LocalFileSystem(), "
             "destination_filesystem=fs)\n")
         env = {**os.environ, **self.client_env}

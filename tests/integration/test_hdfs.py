@@ -41,7 +41,7 @@ def ray_local(hdfs, ray_local):
 
 
 def upload(cluster, local_dir: Path, path: str) -> str:
-    """Copy a local folder to ``path`` on the cluster (Hadoop's shell, its own JVM); its URI."""
+    """Copy a local folder to ``path`` on the cluster (in a process of its own); its URI."""
     return cluster.put(local_dir, path)
 
 

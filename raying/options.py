@@ -427,6 +427,10 @@ class IOConfig:
         raise ConfigError(msg)
 
 
+# Share of a read process's time that filling the decoded cache may add (PipelineConfig).
+DEFAULT_DECODED_CACHE_FILL_SHARE = 0.05
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     """Knobs of the read path; the defaults are what `raying bench` measures.
@@ -446,6 +450,11 @@ class PipelineConfig:
             first epoch's writes, and the decoded dataset fits in a quarter of free memory),
             ``"off"``, or a budget in bytes (on from the first epoch). See
             :mod:`raying.read.decoded_cache`.
+        decoded_cache_fill: how much filling the decoded cache may slow a read task, as a
+            share of its time (default ``DEFAULT_DECODED_CACHE_FILL_SHARE``, 5 %): a fill
+            decodes the whole image and writes it to memory, so the cache fills over several
+            epochs at that cost; None fills every admitted sample at its first read (that
+            epoch then runs about 1.5-2x slower than without the cache).
         epochs: how many epochs the job reads, when known (None: unknown). Only ``"auto"``
             choices use it, to weigh a one-time cost against the epochs that repay it.
         ray_remote_args: extra Ray options of the read tasks, fast path and ``dataset()``
@@ -467,6 +476,7 @@ class PipelineConfig:
     max_image_pixels: int | None = None
     ray_remote_args: dict[str, Any] | None = None
     decoded_cache: Any = "auto"
+    decoded_cache_fill: float | None = DEFAULT_DECODED_CACHE_FILL_SHARE
     io: Any = None  # IOConfig | dict | None, passed to ReadSpec
     shard: tuple[int, int] | None = None
     epochs: int | None = None
@@ -479,6 +489,16 @@ class PipelineConfig:
             msg = (f"PipelineConfig(epochs=...) must be an integer >= 1 or None, got "
                    f"{self.epochs!r}")
             raise ConfigError(msg)
+
+        fill = self.decoded_cache_fill
+        if fill is not None:
+            ok = (isinstance(fill, (int, float, np.integer, np.floating))
+                  and not isinstance(fill, (bool, np.bool_)) and math.isfinite(fill) and fill > 0)
+            if not ok:
+                msg = (f"PipelineConfig(decoded_cache_fill=...) must be a share of read time > 0 "
+                       f"(e.g. 0.05) or None (fill at first read), got {fill!r}")
+                raise ConfigError(msg)
+            object.__setattr__(self, "decoded_cache_fill", float(fill))
 
         if self.block_rows is not None and (not whole(self.block_rows) or self.block_rows < 1):
             msg = (f"PipelineConfig(block_rows=...) must be an integer >= 1 or None, got "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from collections.abc import Sequence
 
 import cv2
@@ -16,6 +17,7 @@ from raying.image import exif as _exif
 from raying.image import rng as _rng
 from raying.image.decode import (
     check_max_pixels,
+    decode_image,
     decode_jpeg_region,
     decode_jpeg_stored,
     decode_pil,
@@ -77,11 +79,14 @@ class TransformResult:
         images: (n_ok, size, size, 3) uint8, the successes only, in input order.
         ok: (n,) bool, which inputs succeeded; ``ids[ok]`` lines up with ``images``.
         errors: one :class:`DecodeError` per failed input, in input order, ``sample_id`` set.
+        decoded_s: seconds spent on the inputs given already decoded (only cropped), so a
+            caller can tell what a decoded-cache hit costs against a decode.
     """
 
     images: np.ndarray
     ok: np.ndarray
     errors: list[DecodeError]
+    decoded_s: float = 0.0
 
 
 def _pair(name: str, value) -> tuple[float, float]:
@@ -211,16 +216,22 @@ class ImageTransform:
 
     def apply_encoded(self, datas: Sequence, ids, *, seed: int, epoch: int,
                       max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
-                      out: np.ndarray | None = None) -> TransformResult:
+                      out: np.ndarray | None = None, scaled: bool = True) -> TransformResult:
         """Decode and transform a batch of encoded images; bad ones are reported, not raised.
 
         Args:
-            datas: encoded files (bytes, memoryview, 1-D uint8 arrays) or None for missing.
+            datas: encoded files (bytes, memoryview, 1-D uint8 arrays) or None for missing;
+                an item may also be an image already decoded, an upright (H, W[, C]) uint8
+                array (a decoded-cache hit), which is only cropped, with the same draws.
             ids: (n,) sample ids, for the random draws and the errors.
             seed: the run's seed.
             epoch: the epoch number.
             max_pixels: refuse images whose header claims more pixels (None: no limit).
             out: optional (>= n, size, size, 3) uint8 C-contiguous array to write into.
+            scaled: let a JPEG decode at a reduced scale (libjpeg's DCT scaling) where the
+                crop shrinks; False decodes at full scale (still only the crop's region), so
+                every image's pixels equal :meth:`apply_decoded`'s of the whole decoded
+                image, as a decoded cache needs: its hits and misses then look the same.
 
         Returns:
             A :class:`TransformResult`; ``images`` is a view of ``out`` when given.
@@ -236,6 +247,10 @@ class ImageTransform:
         heights = np.ones(n, dtype=np.int64)
         widths = np.ones(n, dtype=np.int64)
         for i, data in enumerate(datas):
+            if isinstance(data, np.ndarray) and data.ndim >= 2:  # already decoded: crop only
+                bufs[i] = data
+                heights[i], widths[i] = data.shape[0], data.shape[1]
+                continue
             try:
                 buf = start_buffer(data)
                 header = jpeg_header(buf, max_pixels)
@@ -253,12 +268,18 @@ class ImageTransform:
         boxes, flips = boxes.tolist(), flips.tolist()  # Python scalars: cheaper per element
         ok = np.zeros(n, dtype=bool)
         slot = 0
+        decoded_s = 0.0
         for i in range(n):
             if i in failed:
                 continue
             try:
                 if headers[i] is not None:
-                    self._render_jpeg(bufs[i], headers[i], boxes[i], flips[i], out[slot])
+                    self._render_jpeg(bufs[i], headers[i], boxes[i], flips[i], out[slot],
+                                      scaled)
+                elif isinstance(bufs[i], np.ndarray) and bufs[i].ndim >= 2:
+                    t0 = time.perf_counter()
+                    self._render_array(bufs[i], boxes[i], flips[i], out[slot])
+                    decoded_s += time.perf_counter() - t0
                 else:
                     arr = decode_pil(bufs[i], max_pixels)
                     box, flip = self.crop_params(arr.shape[0], arr.shape[1], ids[i:i + 1],
@@ -274,7 +295,7 @@ class ImageTransform:
             slot += 1
         errors = [DecodeError(failed[i].reason, failed[i].detail, path=failed[i].path,
                               sample_id=int(ids[i])) for i in sorted(failed)]
-        return TransformResult(images=out[:slot], ok=ok, errors=errors)
+        return TransformResult(images=out[:slot], ok=ok, errors=errors, decoded_s=decoded_s)
 
     def apply_decoded(self, images, ids, *, seed: int, epoch: int,
                       out: np.ndarray | None = None) -> np.ndarray:
@@ -331,11 +352,19 @@ class ImageTransform:
             raise ConfigError(msg)
         return out
 
-    def _render_jpeg(self, buf, header, box, flip, dst: np.ndarray) -> None:
+    def _render_jpeg(self, buf, header, box, flip, dst: np.ndarray, scaled: bool = True
+                     ) -> None:
         """Decode only as much resolution, and only the region, the crop needs, then
         resample into dst (the whole image's pixels at full scale; within one level after a
-        DCT-scaled decode)."""
+        DCT-scaled decode). ``scaled=False``: full scale, rendered as :meth:`_render_array`
+        renders the whole decoded image."""
         height, width, orientation = header
+        if not scaled:
+            if orientation == 1 and self._render_jpeg_region(buf, height, width, 8, box, flip,
+                                                             dst, as_array=True):
+                return
+            self._render_array(decode_image(buf, max_pixels=None), box, flip, dst)
+            return
         eighths = _crop.reduce_eighths(box[2], box[3], self.size)
         if orientation == 1 and self._render_jpeg_region(buf, height, width, eighths, box,
                                                          flip, dst):
@@ -349,9 +378,10 @@ class ImageTransform:
         self._warp(src, matrix, dst)
 
     def _render_jpeg_region(self, buf, height: int, width: int, eighths: int, box, flip,
-                            dst: np.ndarray) -> bool:
+                            dst: np.ndarray, as_array: bool = False) -> bool:
         """The crop's region of an upright JPEG, decoded alone (decode_jpeg_region) and
-        resampled into dst; False when the region decode declined."""
+        resampled into dst; False when the region decode declined. ``as_array`` (full scale
+        only) resamples the region as :meth:`_render_array` does a whole image's crop."""
         top, left, box_h, box_w = box
         if eighths == 8:  # whole pixels: the crop itself, resized
             y0, x0, rh, rw = top, left, box_h, box_w
@@ -366,6 +396,9 @@ class ImageTransform:
         src = _region_buffer(need)[:need].reshape(rh, rw, 3)
         if not decode_jpeg_region(buf, eighths, y0, x0, rh, rw, src):
             return False
+        if as_array:
+            self._render_array(src, (0, 0, box_h, box_w), flip, dst)
+            return True
         if eighths == 8:
             self._resize(src, (0, 0, box_h, box_w), flip, dst)
             return True

@@ -247,6 +247,7 @@ class Pipeline:
                                              decoded_cache_auto=self.config.decoded_cache == "auto",
                                              decoded_cache_owner=owner,
                                              decoded_cache_admit=admit,
+                                             decoded_cache_fill=self.config.decoded_cache_fill,
                                              cache_namespace=dataset_key(
                 self.manifest.fingerprint(), self.manifest.storage))
             self._spec_ready = True

@@ -9,7 +9,7 @@ the transform (the one decode entry point per kind of input), and reports the I/
 - ``ParquetRows``: a unit's Parquet row groups, read once; encoded images are decoded, and
   pre-decoded pixels are only cropped.
 - ``CachedPixels``: the decoded-pixel cache first; misses are fetched (files or row groups,
-  as above) and decoded, then offered to the cache.
+  as above) and decoded, some of them whole into the cache as its fill budget allows.
 """
 
 from __future__ import annotations
@@ -143,8 +143,11 @@ class _RowGroupFetch:
 
 
 class CachedPixels:
-    """Decoded pixels from the pipeline's decoded cache; misses fetched, decoded, offered.
+    """Decoded pixels from the pipeline's decoded cache; misses fetched and decoded.
 
+    Hits are only cropped. A miss in the admitted subset is decoded whole into a cache entry
+    and written, while this process's fill budget (:class:`raying.read.decoded_cache.FillBudget`)
+    allows; every other miss takes the cache-off path (only the crop's region decoded).
     Pixels are looked up one slice at a time, so a task holds a slice's decoded images, not
     its whole unit's.
     """
@@ -158,25 +161,62 @@ class CachedPixels:
 
     def part(self, part: slice, out: np.ndarray | None) -> Part:
         t0 = time.perf_counter()
-        ids = self.ids[part]
-        arrays, io, nbytes = _decoded.load_arrays(self.spec, ids, self.where[part],
-                                                  lambda miss: self.fetch(part, miss))
+        spec, ids = self.spec, self.ids[part]
+        cache = _decoded.DecodedCache.of(spec)
+        items: list[Any] = cache.get(ids) if cache is not None else [None] * len(ids)
+        get_s = time.perf_counter() - t0
+        miss = [k for k, a in enumerate(items) if a is None]
+        io: dict[str, int] = {"cache_decoded_hits": len(ids) - len(miss),
+                              "cache_decoded_lookups": len(ids)}
+        nbytes = 0
+        budget = None
+        if miss:
+            datas, fetched = self.fetch(part, miss)
+            add_counters(io, fetched)
+            for k, data in zip(miss, datas, strict=True):
+                items[k] = data
+                if data is not None and not isinstance(data, BaseException):
+                    nbytes += len(data)
+            if cache is not None:
+                admit = cache.admits(ids)
+                picks = [k for k in miss if admit[k] and items[k] is not None
+                         and not isinstance(items[k], BaseException)]
+                budget = _decoded.fill_budget(cache.directory, spec.decoded_cache_fill)
+                picks = picks[:budget.allow(len(picks))]
+                if picks:
+                    t1 = time.perf_counter()
+                    _decoded.fill(cache, ids, items, picks, max_pixels=spec.max_pixels)
+                    budget.spend(len(picks), time.perf_counter() - t1)
         if self.bytes_from_io:
             nbytes = io.get("io_bytes_fetched", 0)
         if "io_bytes_fetched" not in io:
             add_counters(io, {"io_bytes_fetched": int(nbytes), "io_bytes_delivered": int(nbytes)})
         read_s = time.perf_counter() - t0
-        ok = np.array([not isinstance(a, DecodeError) for a in arrays], dtype=bool)
-        good = [a for a, g in zip(arrays, ok, strict=True) if g]
-        errors = [a for a in arrays if isinstance(a, DecodeError)]
-        images = self.spec.transform.apply_decoded(good, ids[ok], seed=self.spec.seed,
-                                                   epoch=self.unit.epoch, out=out)
-        return Part(images, ok, errors, io, int(nbytes), read_s)
+        t2 = time.perf_counter()
+        # Misses decode at full scale, so a sample looks the same whether it was a hit.
+        res = _render(spec, self.unit, ids, items, self.where[part], out, scaled=False)
+        if budget is not None:
+            # A hit costs its share of the lookup (all of it: misses look up too) and a crop.
+            hits = io["cache_decoded_hits"]
+            crops = sum(isinstance(a, np.ndarray) and a.ndim >= 2 for a in items)
+            hit_s = get_s + (res.decoded_s * hits / crops if crops else 0.0)
+            budget.note(len(items) - crops, time.perf_counter() - t2 - res.decoded_s,
+                        hits, hit_s)
+            budget.earn(time.perf_counter() - t0, hits=hits)
+        return Part(res.images, res.ok, res.errors, io, int(nbytes), read_s)
 
 
 def transform_encoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: Any,
                       where: list[str], out: np.ndarray | None = None):
-    """Decode and augment encoded values (errors of the read itself included), in order."""
+    """Decode and augment encoded values (errors of the read itself included), in order:
+    ``(images, ok, errors)``."""
+    res = _render(spec, unit, ids, datas, where, out)
+    return res.images, res.ok, res.errors
+
+
+def _render(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: Any, where: list[str],
+            out: np.ndarray | None, *, scaled: bool = True):
+    """:func:`transform_encoded` as the transform's result (errors named by location)."""
     clean: list[Any] = []
     pre_errors: dict[int, DecodeError] = {}
     for k, d in enumerate(datas):
@@ -187,11 +227,11 @@ def transform_encoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: An
         else:
             clean.append(d)
     res = spec.transform.apply_encoded(clean, ids, seed=spec.seed, epoch=unit.epoch,
-                                       max_pixels=spec.max_pixels, out=out)
+                                       max_pixels=spec.max_pixels, out=out, scaled=scaled)
     ok = np.asarray(res.ok, dtype=bool)
     # The transform lists its errors in input order, one for each row that is not ok.
     errors = []
     for pos, e in zip(np.flatnonzero(~ok), res.errors, strict=True):
         errors.append(pre_errors.get(int(pos)) or DecodeError(
             e.reason, e.detail, path=where[pos], sample_id=int(ids[pos])))
-    return res.images, ok, errors
+    return dataclasses.replace(res, ok=ok, errors=errors)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from raying.options import DEFAULT_MAX_IMAGE_PIXELS, IOConfig, Settings, StorageOptions
+from raying.options import (
+    DEFAULT_DECODED_CACHE_FILL_SHARE,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    IOConfig,
+    Settings,
+    StorageOptions,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +38,8 @@ class ReadSpec:
     decoded_cache_owner: str = ""
     # Share of the ids the cache admits (a fixed subset when the decoded set exceeds it).
     decoded_cache_admit: float = 1.0
+    # Share of a read process's time that filling the cache may add (None: no bound).
+    decoded_cache_fill: float | None = DEFAULT_DECODED_CACHE_FILL_SHARE
     cache_namespace: str = ""
     # The driver's settings (the RAYING_* environment as the Pipeline read it); read tasks
     # make them theirs before they read.

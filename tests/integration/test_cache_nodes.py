@@ -67,7 +67,8 @@ def _pipeline(folder, name: str):
     return raying.Pipeline(raying.Manifest.scan(str(folder)),
                            transform=raying.ImageTransform(size=32),
                            config=raying.PipelineConfig(name=name, block_rows=8, spread=True,
-                                                        decoded_cache=32 * _MB))
+                                                        decoded_cache=32 * _MB,
+                                                        decoded_cache_fill=None))
 
 
 def _level(roots: dict[str, str]) -> dict[str, float]:

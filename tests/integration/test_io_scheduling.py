@@ -127,7 +127,8 @@ def test_decoded_cache_serves_later_epochs_with_the_same_pixels(manifest, ray_lo
     base = raying.Pipeline(manifest, transform=tf,
                            config=raying.PipelineConfig(block_rows=16, decoded_cache="off"))
     pipe = raying.Pipeline(manifest, transform=tf,
-                           config=raying.PipelineConfig(block_rows=16, decoded_cache=64 << 20))
+                           config=raying.PipelineConfig(block_rows=16, decoded_cache=64 << 20,
+                                                        decoded_cache_fill=None))
     try:
         for epoch in (0, 1, 2):
             ids0, img0, _ = _collect(base, epoch)
@@ -155,6 +156,7 @@ def test_reads_in_flight_at_close_do_not_bring_the_decoded_pixels_back(manifest,
     for stop_after in (None, 1):  # a whole epoch (the next one's reads start: keep_warm), a break
         pipe = raying.Pipeline(manifest, transform=tf,
                                config=raying.PipelineConfig(block_rows=8, decoded_cache=64 << 20,
+                                                            decoded_cache_fill=None,
                                                             keep_warm=True))
         directory = decoded_cache.cache_dir(pipe._ready_spec().decoded_cache_name)
         for k, _ in enumerate(pipe.iter_batches(batch_size=8, epoch=0)):

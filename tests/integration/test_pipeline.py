@@ -424,7 +424,8 @@ def test_close_waits_for_running_reads_before_it_frees_the_decoded_cache(image_f
     m = raying.Manifest.scan(str(image_folder))
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
                            config=raying.PipelineConfig(block_rows=8, window=4, keep_warm=True,
-                                                        decoded_cache=32 * 2**20)
+                                                        decoded_cache=32 * 2**20,
+                                                        decoded_cache_fill=None)
                            ).map_batches(_slow)
     assert sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=0)) == 60
     dropped: list = []

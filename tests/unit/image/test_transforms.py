@@ -344,6 +344,32 @@ def test_apply_decoded_matches_array_and_list_inputs():
         t.apply_decoded([imgs[0].astype(np.float32)], [0], seed=1, epoch=1)
 
 
+def test_apply_encoded_crops_items_given_decoded_with_the_same_draws():
+    """Decoded-cache hits go through apply_encoded beside encoded misses: an item given as a
+    decoded array is rendered as apply_decoded renders it, an encoded one as alone, a bad
+    one is reported, all in input order; the time spent on the decoded ones is reported."""
+    datas = _jpegs(6, 120, 160)
+    ids = np.arange(40, 46)
+    t = ImageTransform(size=48)
+    arrays = [decode_image(d) for d in datas]
+    mixed = [arrays[0], datas[1], b"not an image", arrays[3], datas[4], arrays[5]]
+    res = t.apply_encoded(mixed, ids, seed=3, epoch=1)
+    assert res.ok.tolist() == [True, True, False, True, True, True]
+    assert [e.sample_id for e in res.errors] == [42]
+    keep = [0, 1, 3, 4, 5]
+    cropped = t.apply_decoded([arrays[i] for i in (0, 3, 5)], ids[[0, 3, 5]], seed=3, epoch=1)
+    decoded = t.apply_encoded([datas[i] for i in (1, 4)], ids[[1, 4]], seed=3, epoch=1)
+    np.testing.assert_array_equal(res.images[[0, 2, 4]], cropped)
+    np.testing.assert_array_equal(res.images[[1, 3]], decoded.images)
+    assert res.images.shape[0] == len(keep)
+    assert res.decoded_s > 0 and decoded.decoded_s == 0.0
+    # At full scale the crop of a decoded image equals the region decode's exactly.
+    whole = t.apply_encoded(datas, ids, seed=3, epoch=1)
+    assert decoded.decoded_s == 0.0 and whole.ok.all()
+    np.testing.assert_array_equal(t.apply_encoded(arrays, ids, seed=3, epoch=1).images,
+                                  t.apply_decoded(arrays, ids, seed=3, epoch=1))
+
+
 def test_flip_mirrors_the_crop():
     img = _smooth(50, 70)
     ids = np.arange(64)
@@ -427,6 +453,36 @@ def test_exif_rotated_jpeg_crops_the_upright_image(orientation):
         got = t.apply_encoded([buf.getvalue()] * 16, ids, seed=0, epoch=0).images
         ref = t.apply_decoded([upright] * 16, ids, seed=0, epoch=0)
         assert np.abs(got.astype(int) - ref).mean() < 2.0, size
+
+
+@pytest.mark.parametrize("orientation", [1, 6])
+def test_full_scale_decode_equals_cropping_the_decoded_image(corpus, orientation):
+    """``scaled=False`` (a decoded cache's misses) gives exactly apply_decoded's pixels of the
+    whole decoded image, where the default DCT-scaled decode may differ: crops from 1/8 to
+    all of the image, upright and EXIF-turned files, and the corpus's other good images."""
+    stored = _smooth(360, 480, 7)
+    if orientation == 6:
+        stored = np.rot90(stored, 1)
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(np.ascontiguousarray(stored)).save(buf, "JPEG", quality=90,
+                                                       exif=exif.tobytes())
+    upright = decode_image(buf.getvalue())
+    ids = np.arange(64)
+    for size in (224, 48):  # 48: most crops would take the DCT-scaled path
+        t = ImageTransform(size=size, scale=(0.05, 1.0))
+        full = t.apply_encoded([buf.getvalue()] * 64, ids, seed=2, epoch=1, scaled=False)
+        ref = t.apply_decoded([upright] * 64, ids, seed=2, epoch=1)
+        np.testing.assert_array_equal(full.images, ref)
+    goods = [(corpus.root / c.path).read_bytes() for c in corpus.good]
+    t = ImageTransform(size=24)
+    ids = np.arange(len(goods))
+    res = t.apply_encoded(goods, ids, seed=0, epoch=0, scaled=False)
+    assert res.ok.all()
+    np.testing.assert_array_equal(res.images,
+                                  t.apply_decoded([decode_image(g) for g in goods], ids,
+                                                  seed=0, epoch=0))
 
 
 @pytest.mark.parametrize("interpolation", ["linear", "cubic"])

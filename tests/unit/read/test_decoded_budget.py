@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -181,3 +183,104 @@ def test_a_partial_fit_keeps_hitting_where_an_lru_would_thrash(tmp_path):
     lru = epochs(decoded_cache.DecodedCache(str(tmp_path / "l"), budget, "t"))
     assert subset[0] == 0.0 and min(subset[1:]) > 0.8 * share, subset
     assert max(lru[1:]) < min(subset[1:]), (lru, subset)
+
+
+# --- the fill budget ------------------------------------------------------------------------------
+
+
+def test_the_fill_budget_spends_only_what_the_read_time_and_the_hits_earned():
+    b = decoded_cache.FillBudget(0.05)
+    assert b.allow(10) == 0  # no credit before any read work
+    b.earn(0.100)  # a part of 100 ms earns 5 ms
+    assert b.allow(10) == 1  # the first fill measures what one costs
+    b.spend(1, 0.002)
+    assert b.credit == pytest.approx(0.003)
+    assert b.allow(10) == 1  # 3 ms of credit, 2 ms a fill
+    b.spend(1, 0.002)
+    assert b.allow(10) == 0
+    b.earn(0.200)  # +10 ms
+    assert b.allow(10) == 5 and b.allow(3) == 3
+    # Hits earn what they saved (decode and crop minus lookup and crop), once both are known.
+    b.note(16, 16 * 0.0004, 0, 0.0)
+    b.earn(0.0, hits=10)
+    assert b.credit == pytest.approx(0.011)  # no hit timed yet: nothing credited
+    b.note(0, 0.0, 8, 8 * 0.0001)
+    b.earn(0.0, hits=10)
+    assert b.credit == pytest.approx(0.011 + 10 * 0.0003)
+    b.note(0, 0.0, 4, 4 * 0.001)  # hits dearer than decoding earn nothing, never debt
+    before = b.credit
+    b.earn(0.0, hits=100)
+    assert b.credit >= before
+
+
+def test_without_a_share_every_admitted_miss_is_filled_at_once():
+    b = decoded_cache.FillBudget(None)
+    assert b.allow(7) == 7 and b.allow(0) == 0
+    b.spend(7, 1.0)
+    assert b.allow(7) == 7
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, float("nan"), float("inf"), True, "5%"])
+def test_pipeline_config_refuses_a_bad_fill_share(bad):
+    import raying
+
+    with pytest.raises(ConfigError, match="decoded_cache_fill"):
+        raying.PipelineConfig(decoded_cache_fill=bad)
+    assert raying.PipelineConfig(decoded_cache_fill=None).decoded_cache_fill is None
+    assert raying.PipelineConfig().decoded_cache_fill == 0.05
+
+
+def test_the_cache_fills_over_epochs_within_its_budget_with_unchanged_pixels(tmp_path):
+    """In one process, as a read worker runs units: with the default share the first epoch
+    writes only a few entries (a fill costs more than a decode, and may add 5 %), later epochs
+    hit them and write more. Without a share the first epoch writes every entry. Both give
+    the same pixels in every epoch, hit or miss: a cached pipeline decodes its misses at full
+    scale, as its hits were (with the cache off, a DCT-scaled decode may differ by a few
+    levels)."""
+    import raying
+    from raying.read.task import iter_unit
+    from raying.tools.datagen import make_image_folder
+
+    n = 96
+    root = make_image_folder(tmp_path / "imgs", n=n, classes=3, size=(64, 80), seed=4)
+    m = raying.Manifest.scan(str(root))
+    tf = raying.ImageTransform(size=32)
+
+    def pipe(**cfg):
+        return raying.Pipeline(m, transform=tf, config=raying.PipelineConfig(block_rows=16, **cfg))
+
+    def epoch(p, e):
+        spec, images, hits = p._ready_spec(), [], 0
+        for unit in p.plan(e).units:
+            u, paths = p._fill(unit)
+            for block, account in iter_unit(spec, u, paths, block_rows=8):
+                images.append(block["image"])
+                hits += account.io.get("cache_decoded_hits", 0)
+        return np.concatenate(images), hits
+
+    def entries(p):
+        d = os.path.join(decoded_cache.cache_dir(p._ready_spec().decoded_cache_name), "data")
+        return sum(len(f) for _, _, f in os.walk(d))
+
+    off, budgeted, eager = pipe(decoded_cache="off"), pipe(decoded_cache=64 << 20), pipe(
+        decoded_cache=64 << 20, decoded_cache_fill=None)
+    try:
+        hits, written = [], []
+        for e in range(4):
+            want, h_eager = epoch(eager, e)
+            assert h_eager == (0 if e == 0 else n), (e, h_eager)
+            if e == 0:
+                assert entries(eager) == n
+            got, h = epoch(budgeted, e)
+            np.testing.assert_array_equal(got, want)
+            hits.append(h)
+            written.append(entries(budgeted))
+            uncached, _ = epoch(off, e)
+            assert uncached.shape == got.shape
+            assert np.abs(uncached.astype(int) - got).max() <= 16
+        assert 0 < written[0] < n // 3, written
+        assert hits[0] == 0 and hits[1] == written[0], (hits, written)
+        assert written == sorted(written) and written[-1] > written[0], written
+    finally:
+        for p in (off, budgeted, eager):
+            p.close()

@@ -11,7 +11,8 @@ peer.
   ``DEFAULT_CPU_INTERVAL_S`` and on demand at the child's marks (epoch ends), so the CPU of a
   window between two marks is exact up to the latency of a pipe read (~1 ms).
 - Memory: the tree's PSS (``Pss`` of ``/proc/<pid>/smaps_rollup``, summed), sampled every
-  ``DEFAULT_PSS_INTERVAL_S``. PSS splits each shared page between the processes that map it,
+  ``DEFAULT_PSS_INTERVAL_S`` (a process whose resident size has not moved keeps its last
+  reading, up to ``DEFAULT_PSS_MAX_AGE_S``). PSS splits each shared page between the processes that map it,
   so copy-on-write pages of forked workers and Ray's shared-memory object store are counted
   once, not once per process as a sum of RSS would. It is a sampled peak: a spike shorter than
   the interval can be missed. The sum of the processes' ``VmHWM`` (kernel-tracked peak RSS,
@@ -36,6 +37,15 @@ from raying.read import memory as _memory
 DEFAULT_CPU_INTERVAL_S = 0.25
 DEFAULT_DISCOVER_INTERVAL_S = 1.0
 DEFAULT_PSS_INTERVAL_S = 1.0
+# A process's smaps_rollup (2-3 ms each for a process with Ray's object store mapped, and a
+# Ray tree has ~20 processes) is read again only when its resident size (statm, a few us)
+# moved by more than this share or ``DEFAULT_PSS_REREAD_KIB``, or its reading is older than
+# ``DEFAULT_PSS_MAX_AGE_S``: the watcher runs on the cores it measures, and reading every
+# process every second cost a Ray peer ~5 % of a core more than a peer of a few processes.
+DEFAULT_PSS_REREAD_SHARE = 0.01
+DEFAULT_PSS_REREAD_KIB = 1024
+DEFAULT_PSS_MAX_AGE_S = 5.0
+_PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 _MB = 1024.0 * 1024.0
@@ -63,6 +73,15 @@ def _kib_field(path: str, key: bytes) -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def _rss_kib(pid: int) -> int | None:
+    """Resident size of ``pid`` in KiB from /proc/<pid>/statm (None if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as fh:
+            return int(fh.read().split()[1]) * _PAGE_KIB
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def descendants(root: int) -> list[int]:
@@ -105,6 +124,9 @@ class TreeWatch:
         self.peak_whole_mb = 0.0
         self.whole_phase_peaks: dict[str, float] = {}
         self._phase: str | None = None
+        # (pid, start) -> (resident KiB when read, monotonic time, its smaps_rollup figures)
+        self._pss: dict[tuple[int, int], tuple[int, float, dict[str, int]]] = {}
+        self.pss_reads = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-treewatch", daemon=True)
         self.samples = 0
@@ -207,8 +229,9 @@ class TreeWatch:
             live = list(self._live.items())
         total_kib = own_kib = 0
         hwm = {}
+        now = time.monotonic()
         for pid, start in live:
-            k = _memory.process_kib(pid)
+            k = self._process_kib(pid, start, now)
             total_kib += k["anon"] + k["file"] + k["shmem"]
             own_kib += k["anon"] + k["file"]
             hwm[(pid, start)] = _kib_field(f"/proc/{pid}/status", b"VmHWM:")
@@ -225,6 +248,25 @@ class TreeWatch:
                 self.phase_peaks[self._phase] = max(self.phase_peaks.get(self._phase, 0.0), mb)
                 self.whole_phase_peaks[self._phase] = max(
                     self.whole_phase_peaks.get(self._phase, 0.0), whole)
+
+
+    def _process_kib(self, pid: int, start: int, now: float) -> dict[str, int]:
+        """``memory.process_kib(pid)``, read again only when the process's resident size
+        moved or its last reading is old (see ``DEFAULT_PSS_REREAD_SHARE``)."""
+        rss = _rss_kib(pid)
+        if rss is None:
+            self._pss.pop((pid, start), None)
+            return {"anon": 0, "file": 0, "shmem": 0}
+        last = self._pss.get((pid, start))
+        if last is not None:
+            moved = abs(rss - last[0])
+            if (moved <= max(DEFAULT_PSS_REREAD_KIB, DEFAULT_PSS_REREAD_SHARE * last[0])
+                    and now - last[1] < DEFAULT_PSS_MAX_AGE_S):
+                return last[2]
+        k = _memory.process_kib(pid)
+        self.pss_reads += 1
+        self._pss[(pid, start)] = (rss, now, k)
+        return k
 
 
 def alive(procs: list[tuple[int, int]]) -> list[int]:

@@ -1,17 +1,20 @@
 """The decoded-sample cache: pre-augment pixels kept in a node's memory tier across epochs.
 
 Decoding is 70-85% of a read task's work on JPEG folders. When the decoded dataset fits in a
-share of the node's memory, the first epoch decodes every sample once and offers its pixels
-to the shared memory tier (tmpfs, see :mod:`raying.read.cache.tiered`); later epochs read them back
-and only crop, resize and flip. Augmentation stays random per epoch: the cache holds pixels
-before augmentation.
+share of the node's memory, read tasks decode samples whole and write their pixels to the
+shared memory tier (tmpfs, see :mod:`raying.read.cache.tiered`); later reads take them back
+and only crop, resize and flip (a hit costs about half a decode). Augmentation stays random
+per epoch: the cache holds pixels before augmentation.
 
-The cache is not free: the epoch that fills it decodes whole images and writes them to tmpfs
-(new tmpfs pages, faulted in one by one), while without it a JPEG decodes only the region its
-crop needs. On a 2-core node, 10,000 256-px JPEGs: a 1-epoch job took 6.1 s with the cache
-and 2.6 s without, and each later epoch 1.80 s against 1.86 s; 2,000 500x375 JPEGs: 3.8 s
-against 1.4 s, then 0.88 s against 0.96 s. It repays its first epoch only after some 30-65
-epochs. ``decoded_cache="auto"`` (the default) therefore turns it on only when the pipeline is told
+The cache is not free: a fill decodes the whole image and writes it to new tmpfs pages,
+while without the cache a JPEG decodes only the region its crop needs. Filling every sample
+in the first epoch made it 1.5-2.5x slower (10,000 256-px JPEGs on 2 cores: a 1-epoch job
+6.1 s against 2.6 s). So a read process fills only as its :class:`FillBudget` allows
+(``PipelineConfig(decoded_cache_fill=...)``, 5 % of its read time by default, plus what its
+hits save): the cache fills over epochs and no epoch runs more than about that share slower
+than without it; ``decoded_cache_fill=None`` fills at first read. Misses of a cached pipeline
+decode at full scale (only the crop's region), never DCT-scaled, so that a sample's pixels do
+not depend on whether it was a hit. ``decoded_cache="auto"`` (the default) turns it on only when the pipeline is told
 (``PipelineConfig(epochs=...)``) that at least ``DEFAULT_DECODED_CACHE_MIN_EPOCHS`` epochs
 follow, and the whole decoded dataset fits in a share of free memory, judged from the headers
 of a sample of files; otherwise the read path is unchanged. A budget in bytes turns it on

@@ -30,8 +30,10 @@ Definitions (the JSON's ``definitions`` repeats them):
   W5: W1's limit). Ratio to the best peer: to the best other loader (not a reference, not a
   labelled cache row) in the same workload, batch size and consumer mode; ``cold_ratio_to_best_peer``
   does the same for cold img/s.
-- cache rows (``raying-cache``): raying with its decoded-pixel cache on from epoch 0. Its
-  later epochs do not decode, so it is never a headline figure nor anyone's best peer.
+- cache rows (``raying-cache``, ``raying-cache-eager``, ``tf-cache``): raying with its
+  decoded-pixel cache on from epoch 0 (filling within its budget, or every sample at first
+  read), and tf.data with ``.cache()`` after the decode. Their later epochs decode less or
+  not at all, so they are never a headline figure nor anyone's best peer.
 - Every figure is the median over rounds; ``*_rounds`` lists the values of each round.
 """
 
@@ -48,7 +50,7 @@ TARGET_VS_LIMIT = 0.9
 TARGET_COLD_TTFB_S = 1.0
 TARGET_CACHE_COLD_VS_OFF = 0.95
 # Labelled rows that do less work than the peers in their later epochs (decoded caches).
-CACHE_PEERS = ("raying-cache",)
+CACHE_PEERS = ("raying-cache", "raying-cache-eager", "tf-cache")
 TARGET_W4_VS_PYARROW = 0.6
 TARGET_W5_VS_UNIFORM = 0.95
 TARGET_WARM_TTFB_S = 0.25
@@ -137,8 +139,8 @@ def combine(runs: list[dict[str, Any]], workloads: dict[str, dict[str, Any]],
         rows.append(row)
     _ratios(rows)
     order = {w: i for i, w in enumerate(sorted(workloads))}
-    peers = ("L", "pyarrow", "torch", "tf", "raydata", "raying", "raying-cache", "raying-train",
-             "raydata-train")
+    peers = ("L", "pyarrow", "torch", "tf", "tf-cache", "raydata", "raying", "raying-cache",
+             "raying-cache-eager", "raying-train", "raydata-train")
     modes = ("iterate", "sleep", "compute")
     rows.sort(key=lambda r: (order.get(r["workload"], 99), r["batch_size"],
                              modes.index(r["mode"]) if r["mode"] in modes else 9,

@@ -54,9 +54,11 @@ PEERS = {
     "pyarrow": "raying.bench.peers_native:PyArrowPeer",
     "torch": "raying.bench.peers_torch:TorchPeer",
     "tf": "raying.bench.peers_tf:TfPeer",
+    "tf-cache": "raying.bench.peers_tf:TfCachePeer",
     "raydata": "raying.bench.peers_ray:RayDataPeer",
     "raying": "raying.bench.peers_ray:RayingPeer",
     "raying-cache": "raying.bench.peers_ray:RayingCachePeer",
+    "raying-cache-eager": "raying.bench.peers_ray:RayingCacheEagerPeer",
     "raying-train": "raying.bench.peers_train:RayingTrainPeer",
     "raydata-train": "raying.bench.peers_train:RayDataTrainPeer",
 }
@@ -64,9 +66,11 @@ PEERS = {
 PEER_NEEDS = {
     "torch": ("torch", "pip install torch"),
     "tf": ("tensorflow", "pip install 'raying[tf]'"),
+    "tf-cache": ("tensorflow", "pip install 'raying[tf]'"),
     "raydata": ("ray", "pip install 'ray[data]'"),
     "raying": ("ray", "pip install 'ray[data]'"),
     "raying-cache": ("ray", "pip install 'ray[data]'"),
+    "raying-cache-eager": ("ray", "pip install 'ray[data]'"),
     "raying-train": ("ray", "pip install 'ray[data,train]'"),
     "raydata-train": ("ray", "pip install 'ray[data,train]'"),
 }
@@ -77,9 +81,11 @@ PEER_WORKLOADS = {
     "pyarrow": ("W4",),
     "torch": ("W1", "W2", "W3", "W4", "W6", "W7"),
     "tf": ("W1", "W2", "W3", "W4", "W6", "W7"),
+    "tf-cache": ("W1", "W2"),
     "raydata": ("W1", "W2", "W3", "W4", "W6", "W7"),
     "raying": ("W1", "W2", "W3", "W4", "W5", "W6", "W7"),
     "raying-cache": ("W1", "W2", "W3"),
+    "raying-cache-eager": ("W1", "W2"),
     "raying-train": ("W1", "W2", "W3", "W6"),
     "raydata-train": ("W1", "W3"),  # one folder, one Parquet: Train start-up is dear
 }

@@ -255,3 +255,13 @@ class RayingCachePeer(RayingPeer):
         from raying.read.decoded_cache import auto_budget
 
         return {"decoded_cache": max(1, auto_budget())}
+
+
+class RayingCacheEagerPeer(RayingCachePeer):
+    """raying-cache that fills every sample at its first read (``decoded_cache_fill=None``):
+    a slow epoch 0, then every later epoch crops cached pixels. The row to set beside
+    tf.data's ``.cache()``, which works the same way."""
+
+    @property
+    def config(self) -> dict[str, Any]:  # type: ignore[override]
+        return {**super().config, "decoded_cache_fill": None}

@@ -7,6 +7,8 @@
   ``prefetch(AUTOTUNE)``. ``sample_distorted_bounding_box`` with torchvision's ranges (area
   0.08-1, aspect 3/4-4/3, 10 attempts, whole image as fallback) plus ``decode_and_crop_jpeg``
   is TF's native random-resized-crop: only the crop window is decoded.
+- ``tf-cache`` (a labelled row, image folders): whole JPEGs decoded once and kept by
+  ``.cache()``, then a shuffle buffer and the crop of the cached pixels every epoch.
 - Parquet (W3, W4): ``from_generator`` over row groups (permuted every epoch, rows shuffled
   within each group, read with pyarrow) yielding one group at a time -> ``unbatch`` -> the
   same ``map`` on the JPEG bytes (W3), or ``random_crop`` 224 + flip of the stored pixels (W4)
@@ -87,6 +89,24 @@ def _jitter(images: tf.Tensor, labels: tf.Tensor):
     return tf.cast(x, tf.uint8), labels
 
 
+def _decode_file(path: tf.Tensor, label: tf.Tensor):
+    """The whole JPEG, decoded (what tf-cache keeps)."""
+    return tf.io.decode_jpeg(tf.io.read_file(path), channels=3), label
+
+
+def _crop_decoded(image: tf.Tensor, label: tf.Tensor):
+    """Random-resized-crop 224 + flip of decoded pixels: the same box sampling as
+    ``_crop_decode``, on the cached image instead of the JPEG."""
+    begin, size, _ = tf.image.sample_distorted_bounding_box(
+        tf.shape(image), bounding_boxes=_NO_BOXES, min_object_covered=0.0,
+        aspect_ratio_range=CROP_RATIO, area_range=CROP_SCALE, max_attempts=10,
+        use_image_if_no_bounding_boxes=True)
+    crop = tf.image.resize(tf.slice(image, begin, size), [OUTPUT_SIZE, OUTPUT_SIZE],
+                           method="bilinear")
+    crop = tf.cast(tf.clip_by_value(crop + 0.5, 0.0, 255.0), tf.uint8)
+    return tf.image.random_flip_left_right(crop), label
+
+
 def _row_group_dataset(files: list[str], decoded: int | None, seed: int) -> tf.data.Dataset:
     import pyarrow.parquet as pq
 
@@ -155,3 +175,26 @@ class TfPeer:
 
     def stop(self) -> None:
         pass
+
+
+# Decoded images tf-cache's shuffle buffer holds (~100 MB of 256-px images).
+DEFAULT_TF_CACHE_SHUFFLE = 512
+
+
+class TfCachePeer(TfPeer):
+    """tf.data's own decoded cache, a labelled row beside raying-cache: the file list shuffled
+    once, whole JPEGs decoded and kept by ``.cache()`` (in memory) in the first epoch, then
+    every epoch a shuffle buffer of ``DEFAULT_TF_CACHE_SHUFFLE`` decoded images and the
+    random-resized-crop + flip of the cached pixels. Image folders only."""
+
+    def open(self, wl: Workload, *, batch_size: int, cores: int, seed: int) -> _TfLoader:
+        tf.random.set_seed(seed)
+        auto = tf.data.AUTOTUNE
+        paths, labels, _ = list_images(wl.root)
+        ds = tf.data.Dataset.from_tensor_slices((paths, labels))
+        ds = ds.shuffle(len(paths), seed=seed, reshuffle_each_iteration=False)
+        ds = ds.map(_decode_file, num_parallel_calls=auto).cache()
+        ds = ds.shuffle(DEFAULT_TF_CACHE_SHUFFLE, seed=seed, reshuffle_each_iteration=True)
+        ds = ds.map(_crop_decoded, num_parallel_calls=auto).batch(batch_size)
+        return _TfLoader(ds.prefetch(auto))
+

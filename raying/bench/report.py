@@ -13,7 +13,8 @@ from raying.bench.child import REFERENCE_PEERS
 PEER_COLOURS = {"L": "#444444", "pyarrow": "#444444", "torch": "#ee4c2c", "tf": "#ff9f00",
                 "raydata": "#028cf0", "raying": "#2ca02c", "raying-train": "#17becf",
                 "raydata-train": "#8c564b",
-                "raying-cache": "#bcbd22", "W1 uniform": "#98df8a"}
+                "raying-cache": "#bcbd22", "raying-cache-eager": "#dbdb8d",
+                "tf-cache": "#ffbb78", "W1 uniform": "#98df8a"}
 _WORKLOAD_TITLES = {"W1": "W1 JPEG folder", "W2": "W2 JPEG 500x375", "W3": "W3 Parquet of JPEG",
                     "W4": "W4 pre-decoded Parquet", "W5": "W5 W1 prioritized + live updates",
                     "W6": "W6 ImageNet-like JPEG folder", "W7": "W7 W1 + colour jitter (user stage)"}

@@ -12,7 +12,7 @@ peer.
   window between two marks is exact up to the latency of a pipe read (~1 ms).
 - Memory: the tree's PSS (``Pss`` of ``/proc/<pid>/smaps_rollup``, summed), sampled every
   ``DEFAULT_PSS_INTERVAL_S`` (a process whose resident size has not moved keeps its last
-  reading, up to ``DEFAULT_PSS_MAX_AGE_S``). PSS splits each shared page between the processes that map it,
+  reading, up to ``DEFAULT_PSS_MAX_AGE_S`` and until a process joins or leaves the tree). PSS splits each shared page between the processes that map it,
   so copy-on-write pages of forked workers and Ray's shared-memory object store are counted
   once, not once per process as a sum of RSS would. It is a sampled peak: a spike shorter than
   the interval can be missed. The sum of the processes' ``VmHWM`` (kernel-tracked peak RSS,
@@ -42,9 +42,12 @@ DEFAULT_PSS_INTERVAL_S = 1.0
 # moved by more than this share or ``DEFAULT_PSS_REREAD_KIB``, or its reading is older than
 # ``DEFAULT_PSS_MAX_AGE_S``: the watcher runs on the cores it measures, and reading every
 # process every second cost a Ray peer ~5 % of a core more than a peer of a few processes.
+# Every process is read again when the tree gains or loses one: PSS splits shared pages
+# (libraries, the object store) between the processes mapping them, so a process coming or
+# going changes the others' PSS while their resident size stays put.
 DEFAULT_PSS_REREAD_SHARE = 0.01
 DEFAULT_PSS_REREAD_KIB = 1024
-DEFAULT_PSS_MAX_AGE_S = 5.0
+DEFAULT_PSS_MAX_AGE_S = 3.0
 _PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
 
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -230,6 +233,8 @@ class TreeWatch:
         total_kib = own_kib = 0
         hwm = {}
         now = time.monotonic()
+        if set(self._pss) != set(live):  # a process came or went: the shares moved
+            self._pss.clear()
         for pid, start in live:
             k = self._process_kib(pid, start, now)
             total_kib += k["anon"] + k["file"] + k["shmem"]

@@ -84,3 +84,46 @@ def test_an_idle_process_keeps_its_reading_and_a_grown_one_is_read_again():
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
+
+
+def test_readings_are_taken_again_when_a_process_moves_joins_leaves_or_grows_old(monkeypatch):
+    """PSS splits shared pages between their users: a process joining or leaving the tree
+    moves the others' PSS while their resident size stays put, so every process is read
+    again then; otherwise only one whose resident size moved, or whose reading is old."""
+    from raying.bench import measure
+
+    rss = {1: 100_000, 2: 200_000}
+    reads: list[int] = []
+    clock = [1000.0]
+    monkeypatch.setattr(measure, "_rss_kib", lambda pid: rss.get(pid))
+    monkeypatch.setattr(measure, "_kib_field", lambda *a: 0)
+    monkeypatch.setattr(measure._memory, "tmpfs_used_bytes", lambda *a: 0)
+
+    def process_kib(pid):
+        reads.append(pid)
+        return {"anon": rss[pid] // 2, "file": 10, "shmem": 0}
+
+    monkeypatch.setattr(measure._memory, "process_kib", process_kib)
+    monkeypatch.setattr(measure.time, "monotonic", lambda: clock[0])
+    watch = TreeWatch(1)
+    watch._live = {1: 11, 2: 22}
+
+    def sample():
+        reads.clear()
+        watch._read_pss()
+        return sorted(reads)
+
+    assert sample() == [1, 2]
+    assert sample() == []  # nothing moved: the readings stand
+    rss[1] += 4096  # 4 MiB more resident: that process only
+    assert sample() == [1]
+    rss[2] += 512  # under the threshold
+    assert sample() == []
+    rss[3] = 50_000
+    watch._live[3] = 33  # a process joins: every share may have moved
+    assert sample() == [1, 2, 3]
+    del watch._live[3]  # and leaves
+    assert sample() == [1, 2]
+    clock[0] += measure.DEFAULT_PSS_MAX_AGE_S + 0.1  # old readings are taken again
+    assert sample() == [1, 2]
+    assert watch.peak_whole_mb > 0

@@ -447,9 +447,9 @@ class FillBudget:
       subtracted, so the real extra stays under the budget).
 
     So epoch 0 runs at most ``share`` slower than without the cache, no later epoch is
-    slower by more than that either, and the fill speeds up as hits accrue (on 10,000 JPEGs
-    of 256 px: ~3 % of the set in epoch 0, then ~1.4x more each epoch). A share of None
-    fills every admitted miss at once.
+    slower by more than that either, and the fill speeds up as hits accrue (10,000 JPEGs of
+    256 px on 2 cores: 3.5 % of the set filled in epoch 0, 24 % of epoch 7's reads hit). A
+    share of None fills every admitted miss at once.
     """
 
     def __init__(self, share: float | None) -> None:

@@ -41,20 +41,31 @@ from raying.bench.workloads import (  # noqa: E402
 _NO_BOXES = tf.zeros([1, 0, 4], dtype=tf.float32)
 
 
-def _crop_decode(data: tf.Tensor) -> tf.Tensor:
-    """JPEG bytes -> random-resized-crop 224 uint8, mirrored half the time."""
-    shape = tf.image.extract_jpeg_shape(data)
+def _sample_box(shape: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """``(begin, size)`` of a random-resized-crop box in an image of ``shape`` (h, w, c):
+    torchvision's ranges, 10 attempts, the whole image as fallback."""
     begin, size, _ = tf.image.sample_distorted_bounding_box(
         shape, bounding_boxes=_NO_BOXES, min_object_covered=0.0,
         aspect_ratio_range=CROP_RATIO, area_range=CROP_SCALE, max_attempts=10,
         use_image_if_no_bounding_boxes=True)
+    return begin, size
+
+
+def _to_output(image: tf.Tensor) -> tf.Tensor:
+    """A crop resized to 224 (bilinear), rounded to uint8, mirrored half the time."""
+    image = tf.image.resize(image, [OUTPUT_SIZE, OUTPUT_SIZE], method="bilinear")
+    image = tf.cast(tf.clip_by_value(image + 0.5, 0.0, 255.0), tf.uint8)
+    return tf.image.random_flip_left_right(image)
+
+
+def _crop_decode(data: tf.Tensor) -> tf.Tensor:
+    """JPEG bytes -> random-resized-crop 224 uint8, mirrored half the time."""
+    begin, size = _sample_box(tf.image.extract_jpeg_shape(data))
     top, left, _ = tf.unstack(begin)
     height, width, _ = tf.unstack(size)
     image = tf.image.decode_and_crop_jpeg(data, tf.stack([top, left, height, width]),
                                           channels=3)
-    image = tf.image.resize(image, [OUTPUT_SIZE, OUTPUT_SIZE], method="bilinear")
-    image = tf.cast(tf.clip_by_value(image + 0.5, 0.0, 255.0), tf.uint8)
-    return tf.image.random_flip_left_right(image)
+    return _to_output(image)
 
 
 def _load_file(path: tf.Tensor, label: tf.Tensor):
@@ -97,14 +108,8 @@ def _decode_file(path: tf.Tensor, label: tf.Tensor):
 def _crop_decoded(image: tf.Tensor, label: tf.Tensor):
     """Random-resized-crop 224 + flip of decoded pixels: the same box sampling as
     ``_crop_decode``, on the cached image instead of the JPEG."""
-    begin, size, _ = tf.image.sample_distorted_bounding_box(
-        tf.shape(image), bounding_boxes=_NO_BOXES, min_object_covered=0.0,
-        aspect_ratio_range=CROP_RATIO, area_range=CROP_SCALE, max_attempts=10,
-        use_image_if_no_bounding_boxes=True)
-    crop = tf.image.resize(tf.slice(image, begin, size), [OUTPUT_SIZE, OUTPUT_SIZE],
-                           method="bilinear")
-    crop = tf.cast(tf.clip_by_value(crop + 0.5, 0.0, 255.0), tf.uint8)
-    return tf.image.random_flip_left_right(crop), label
+    begin, size = _sample_box(tf.shape(image))
+    return _to_output(tf.slice(image, begin, size)), label
 
 
 def _row_group_dataset(files: list[str], decoded: int | None, seed: int) -> tf.data.Dataset:

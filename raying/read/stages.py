@@ -120,15 +120,28 @@ def join(stages: tuple[UserStage, ...], parts: list[dict[str, np.ndarray]], *,
             np.concatenate([p[k] for p in parts]) for k in keys}
 
 
+def chunk_rngs(stages: tuple[UserStage, ...], seed: int, epoch: int,
+               ids: np.ndarray) -> list[np.random.Generator | None]:
+    """Each stage's generator for the chunk of ``ids`` (None for a stage without
+    ``with_rng``): the calls a chunk is cut into draw from them in turn."""
+    return [stage_rng(seed, epoch, index, ids) if stage.with_rng else None
+            for index, stage in enumerate(stages)]
+
+
 def run_chunk(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, seed: int,
-              epoch: int, size: int) -> dict[str, np.ndarray]:
-    """Run ``stages`` in order on one chunk of at most ``DEFAULT_STAGE_ROWS`` rows."""
+              epoch: int, size: int,
+              rngs: list[np.random.Generator | None] | None = None) -> dict[str, np.ndarray]:
+    """Run ``stages`` in order on one chunk of at most ``DEFAULT_STAGE_ROWS`` rows, or on one
+    call's rows of it: ``rngs`` are then the chunk's generators (:func:`chunk_rngs`), which
+    its calls share in order, so a chunk draws the same numbers however it is cut."""
     ids = block["id"]
     n = len(ids)
+    if rngs is None and any(stage.with_rng for stage in stages):
+        rngs = chunk_rngs(stages, seed, epoch, ids)
     for index, stage in enumerate(stages):
         kwargs = dict(stage.fn_kwargs)
         if stage.with_rng:
-            kwargs["rng"] = stage_rng(seed, epoch, index, ids)
+            kwargs["rng"] = rngs[index]  # type: ignore[index]
         try:
             out = stage.fn(block, **kwargs)
         except Exception as exc:

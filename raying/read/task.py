@@ -208,10 +208,12 @@ def _staged(spec: ReadSpec, unit: ReadUnit, source: Any, a: int, b: int,
         chunk = {k: v[sub][got.ok] for k, v in cols.items()}
         chunk["image"] = got.images
         rows = len(chunk["id"])
+        # One generator per stage and chunk, drawn from by the chunk's calls in turn.
+        rngs = _stages.chunk_rngs(spec.stages, spec.seed, unit.epoch, chunk["id"])
         for s0 in range(0, rows, calls):  # the stages a few rows at a time (see stages.py)
             part = chunk if calls >= rows else {k: v[s0:s0 + calls] for k, v in chunk.items()}
             staged = run_chunk(spec.stages, part, seed=spec.seed, epoch=unit.epoch,
-                               size=spec.transform.size)
+                               size=spec.transform.size, rngs=rngs)
             if out is not None:  # the rows' pixels into the block's buffer while in cache
                 k = len(staged["id"])
                 staged["image"] = _into(out[pos:pos + k], staged["image"])

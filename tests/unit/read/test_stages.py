@@ -405,3 +405,32 @@ def test_seeded_stage_in_small_calls_gives_the_same_pixels_however_blocks_are_cu
     np.testing.assert_array_equal(np.concatenate([b["id"] for b in cut]), whole["id"])
     np.testing.assert_array_equal(np.concatenate([b["image"] for b in cut]), whole["image"])
     pipe.close()
+
+
+def test_a_chunks_calls_draw_in_turn_from_the_chunks_generator(tmp_path):
+    """At 128 px a chunk of 16 rows runs as 4 calls of 4; they share the chunk's generator
+    (one per stage and chunk, not one per call), drawing from it in order."""
+    from raying.read.stages import DEFAULT_STAGE_ROWS, stage_call_rows, stage_rng
+    from raying.tools.datagen import make_image_folder
+
+    assert stage_call_rows(128) == 4
+    root = make_image_folder(tmp_path / "img", n=2 * DEFAULT_STAGE_ROWS, classes=2,
+                             size=(24, 32), seed=6, formats=("jpg",))
+
+    def draws(batch, rng):
+        batch["draw"] = rng.integers(0, 1 << 40, size=len(batch["id"]))
+        return batch
+
+    pipe = raying.Pipeline(raying.Manifest.scan(str(root)),
+                           transform=raying.ImageTransform(size=128),
+                           sampler=raying.UniformSampler(seed=8)).map_batches(draws,
+                                                                              with_rng=True)
+    unit, paths = pipe._fill(pipe.plan(3).units[0])
+    block = run_unit(pipe._spec, unit, paths)[0]
+    assert len(block["id"]) == 2 * DEFAULT_STAGE_ROWS
+    for a in range(0, len(block["id"]), DEFAULT_STAGE_ROWS):
+        ids = block["id"][a:a + DEFAULT_STAGE_ROWS]
+        rng = stage_rng(pipe._spec.seed, 3, 0, ids)
+        want = np.concatenate([rng.integers(0, 1 << 40, size=4) for _ in range(4)])
+        np.testing.assert_array_equal(block["draw"][a:a + DEFAULT_STAGE_ROWS], want)
+    pipe.close()

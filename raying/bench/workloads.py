@@ -111,6 +111,23 @@ def list_images(root: str) -> tuple[list[str], np.ndarray, list[str]]:
     return paths, np.asarray(labels, dtype=np.int64), classes
 
 
+def read_through(root: str) -> int:
+    """Read every file under ``root`` once (bytes discarded) and return the bytes read.
+
+    The bench does this before every cell, untimed, so each peer's cold epoch starts with
+    the workload in the page cache whatever ran before it: a host may page out file pages
+    that sat idle for a while (this bench's VM does after about 60 s), and the first cell
+    of a workload in a round would otherwise read the disk while the next ones did not.
+    """
+    total = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(folder, name), "rb", buffering=0) as fh:
+                while chunk := fh.read(1 << 22):
+                    total += len(chunk)
+    return total
+
+
 def parquet_files(root: str) -> list[str]:
     """The Parquet shards under ``root``, sorted."""
     return sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".parquet"))

@@ -441,3 +441,23 @@ def test_close_waits_for_running_reads_before_it_frees_the_decoded_cache(image_f
     done, _ = ray.wait([t.completed() for t in dropped], num_returns=len(dropped), timeout=0)
     assert len(done) == len(dropped)
     assert not os.path.exists(decoded_cache.cache_dir(pipe._cache_name))
+
+
+def test_a_shard_queues_read_tasks_for_its_share_of_the_cores(image_folder, ray_local):
+    """A Train worker's shard keeps a window for its share of the cluster's cores, so the
+    tasks of a worker that runs ahead do not hold the cores the others wait for."""
+    import ray
+
+    from raying.options import DEFAULT_INFLIGHT_TASKS_PER_CPU
+
+    cpus = int(ray.cluster_resources()["CPU"])
+    m = raying.Manifest.scan(str(image_folder))
+    windows = {}
+    for shard in (None, (0, 2), (1, cpus)):
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=32),
+                               config=raying.PipelineConfig(block_rows=16, shard=shard))
+        windows[shard] = pipe.start()._stream._window
+        pipe.close()
+    assert windows[None] == max(2, DEFAULT_INFLIGHT_TASKS_PER_CPU * cpus)
+    assert windows[(0, 2)] == max(2, DEFAULT_INFLIGHT_TASKS_PER_CPU * -(-cpus // 2))
+    assert windows[(1, cpus)] == max(2, DEFAULT_INFLIGHT_TASKS_PER_CPU)

@@ -375,6 +375,14 @@ def test_stage_call_rows_keep_a_call_small_and_divide_a_chunk():
     assert stage_call_rows(224) == 1 and stage_call_rows(16) == DEFAULT_STAGE_ROWS
 
 
+def _seeded_128px(root, fn, *, seed: int):
+    """A pipeline of 128 px crops (4-row calls of the stages) with ``fn`` as a seeded stage."""
+    return raying.Pipeline(raying.Manifest.scan(str(root)),
+                           transform=raying.ImageTransform(size=128),
+                           sampler=raying.UniformSampler(seed=seed)).map_batches(fn,
+                                                                                 with_rng=True)
+
+
 def test_seeded_stage_in_small_calls_gives_the_same_pixels_however_blocks_are_cut(tmp_path):
     """At 128 px a call of the stages sees 4 rows; a unit cut into aligned blocks (a short
     first block, then 32s) draws the same numbers as the whole unit."""
@@ -391,10 +399,7 @@ def test_seeded_stage_in_small_calls_gives_the_same_pixels_however_blocks_are_cu
         calls.append(len(batch["id"]))
         return jitter(batch, rng)
 
-    pipe = raying.Pipeline(raying.Manifest.scan(str(root)),
-                           transform=raying.ImageTransform(size=128),
-                           sampler=raying.UniformSampler(seed=4)).map_batches(seeded,
-                                                                               with_rng=True)
+    pipe = _seeded_128px(root, seeded, seed=4)
     unit, paths = pipe._fill(pipe.plan(0).units[0])
     whole = run_unit(pipe._spec, unit, paths)[0]
     assert set(calls) == {4}
@@ -421,10 +426,7 @@ def test_a_chunks_calls_draw_in_turn_from_the_chunks_generator(tmp_path):
         batch["draw"] = rng.integers(0, 1 << 40, size=len(batch["id"]))
         return batch
 
-    pipe = raying.Pipeline(raying.Manifest.scan(str(root)),
-                           transform=raying.ImageTransform(size=128),
-                           sampler=raying.UniformSampler(seed=8)).map_batches(draws,
-                                                                              with_rng=True)
+    pipe = _seeded_128px(root, draws, seed=8)
     unit, paths = pipe._fill(pipe.plan(3).units[0])
     block = run_unit(pipe._spec, unit, paths)[0]
     assert len(block["id"]) == 2 * DEFAULT_STAGE_ROWS

@@ -140,7 +140,7 @@ def iter_unit(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None = None, *,
     for a, b in _block_bounds(n, step, first_block_rows):
         t1 = time.perf_counter()
         part = slice(a, b)
-        out = _output(b - a, spec.transform.size, step) if reuse_output else None
+        out = _output(b - a, spec.transform.size, min(step, n)) if reuse_output else None
         cols = {"id": ids, "label": labels, "weight": weights, "prob": probs, **extra}
         if spec.stages and b > a:
             got, block = _staged(spec, unit, source, a, b, out, cols)

@@ -78,29 +78,49 @@ def to_numpy(values: pa.Array | pa.ChunkedArray, desc: dict[str, Any], *, name: 
         values = values.combine_chunks()
     if pa.types.is_dictionary(values.type):
         values = values.dictionary_decode()
-    if values.null_count:
-        msg = (f"{where}: extra column {name!r} has {values.null_count} null values; raying "
-               f"carries no nulls in extra columns: fill them (e.g. '' or -1) in the data, or "
-               f"scan without columns=[{name!r}]")
-        raise DataError(msg)
     kind = desc["kind"]
     n = len(values)
+    nulls = values.null_count
+    # A list's values (flatten: only this slice's) may hold nulls of their own.
+    items = values.flatten() if kind in ("array", "list") and not nulls else None
+    if nulls or (items is not None and items.null_count):
+        what = (f"{nulls} null values" if nulls else
+                f"{items.null_count} null values inside its lists")  # type: ignore[union-attr]
+        msg = (f"{where}: extra column {name!r} has {what}; raying carries no nulls in extra "
+               f"columns: fill them (e.g. '' or -1, or NaN for floats) in the data, or scan "
+               f"without columns=[{name!r}]")
+        raise DataError(msg)
     if kind == "number":
+        _check_range(values, desc["dtype"], name=name, where=where)
         return values.to_numpy(zero_copy_only=False).astype(desc["dtype"], copy=False)
     if kind in ("string", "bytes"):
         out = np.empty(n, dtype=object)
         out[:] = values.to_pylist()
         return out
-    flat = values.values.to_numpy(zero_copy_only=False).astype(desc["dtype"], copy=False)
+    _check_range(items, desc["dtype"], name=name, where=where)
+    flat = items.to_numpy(zero_copy_only=False).astype(desc["dtype"], copy=False)
     if kind == "array":
-        width = int(desc["width"])
-        start = values.offset * width
-        return flat[start:start + n * width].reshape(n, width)
+        return flat.reshape(n, int(desc["width"]))
     offsets = values.offsets.to_numpy()
+    offsets = offsets - offsets[0]  # flatten() starts at this slice's first value
     out = np.empty(n, dtype=object)
     for i in range(n):
         out[i] = flat[offsets[i]:offsets[i + 1]]
     return out
+
+
+def _check_range(values: Any, dtype: str, *, name: str, where: str) -> None:
+    """Unsigned 64-bit integers carried as int64 must fit it (no silent wrap-around)."""
+    if dtype != "int64" or not pa.types.is_uint64(values.type) or not len(values):
+        return
+    import pyarrow.compute as pc
+
+    top = pc.max(values).as_py()
+    if top is not None and top > np.iinfo(np.int64).max:
+        msg = (f"{where}: extra column {name!r} (uint64) holds {top}, above int64's range, "
+               f"which raying carries integers as; store it as int64 (or as a string) in the "
+               f"data")
+        raise DataError(msg)
 
 
 def empty(desc: dict[str, Any]) -> np.ndarray:

@@ -42,6 +42,8 @@ class BatchAssembler:
 
     def push(self, block: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         n = len(block["id"])
+        if n == 0:  # no rows (every sample of it bad): nothing to add, and user stages,
+            return  # which run only on rows, did not add their columns to it
         start = 0
         if self._rows:
             take = min(self.batch_size - self._rows, n)
@@ -207,7 +209,16 @@ class TorchConverter:
                 if v.dtype == object:  # strings, bytes, variable-length lists: per row
                     out[k] = [self._row(x) for x in v]
                     continue
-                t = torch.from_numpy(np.ascontiguousarray(v))
+                if v.dtype.kind in "US":  # numpy's own strings: str / bytes per row, too
+                    out[k] = v.tolist()
+                    continue
+                try:
+                    t = torch.from_numpy(np.ascontiguousarray(v))
+                except TypeError:
+                    msg = (f"column {k!r} holds {v.dtype}, which torch has no tensor type for; "
+                           f"convert it in the map_batches function that makes it (e.g. "
+                           f"datetime64 to int64 with .astype('int64'), or to str)")
+                    raise ConfigError(msg) from None
                 out[k] = t.pin_memory() if self.pin else t
         return out
 

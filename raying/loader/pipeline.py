@@ -22,7 +22,7 @@ from raying.dataset.manifest import Manifest
 from raying.engine.datasource import DatasetReads, merge_dataset_account
 from raying.engine.metrics import EpochTally, RunAccount
 from raying.engine.ray_setup import ensure_ray
-from raying.errors import ConfigError
+from raying.errors import ConfigError, UserFunctionError
 from raying.image.transform import ImageTransform
 from raying.loader.batches import BatchAssembler, TorchConverter, prefetch
 from raying.options import (
@@ -315,8 +315,11 @@ class Pipeline:
                         "start": (start_unit, skip)}
         offset = {start_unit: skip}  # rows of each unit already accounted for
         tally = EpochTally(self._on_account)
+        keys: list[str] | None = None  # the columns of the epoch's first block with rows
         for index, block, last in stream.iter_epoch(int(epoch), start_unit=start_unit,
                                                     skip_rows=skip, on_account=tally.add):
+            if len(block["id"]):
+                keys = self._same_columns(keys, block, int(epoch))
             begin = offset.get(index, 0)
             offset[index] = begin + len(block["id"])
             units.append((index, begin, begin + len(block["id"]), last))
@@ -324,6 +327,18 @@ class Pipeline:
             yield block
         self.account.end_epoch(int(epoch))
         tally.refuse_all_bad(len(self.manifest), self.manifest.root, int(epoch))
+
+    def _same_columns(self, keys: list[str] | None, block: dict[str, np.ndarray],
+                      epoch: int) -> list[str]:
+        """The block's columns, checked against the epoch's first block's: a batch that
+        spans two blocks joins them, and a trainer expects the same keys in every batch."""
+        got = sorted(block)
+        if keys is None or got == keys:
+            return got
+        names = " then ".join(s.name for s in self._spec.stages) or "(none)"
+        raise UserFunctionError(names, epoch, [int(i) for i in block["id"][:8]],
+                                f"returned columns {got} for some blocks and {keys} for "
+                                f"others; return the same columns for every batch")
 
     def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
                      prefetch_batches: int | None = None,

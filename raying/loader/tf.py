@@ -45,26 +45,41 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     columns = dict(pipe._spec.columns)
     for name, desc in columns.items():
         signature[name] = _column_spec(tf, desc, n)
-    ragged = [name for name, desc in columns.items() if desc["kind"] == "list"]
+    # Variable-length list columns (name -> dtype), carried as RaggedTensor.
+    ragged = {name: desc["dtype"] for name, desc in columns.items() if desc["kind"] == "list"}
+    if pipe._spec.stages:
+        # map_batches functions may add columns or change the label's dtype or shape (soft
+        # labels): the signature follows the first batch of the first epoch, read once here.
+        probe = pipe.iter_batches(batch_size=batch_size,
+                                  epoch=0 if epoch is None else int(epoch),
+                                  prefetch_batches=0, drop_last=drop_last)
+        try:
+            first = next(probe, None)
+        finally:
+            probe.close()
+        if first is not None:
+            for name, value in first.items():
+                if name != "image" and name not in columns:
+                    signature[name], dtype = _batch_spec(tf, name, value, n)
+                    if dtype is not None:
+                        ragged[name] = dtype
 
     def gen():
         e = next(counter)
         for batch in pipe.iter_batches(batch_size=batch_size, epoch=e,
                                        prefetch_batches=prefetch_batches, drop_last=drop_last):
-            extra = [k for k in batch if k not in signature]
-            if extra:
-                msg = (f"to_tf: batches carry columns {extra} that no Parquet column declares "
-                       f"(a map_batches function added them); to_tf carries "
-                       f"{list(signature)}: put added values in an existing column, or read "
-                       f"them with pipe.iter_batches")
+            if set(batch) != set(signature):
+                msg = (f"to_tf: a batch of epoch {e} carries columns {sorted(batch)}, but the "
+                       f"dataset's signature (the Parquet columns and what the map_batches "
+                       f"functions returned for the first batch) has {sorted(signature)}; "
+                       f"return the same columns for every batch")
                 raise ConfigError(msg)
-            for name in ragged:
+            for name, dtype in ragged.items():
                 rows = batch[name]
                 lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-                flat = (np.concatenate(list(rows)) if len(rows)
-                        else np.zeros(0, columns[name]["dtype"]))
+                flat = np.concatenate(list(rows)) if len(rows) else np.zeros(0, dtype)
                 batch = {**batch, name: tf.RaggedTensor.from_row_lengths(
-                    flat.astype(columns[name]["dtype"], copy=False), lengths)}
+                    flat.astype(dtype, copy=False), lengths)}
             yield batch
     ds = tf.data.Dataset.from_generator(gen, output_signature=signature)
     if normalize:
@@ -80,6 +95,29 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     if as_supervised:
         ds = ds.map(lambda b: (b["image"], b["label"], b["weight"]))
     return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def _batch_spec(tf: Any, name: str, value: np.ndarray, n: int | None):
+    """The tf spec of a column as a numpy batch holds it, and the dtype of its rows when it
+    is a variable-length list (carried ragged), else None."""
+    if value.dtype.kind in "US":
+        return tf.TensorSpec((n,), tf.string), None
+    if value.dtype == object:
+        row = value[0] if len(value) else ""
+        if isinstance(row, (str, bytes)):
+            return tf.TensorSpec((n,), tf.string), None
+        if isinstance(row, np.ndarray) and row.ndim == 1 and row.dtype.kind in "biuf":
+            return tf.RaggedTensorSpec((n, None), tf.as_dtype(row.dtype), ragged_rank=1), row.dtype
+        msg = (f"to_tf: column {name!r} holds {type(row).__name__} rows, which tf.data has no "
+               f"type for; return numbers, strings, bytes or 1-D numeric arrays per row")
+        raise ConfigError(msg)
+    try:
+        dtype = tf.as_dtype(value.dtype)
+    except TypeError:
+        msg = (f"to_tf: column {name!r} holds {value.dtype}, which tf has no type for; "
+               f"convert it in the map_batches function (e.g. to int64 or str)")
+        raise ConfigError(msg) from None
+    return tf.TensorSpec((n, *value.shape[1:]), dtype), None
 
 
 def _column_spec(tf: Any, desc: dict[str, Any], n: int | None):

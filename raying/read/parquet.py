@@ -463,9 +463,13 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
     order = np.lexsort((groups[:, 1], groups[:, 0]))
     groups = groups[order]
     tables: list[pa.Table] = []
+    table_files: list[int] = []  # the file each table was read from
+    table_starts: list[int] = []  # each table's first row in the concatenated rows
     starts: list[tuple[int, int]] = []
     offset = 0
     for f in np.unique(groups[:, 0]):
+        table_starts.append(offset)
+        table_files.append(int(f))
         sel = groups[groups[:, 0] == f]
         retried = [0]
         try:
@@ -481,13 +485,27 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
             offset += g_rows
         tables.append(table)
     pos = _positions(starts, ids)
-    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    taken = table.take(pa.array(pos, type=pa.int64()))
+    # Each file's rows become numpy on their own (files may store a column as int32 and
+    # int64, or string and large_string: the description's dtype is what every block gets),
+    # and a null is reported with the file that holds it.
+    of_table = np.searchsorted(np.asarray(table_starts), pos, side="right") - 1
+    picks = [np.flatnonzero(of_table == t) for t in range(len(tables))]
     out = {}
     for name, desc in spec.columns:
-        out[name] = _columns.to_numpy(taken.column(name), desc, name=name,
-                                      where=f"{spec.root.rstrip('/')} (unit {unit.index})")
-    return out, int(table.nbytes)
+        parts = [_columns.to_numpy(
+            tables[t].column(name).take(pa.array(pos[rows] - table_starts[t], type=pa.int64())),
+            desc, name=name, where=_file_path(spec, root, table_files[t]))
+            for t, rows in enumerate(picks) if len(rows)]
+        if not parts:
+            out[name] = _columns.empty(desc)
+        elif len(parts) == 1:
+            out[name] = parts[0]
+        else:
+            joined = np.concatenate(parts)
+            column = np.empty_like(joined)
+            column[np.concatenate([rows for rows in picks if len(rows)])] = joined
+            out[name] = column
+    return out, int(sum(t.nbytes for t in tables))
 
 
 def _positions(starts: list[tuple[int, int]], ids: np.ndarray) -> np.ndarray:

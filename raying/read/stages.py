@@ -36,6 +36,9 @@ from raying.image.rng import epoch_key
 
 # Random streams of user stages start here, away from the built-in transform's streams.
 _STREAM_BASE = 1 << 20
+# Columns every block carries whose dtype a stage may not change (their values it may): the
+# sampler and the trainers' importance weighting read them.
+_RESERVED_DTYPES = {"weight": "float32", "prob": "float64"}
 # Ids a UserFunctionError names at most.
 _IDS_SHOWN = 8
 # Rows of a block decoded together before the stages run on them.
@@ -167,6 +170,27 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
         raise bad("changed or dropped the 'id' column; expected the ids it was given, in "
                   "order (a stage may change values, not which rows there are: filter or "
                   "reorder with the sampler instead)")
+    if np.asarray(got).dtype.kind not in "iu":
+        raise bad(f"returned the 'id' column as {np.asarray(got).dtype}; keep the ids as they "
+                  f"came (int64): the priority store and resume positions index by them")
+    out["id"] = ids  # the ids it was given (int64), whatever integer type came back
+    if "label" not in out:
+        raise bad("dropped the 'label' column; keep it (a stage may change its values or "
+                  "dtype, e.g. soft labels of shape (n, classes)) and put other targets in "
+                  "columns of their own")
+    for key, dtype in _RESERVED_DTYPES.items():
+        value = np.asarray(out.get(key)) if key in out else None
+        if value is None:
+            raise bad(f"dropped the {key!r} column; keep it as it came ({dtype})")
+        if value.dtype.kind not in "biuf" or value.shape != (n,):
+            raise bad(f"returned the {key!r} column as {value.dtype} {value.shape}; expected "
+                      f"{dtype} ({n},): one number per row")
+        out[key] = value.astype(dtype, copy=False)  # the same dtype on every path
+    label = np.asarray(out["label"])
+    if label.dtype.kind not in "biuf":
+        raise bad(f"returned the 'label' column as {label.dtype}; expected numbers (int64 "
+                  f"class ids, or floats such as soft labels); put other values in a column "
+                  f"of their own")
     for key, value in out.items():
         if not isinstance(value, np.ndarray):
             try:

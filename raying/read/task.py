@@ -216,6 +216,11 @@ def _staged(spec: ReadSpec, unit: ReadUnit, source: Any, a: int, b: int,
                                size=spec.transform.size, rngs=rngs)
             if out is not None:  # the rows' pixels into the block's buffer while in cache
                 k = len(staged["id"])
+                # A column the stage made as a view of its input pixels (which lie in the
+                # buffer) keeps them: copied before the buffer takes the stage's image.
+                for key, value in staged.items():
+                    if key != "image" and np.may_share_memory(value, out):
+                        staged[key] = value.copy()
                 staged["image"] = _into(out[pos:pos + k], staged["image"])
                 pos += k
             parts.append(staged)

@@ -103,6 +103,36 @@ def test_extra_columns_in_torch_and_tf_batches(parquet_set, ray_local):
     pipe.close()
 
 
+def test_to_tf_carries_what_stages_add_and_soft_labels(parquet_set, ray_local):
+    """The tf signature follows the stages' first batch: added columns (numbers, numpy
+    strings, per-row lists) and a label made float (n, 3) arrive as they were returned."""
+    tf = pytest.importorskip("tensorflow")
+
+    def soften(batch):
+        n = len(batch["id"])
+        soft = np.full((n, 3), 0.1, np.float32)
+        soft[np.arange(n), batch["label"]] = 0.8
+        batch["label"] = soft
+        batch["twice"] = batch["id"] * 2.0
+        batch["name"] = np.array([f"s{i}" for i in batch["id"]])
+        rows = np.empty(n, dtype=object)
+        rows[:] = [np.arange(i % 3, dtype=np.int32) for i in batch["id"]]
+        batch["steps"] = rows
+        return batch
+
+    pipe = staged_pipeline(parquet_set, stages=False).map_batches(soften)
+    for epoch in range(2):
+        got = {}
+        for b in pipe.to_tf(batch_size=7, epoch=epoch):
+            assert b["label"].dtype == tf.float32 and b["label"].shape[1:] == (3,)
+            assert isinstance(b["steps"], tf.RaggedTensor) and b["steps"].dtype == tf.int32
+            for k, i in enumerate(b["id"].numpy().tolist()):
+                got[i] = (int(np.argmax(b["label"][k])), float(b["twice"][k]),
+                          b["name"][k].numpy().decode(), b["steps"][k].numpy().tolist())
+        assert got == {i: (i % 3, 2.0 * i, f"s{i}", list(range(i % 3))) for i in range(36)}
+    pipe.close()
+
+
 def test_a_raising_stage_stops_both_paths_naming_itself_epoch_and_ids(parquet_set, ray_local):
     def scale_boxes(batch):
         batch["boxes"] = batch["boxes"] * 2.0  # object array of arrays: fine; then:

@@ -60,3 +60,52 @@ def test_resume_position_counts_rows_across_units_and_blocks():
     assert _position(units, 11) == (1, 5)  # unit 1 goes on: its next block starts at row 5
     assert _position(units[:2], 6) == (1, 0)  # unit 0 finished: the next unit, from its start
     assert _position([], 0, start=(3, 7)) == (3, 7)  # nothing yet since a resume at (3, 7)
+
+
+def test_an_empty_block_without_the_stages_columns_joins_no_batch():
+    """A block whose every sample was bad carries no rows and none of the columns user stages
+    add (they run on rows only): the batch that straddles it keeps those columns."""
+    def staged(start, n):
+        return {**_block(start, n), "extra": np.arange(start, start + n) * 2.0}
+
+    asm = BatchAssembler(8)
+    batches = [*asm.push(staged(0, 5)), *asm.push(_block(5, 0)), *asm.push(staged(5, 5)),
+               *asm.finish()]
+    assert [len(b["id"]) for b in batches] == [8, 2]
+    for b in batches:
+        assert (b["extra"] == b["id"] * 2.0).all()
+
+
+def test_blocks_with_other_columns_than_the_first_stop_the_epoch(tmp_path):
+    import raying
+    from raying.errors import UserFunctionError
+    from raying.tools.datagen import make_image_folder
+
+    def sometimes(batch):
+        return batch
+
+    root = make_image_folder(tmp_path / "img", n=4, classes=1, size=(8, 8))
+    pipe = raying.Pipeline(raying.Manifest.scan(str(root)),
+                           transform=raying.ImageTransform(size=4)).map_batches(sometimes)
+    keys = pipe._same_columns(None, _block(0, 3), 1)
+    assert pipe._same_columns(keys, _block(3, 2), 1) == keys
+    with pytest.raises(UserFunctionError, match=r"map_batches function .*sometimes returned "
+                                                r"columns \['extra', 'id', 'image'\] for some "
+                                                r"blocks and \['id', 'image'\] for others.* "
+                                                r"\(epoch 1, ids \[5, 6\]\)"):
+        pipe._same_columns(keys, {**_block(5, 2), "extra": np.zeros(2)}, 1)
+    pipe.close()
+
+
+def test_torch_gets_numpy_strings_as_lists_and_a_clear_error_for_datetimes():
+    pytest.importorskip("torch")
+    from raying.loader.batches import TorchConverter
+
+    conv = TorchConverter("cpu", normalize=False)
+    out = conv.host({"id": np.arange(2), "name": np.array(["a", "bc"]),
+                     "raw": np.array([b"x", b"yz"])})
+    assert out["name"] == ["a", "bc"] and out["raw"] == [b"x", b"yz"]
+    with pytest.raises(ConfigError, match=r"column 'when' holds datetime64\[s\], which torch "
+                                          r"has no tensor type for"):
+        conv.host({"id": np.arange(2), "when": np.array(["2026-01-01", "2026-01-02"],
+                                                         dtype="datetime64[s]")})

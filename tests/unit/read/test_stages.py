@@ -137,6 +137,55 @@ def test_extra_column_nulls_stop_the_read_naming_the_column(tmp_path):
         read_epoch(pipe, 0)
 
 
+def test_extra_column_nulls_name_the_file_and_nulls_inside_lists_stop_the_read(tmp_path):
+    write_parquet_set(tmp_path, files=((0, 6), (6, 12)))
+    t = pq.read_table(tmp_path / "part-1.parquet")
+    t = t.set_column(t.schema.get_field_index("boxes"), "boxes",
+                     pa.array([[1.0], [2.0, None], [], [3.0], [4.0], [5.0]], pa.list_(pa.float32())))
+    pq.write_table(t, tmp_path / "part-1.parquet")
+    pipe = raying.Pipeline(raying.Manifest.scan(str(tmp_path), columns=["boxes"]),
+                           transform=raying.ImageTransform(size=SIZE))
+    with pytest.raises(raying.DataError, match=r"part-1\.parquet: extra column 'boxes' has 1 "
+                                               r"null values inside its lists"):
+        read_epoch(pipe, 0)
+
+
+def test_extra_column_stored_as_int32_in_one_file_and_int64_in_another(tmp_path):
+    write_parquet_set(tmp_path, files=((0, 10), (10, 20)), row_group_size=4)
+    for f, typ in ((0, pa.int32()), (1, pa.int64())):
+        t = pq.read_table(tmp_path / f"part-{f}.parquet")
+        t = t.set_column(t.schema.get_field_index("n"), "n", t.column("n").cast(typ))
+        t = t.set_column(t.schema.get_field_index("caption"), "caption",
+                         t.column("caption").cast(pa.large_string() if f else pa.string()))
+        pq.write_table(t, tmp_path / f"part-{f}.parquet", row_group_size=4)
+    m = raying.Manifest.scan(str(tmp_path), columns=["n", "caption"])
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=1), config=raying.PipelineConfig(
+                               block_rows=20))  # one unit spans both files
+    got = read_epoch(pipe, 0)
+    assert sorted(got["id"].tolist()) == list(range(20))
+    assert got["n"].dtype == np.int64 and (got["n"] == got["id"] * 10).all()
+    assert got["caption"].tolist() == [f"sample {i}" for i in got["id"]]
+    pipe.close()
+
+
+def test_uint64_column_above_int64_stops_the_read_instead_of_wrapping(tmp_path):
+    write_parquet_set(tmp_path, files=((0, 6),))
+    t = pq.read_table(tmp_path / "part-0.parquet")
+    t = t.append_column("big", pa.array([2**63 + i for i in range(6)], pa.uint64()))
+    t = t.append_column("small", pa.array(range(6), pa.uint64()))
+    pq.write_table(t, tmp_path / "part-0.parquet")
+    ok = raying.Pipeline(raying.Manifest.scan(str(tmp_path), columns=["small"]),
+                         transform=raying.ImageTransform(size=SIZE))
+    got = read_epoch(ok, 0)
+    assert (got["small"] == got["id"]).all()
+    pipe = raying.Pipeline(raying.Manifest.scan(str(tmp_path), columns=["big"]),
+                           transform=raying.ImageTransform(size=SIZE))
+    with pytest.raises(raying.DataError, match=r"'big' \(uint64\) holds 92233720368547758\d\d, "
+                                               r"above int64's range"):
+        read_epoch(pipe, 0)
+
+
 def test_empty_block_has_the_extra_columns():
     block = empty_block(8, (("caption", {"kind": "string"}),
                             ("xy", {"kind": "array", "dtype": "float32", "width": 2})))
@@ -216,6 +265,14 @@ def test_a_raising_stage_names_itself_epoch_ids_and_traceback_even_under_skip(pa
     (lambda b: {**b, "extra": np.zeros(3)}, r"returned column 'extra' with 3 rows; expected"),
     (lambda b: {**b, "image": b["image"] / 255.0},
      r"returned float64 \(\d+, 16, 16, 3\); expected 'image' as uint8"),
+    (lambda b: {**b, "id": b["id"].astype(np.float64)},
+     r"returned the 'id' column as float64; keep the ids as they came \(int64\)"),
+    (lambda b: {k: v for k, v in b.items() if k != "label"}, r"dropped the 'label' column"),
+    (lambda b: {**b, "label": b["label"].astype(str)},
+     r"returned the 'label' column as <U\d+; expected numbers"),
+    (lambda b: {**b, "weight": b["weight"][:, None]},
+     r"returned the 'weight' column as float32 \(\d+, 1\); expected float32 \(\d+,\)"),
+    (lambda b: {k: v for k, v in b.items() if k != "prob"}, r"dropped the 'prob' column"),
 ])
 def test_a_stage_that_breaks_the_batch_is_named(parquet_set, fn, pattern):
     m = raying.Manifest.scan(str(parquet_set))
@@ -286,7 +343,8 @@ def test_stages_see_a_block_in_chunks_joined_in_order():
 
     n, size = 3 * DEFAULT_STAGE_ROWS + 5, 4
     block = {"id": np.arange(100, 100 + n), "label": np.arange(n) % 3,
-             "image": np.zeros((n, size, size, 3), np.uint8)}
+             "image": np.zeros((n, size, size, 3), np.uint8),
+             "weight": np.ones(n, np.float32), "prob": np.full(n, 0.5)}
     seen = []
 
     def mark(batch):
@@ -330,7 +388,34 @@ def _fresh(batch):
     return batch
 
 
-@pytest.mark.parametrize("fn", [_same, _in_place, _reversed_view, _fresh])
+def _keeps_input(batch):  # new columns that are views of the input pixels, then a new image
+    batch["clean"] = batch["image"]
+    batch["thumb"] = batch["image"][:, ::4, ::4]
+    batch["image"] = 255 - batch["image"]
+    return batch
+
+
+def test_a_stage_may_change_reserved_values_and_soft_labels_but_not_their_dtypes(parquet_set):
+    def soften(batch):
+        n = len(batch["id"])
+        batch["id"] = batch["id"].astype(np.int32)  # same ids, another integer type
+        batch["weight"] = batch["weight"].astype(np.float64) * 2  # float64 back: cast
+        soft = np.full((n, 3), 0.05)
+        soft[np.arange(n), batch["label"]] = 0.9
+        batch["label"] = soft  # soft labels (n, classes)
+        return batch
+
+    m = raying.Manifest.scan(str(parquet_set))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE)).map_batches(soften)
+    got = read_epoch(pipe, 0)
+    assert got["id"].dtype == np.int64 and sorted(got["id"].tolist()) == list(range(36))
+    assert got["weight"].dtype == np.float32 and (got["weight"] == 2).all()
+    assert got["prob"].dtype == np.float64
+    assert got["label"].shape == (36, 3) and (got["label"].argmax(1) == got["id"] % 3).all()
+    pipe.close()
+
+
+@pytest.mark.parametrize("fn", [_same, _in_place, _reversed_view, _fresh, _keeps_input])
 def test_staged_blocks_in_the_reused_buffer_equal_fresh_ones(tmp_path, fn):
     """A read task's reused output buffer (chunks staged and written in place, bad rows
     compacted out) gives the same blocks as fresh arrays, whatever a stage returns."""
@@ -356,6 +441,10 @@ def test_staged_blocks_in_the_reused_buffer_equal_fresh_ones(tmp_path, fn):
                        iter_unit(pipe._spec, unit, paths, block_rows=block_rows,
                                  reuse_output=True)]
         assert sum(len(b["id"]) for b in fresh) == len(files) - 3
+        if fn is _keeps_input:  # the views kept the input pixels, not the stage's image
+            for b in fresh:
+                np.testing.assert_array_equal(b["clean"], 255 - b["image"])
+                np.testing.assert_array_equal(b["thumb"], b["clean"][:, ::4, ::4])
         assert len(fresh) == len(reused)
         for f, r in zip(fresh, reused, strict=True):
             assert sorted(f) == sorted(r)

@@ -99,7 +99,8 @@ class Manifest:
 
             uri = _local_path(uri)
         fs, path = _storage.resolve(uri, opts)
-        infos = _scan.list_dataset(fs, path, uri)
+        listed: dict[str, list[str]] = {}
+        infos = _scan.list_dataset(fs, path, uri, listed)
         if len(infos) == 1 and infos[0].path.rstrip("/") == path.rstrip("/"):
             # One file named by the URI: its folder is the root, the file its only member.
             path = path.rstrip("/").rpartition("/")[0] or "/"
@@ -135,7 +136,8 @@ class Manifest:
                    f"{'; found endings ' + ', '.join(seen) if seen else ' (it is empty)'}; "
                    f"check the URI or pass extensions=...")
             raise DataError(msg)
-        return _scan.use_classes(_scan.scan_images(cls, path, uri, images, label, opts),
+        return _scan.use_classes(_scan.scan_images(cls, path, uri, images, label, opts,
+                                                   dirs=None if classes else listed.get("dirs")),
                                  classes)
 
     # -- persistence ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,10 @@ from raying.storage import files as _storage
 DECODED_SHAPE_COLUMNS = ("height", "width", "channels")
 
 
-def list_dataset(fs: pafs.FileSystem, path: str, uri: str) -> list[pafs.FileInfo]:
-    """Every file of the dataset (one listing call), or the single file the URI names."""
+def list_dataset(fs: pafs.FileSystem, path: str, uri: str,
+                 report: dict[str, list[str]] | None = None) -> list[pafs.FileInfo]:
+    """Every file of the dataset (one listing call), or the single file the URI names;
+    ``report`` (see ``list_files``) gets the folders listed."""
     info = _storage.file_info(fs, path, uri)
     if info.type == pafs.FileType.NotFound:
         msg = f"{uri} does not exist; check the path (and for S3 the bucket and prefix)"
@@ -28,7 +31,7 @@ def list_dataset(fs: pafs.FileSystem, path: str, uri: str) -> list[pafs.FileInfo
         return [info]
     # Names starting with "_" are kept here (a class folder may be "_other"); Parquet scans
     # drop them (Spark's _temporary, _SUCCESS): see parquet_members.
-    files = _storage.list_files(fs, path, recursive=True, skip_prefixes=".")
+    files = _storage.list_files(fs, path, recursive=True, skip_prefixes=".", report=report)
     if not files:
         msg = f"{uri} is empty: no files to read; point raying at a folder of images or Parquet"
         raise DataError(msg)
@@ -80,8 +83,9 @@ def _relative(root: str, path: str) -> str:
 
 
 def scan_images(cls, root: str, uri: str, infos: list[pafs.FileInfo], label: Any,
-                opts: StorageOptions):
-    """Build an image-folder manifest: ids in sorted path order, labels from folders."""
+                opts: StorageOptions, dirs: list[str] | None = None):
+    """Build an image-folder manifest: ids in sorted path order, labels from folders (a
+    folder of ``dirs``, the listing's, with no image gets a warning: it has no label)."""
     rel = sorted((_relative(root, i.path), i.size if i.size is not None else -1) for i in infos)
     paths = np.array([r for r, _ in rel], dtype=object)
     sizes = np.array([s for _, s in rel], dtype=np.int64)
@@ -99,6 +103,12 @@ def scan_images(cls, root: str, uri: str, infos: list[pafs.FileInfo], label: Any
                 raise DataError(msg)
             names.append(p[:cut])
         classes = sorted(set(names))
+        empty = sorted(d for d in (dirs or ()) if "/" not in d and d not in set(classes))
+        if empty:
+            warnings.warn(f"{uri}: class folders {empty} hold no images, so they get no label "
+                          f"and the labels of the folders after them shift; pass classes=[...] "
+                          f"to Manifest.scan to fix the label of every class name",
+                          UserWarning, stacklevel=3)
         index = {c: k for k, c in enumerate(classes)}
         labels = np.fromiter((index[n] for n in names), dtype=np.int64, count=len(names))
     elif callable(label):

@@ -122,8 +122,10 @@ class Pipeline:
         a read block per call; see :mod:`raying.read.stages`): ``image`` (uint8
         NHWC, after decode and the built-in transform), ``label``, ``id``, ``weight``,
         ``prob`` and the manifest's extra columns. It may change values and add columns; it
-        must keep the rows (``id`` as given, every column one row per id) and ``image`` uint8
-        ``(n, size, size, 3)``. It runs in the read workers on every path (``iter_*``,
+        must keep the rows (``id`` as given, every column one row per id), ``image`` uint8
+        ``(n, size, size, 3)``, a numeric ``label`` (its dtype and shape may change: soft
+        labels) and one number per row in ``weight`` and ``prob`` (cast back to float32 and
+        float64), and return the same columns for every batch. It runs in the read workers on every path (``iter_*``,
         ``to_tf`` and ``dataset(e)``), after the stages added before it.
 
         With ``with_rng=True`` it is called as ``fn(batch, rng=generator)``: a
@@ -328,6 +330,17 @@ class Pipeline:
         self.account.end_epoch(int(epoch))
         tally.refuse_all_bad(len(self.manifest), self.manifest.root, int(epoch))
 
+    def _depth(self, prefetch_batches: int | None) -> int:
+        """Batches prepared ahead: ``prefetch_batches``, or the setting when None."""
+        if prefetch_batches is None:
+            return self.settings.prefetch_batches
+        if (isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, (int, np.integer))
+                or prefetch_batches < 0):
+            msg = (f"prefetch_batches must be an int >= 0 (0: none ahead) or None (the "
+                   f"setting, RAYING_PREFETCH_BATCHES), got {prefetch_batches!r}")
+            raise ConfigError(msg)
+        return int(prefetch_batches)
+
     def _same_columns(self, keys: list[str] | None, block: dict[str, np.ndarray],
                       epoch: int) -> list[str]:
         """The block's columns, checked against the epoch's first block's: a batch that
@@ -346,15 +359,15 @@ class Pipeline:
         """numpy batches: ``id``, ``label``, ``image`` (uint8 NHWC), ``weight``, ``prob``, the
         manifest's extra columns and what ``map_batches`` stages added."""
         epoch = _epoch(epoch)  # here, not in the prefetch thread
-        self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
         assembler = BatchAssembler(batch_size, drop_last=drop_last)
+        depth = self._depth(prefetch_batches)
+        self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
 
         def batches():
             for block in self.iter_blocks(epoch):
                 yield from assembler.push(block)
             yield from assembler.finish()
 
-        depth = self.settings.prefetch_batches if prefetch_batches is None else prefetch_batches
         for batch in prefetch(batches(), depth, stall=self.account.stall,
                               timed=self.account.iterated):
             self._cursor["delivered"] += len(batch["id"])
@@ -378,10 +391,11 @@ class Pipeline:
         from raying.options import DEFAULT_MEAN, DEFAULT_STD
 
         epoch = _epoch(epoch)  # here, not in the prefetch thread
-        self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
+        assembler = BatchAssembler(batch_size, drop_last=drop_last)
+        depth = self._depth(prefetch_batches)
         conv = TorchConverter(device, normalize=normalize, mean=mean or DEFAULT_MEAN,
                               std=std or DEFAULT_STD, pin_memory=pin_memory)
-        assembler = BatchAssembler(batch_size, drop_last=drop_last)
+        self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
 
         def batches():
             for block in self.iter_blocks(epoch):
@@ -390,7 +404,6 @@ class Pipeline:
             for b in assembler.finish():
                 yield conv.device_put(conv.host(b))
 
-        depth = self.settings.prefetch_batches if prefetch_batches is None else prefetch_batches
         for batch in prefetch(batches(), depth, stall=self.account.stall,
                               timed=self.account.iterated):
             n = int(batch["id"].shape[0])

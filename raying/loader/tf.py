@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError, require
+from raying.loader.batches import BatchAssembler
 from raying.options import DEFAULT_MEAN, DEFAULT_STD
 
 
@@ -28,8 +29,13 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     Extra Parquet columns (``Manifest.scan(columns=...)``) come under their names: numbers as
     tensors of their dtype, strings and bytes as ``tf.string``, fixed-size lists as
     ``(n, width)`` tensors and variable-length lists as ``tf.RaggedTensor`` ``(n, None)``.
+    With ``map_batches`` stages the signature is taken from the first batch of the first
+    epoch, read once here: columns the stages add, and a label they make float or 2-D (soft
+    labels), arrive as the stages return them.
     """
     tf = _tf()
+    BatchAssembler(batch_size)  # bad arguments fail here, before Ray starts
+    pipe._depth(prefetch_batches)
     pipe._block_stream()  # start Ray (if needed) in this thread, not in tf.data's
     size = pipe.transform.size
     counter = itertools.count(0 if epoch is None else int(epoch))

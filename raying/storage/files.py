@@ -57,7 +57,8 @@ def resolve(uri: str, storage: StorageOptions | dict | None = None
 
 
 def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | None = None,
-               recursive: bool = True, skip_prefixes: str = "._") -> list[pafs.FileInfo]:
+               recursive: bool = True, skip_prefixes: str = "._",
+               report: dict[str, list[str]] | None = None) -> list[pafs.FileInfo]:
     """List the files under ``path`` in one listing call, sorted by path.
 
     Files and directories whose names start with one of ``skip_prefixes`` (by default ``.``
@@ -69,6 +70,8 @@ def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | No
         path: the directory (or prefix) to list.
         extensions: keep only these suffixes, case-insensitive, e.g. ``(".jpg", "png")``.
         recursive: descend into subdirectories.
+        report: if given, gets ``"dirs"``: the folders listed (relative to ``path``, without
+            the skipped names).
 
     Returns:
         pyarrow FileInfo objects (``.path``, ``.size``, ``.mtime``) of regular files.
@@ -92,10 +95,16 @@ def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | No
             raise exc from None
         infos, base = [info], base.rpartition("/")[0]
     prefix = len(base.rstrip("/")) + 1
-    out = [i for i in infos if i.type == pafs.FileType.File
-           and not any(part[:1] and part[:1] in skip_prefixes
+
+    def kept(i: pafs.FileInfo) -> bool:
+        return not any(part[:1] and part[:1] in skip_prefixes
                        for part in i.path[prefix:].split("/"))
+
+    out = [i for i in infos if i.type == pafs.FileType.File and kept(i)
            and (exts is None or i.path.lower().endswith(exts))]
+    if report is not None:
+        report["dirs"] = [i.path[prefix:] for i in infos
+                          if i.type == pafs.FileType.Directory and kept(i)]
     out.sort(key=lambda i: i.path)
     if isinstance(fs, pafs.LocalFileSystem) and out:
         out = _drop_symlink_loops(out, base)

@@ -260,3 +260,24 @@ def test_hive_partition_folders_give_the_labels(tmp_path):
             assert m.classes == names
     with pytest.raises(raying.DataError, match="hive partition folder species=<value>/"):
         raying.Manifest.scan(str(tmp_path / "label"), format="parquet", label="species")
+
+
+def test_a_class_folder_without_images_is_warned_about(folder, tmp_path):
+    import shutil
+    import warnings
+
+    root = tmp_path / "imgs"
+    shutil.copytree(folder, root)
+    for f in (root / "class_01").iterdir():
+        f.unlink()
+    (root / "class_01" / "notes.txt").write_text("no images here")
+    (root / ".cache").mkdir()  # hidden: not a class
+    with pytest.warns(UserWarning, match=r"class folders \['class_01'\] hold no images, so "
+                                         r"they get no label .* pass classes=\[\.\.\.\]"):
+        m = raying.Manifest.scan(str(root))
+    assert m.classes == ["class_00", "class_02"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # classes= given: the labels are fixed, no warning
+        m = raying.Manifest.scan(str(root), classes=["class_00", "class_01", "class_02"])
+        raying.Manifest.scan(str(folder))  # every folder has images: no warning
+    assert m.labels.max() == 2

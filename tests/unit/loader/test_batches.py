@@ -109,3 +109,21 @@ def test_torch_gets_numpy_strings_as_lists_and_a_clear_error_for_datetimes():
                                           r"has no tensor type for"):
         conv.host({"id": np.arange(2), "when": np.array(["2026-01-01", "2026-01-02"],
                                                          dtype="datetime64[s]")})
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [
+    ({"batch_size": 0}, r"batch_size must be a positive int, got 0"),
+    ({"prefetch_batches": -1}, r"prefetch_batches must be an int >= 0 .* got -1"),
+    ({"prefetch_batches": 1.5}, r"prefetch_batches must be an int >= 0 .* got 1.5"),
+])
+def test_bad_iteration_arguments_fail_before_the_reads_start(tmp_path, kwargs, pattern):
+    import raying
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "img", n=4, classes=1, size=(8, 8))
+    pipe = raying.Pipeline(raying.Manifest.scan(str(root)), transform=raying.ImageTransform(size=4))
+    for it in (pipe.iter_batches, pipe.iter_torch_batches):
+        with pytest.raises(ConfigError, match=pattern):
+            next(it(**kwargs))
+    assert pipe._stream is None  # no read stream (nor Ray) was started for them
+    pipe.close()

@@ -438,6 +438,10 @@ def image_size(data) -> tuple[int, int]:
             raise _failure(buf, fmt, exc) from None
         width, height = im.size
         orientation = _pil_orientation(im, allow_load=False)
+        stored = getattr(im, "_tile_size", None)  # a TIFF's size as stored, where Pillow's
+        if (im.format == "TIFF" and stored is not None and _exif.swaps_axes(orientation)
+                and tuple(stored) == (height, width)):  # plugin already reports it upright
+            return height, width
     if _exif.swaps_axes(orientation):
         return width, height
     return height, width

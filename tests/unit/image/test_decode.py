@@ -187,6 +187,14 @@ def test_exif_orientation_matches_pil(orientation):
         assert image_size(data) == ref.shape[:2]
         if fmt == "JPEG":
             assert _exif.jpeg_orientation(data) == orientation
+    # A TIFF's orientation is a tag of its own, and Pillow reports its size upright already.
+    buf = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    Image.fromarray(stored).save(buf, "TIFF", exif=exif.tobytes())
+    got = decode_image(buf.getvalue())
+    assert image_size(buf.getvalue()) == got.shape[:2]
+    assert got.shape[:2] == ((40, 24) if orientation >= 5 else (24, 40))
 
 
 def test_exif_40x20_orientation_6_decodes_to_20x40():

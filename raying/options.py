@@ -439,7 +439,8 @@ class PipelineConfig:
         block_rows: images per read task (~100 ms of decode work at 256 px); None takes
             ``Settings.block_rows`` (RAYING_BLOCK_ROWS, default ``DEFAULT_BLOCK_ROWS``).
         window: read tasks in flight; None = ``DEFAULT_INFLIGHT_TASKS_PER_CPU`` x cluster CPUs.
-        keep_warm: start the next epoch's reads while the current one drains.
+        keep_warm: start the next epoch's reads while the current one drains (not for a
+            sampler that plans an epoch from the losses reported until it starts: InfoBatch).
         task_num_cpus: CPUs each read task reserves.
         spread: spread read tasks over nodes (``SPREAD``) instead of packing them.
         name: names the pipeline's actors (priority store); default a fresh id.

@@ -173,8 +173,11 @@ class Pipeline:
             raise ConfigError(msg)
         stage = UserStage(fn, with_rng=with_rng, fn_kwargs=tuple(kwargs.items()))
         _check_pickles(stage)
+        # The same name: a prioritized sampler, shared, binds both to one priority store.
         out = Pipeline(self.manifest, transform=self.transform, sampler=self.sampler,
-                       on_error=self.on_error, config=self.config, settings=self.settings)
+                       on_error=self.on_error,
+                       config=dataclasses.replace(self.config, name=self.name),
+                       settings=self.settings)
         out._stages = (*self._stages, stage)
         out._spec = dataclasses.replace(out._spec, stages=out._stages)
         return out
@@ -188,8 +191,8 @@ class Pipeline:
     def _bind(self) -> None:
         if self._closed:
             msg = (f"Pipeline {self.name!r} is closed: its reads stopped and its sampler let go "
-                   f"of its priority store; build a new Pipeline (load_state_dict(...) of "
-                   f"this one's state_dict() continues where it stood)")
+                   f"of its priority store; build a new Pipeline (load_state_dict(...) of a "
+                   f"state_dict() taken before close() continues where it stood)")
             raise ConfigError(msg)
         if not self._bound:
             if self.sampler.lazy or self.sampler.uses_store:
@@ -287,7 +290,11 @@ class Pipeline:
             opts.update(self.config.ray_remote_args or {})
             self._stream = BlockStream(self._ready_spec(), make_plan=self.plan, fill=self._fill,
                                        window=window, block_rows=self.block_rows(),
-                                       keep_warm=self.config.keep_warm, task_options=opts,
+                                       keep_warm=self.config.keep_warm and not (
+                                           # A plan made from the store's losses when its
+                                           # epoch starts (InfoBatch) is not made early.
+                                           self.sampler.uses_store and not self.sampler.lazy),
+                                       task_options=opts,
                                        inflight_bytes=inflight_bytes, min_window=min_window,
                                        split_units=shards > 1)
         return self._stream
@@ -522,6 +529,10 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, Any]:
         """Where this pipeline stands: epoch, position in its plan, sampler state."""
+        if self._closed and self.sampler.uses_store:
+            msg = (f"state_dict() of Pipeline {self.name!r} after close(): its priority store "
+                   f"is gone with the priorities; take state_dict() before close()")
+            raise ConfigError(msg)
         cur = self._cursor
         if self._resume is not None:
             epoch, unit, row, delivered = self._resume

@@ -83,8 +83,10 @@ class PrioritizedSampler:
         if not (0.0 <= beta <= 1.0):
             msg = f"PrioritizedSampler(beta=...) must be in [0, 1], got {beta!r}"
             raise ConfigError(msg)
-        if samples_per_epoch is not None and samples_per_epoch < 1:
-            msg = (f"PrioritizedSampler(samples_per_epoch=...) must be >= 1 or None, got "
+        if samples_per_epoch is not None and (
+                isinstance(samples_per_epoch, bool)
+                or not isinstance(samples_per_epoch, (int, np.integer)) or samples_per_epoch < 1):
+            msg = (f"PrioritizedSampler(samples_per_epoch=...) must be an int >= 1 or None, got "
                    f"{samples_per_epoch!r}")
             raise ConfigError(msg)
         if rows_per_group < 1:
@@ -158,6 +160,8 @@ class PrioritizedSampler:
         from raying.sampling.binding import bind_store
         from raying.sampling.feedback import Reporter
 
+        if self.handle is not None and self.store_name == f"{name}-priorities":
+            return  # bound already (a map_batches pipeline shares this sampler and store)
         self._n = len(manifest)
         self.store_name = f"{name}-priorities"
         self.handle, self._created = bind_store(self.store_name, self._n,

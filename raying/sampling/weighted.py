@@ -51,8 +51,12 @@ def static_probabilities(labels: np.ndarray, *, weights: Any = None,
                            f"label index")
                     raise ConfigError(msg)
                 index = names.index(key)
-            else:
+            elif isinstance(key, (int, np.integer)) and not isinstance(key, (bool, np.bool_)):
                 index = int(key)
+            else:
+                msg = (f"WeightedSampler(weights={{...}}) has key {key!r}; use class names "
+                       f"(str) or label indices (int)")
+                raise ConfigError(msg)
             if not 0 <= index < per_class.size:
                 msg = (f"WeightedSampler(weights={{...}}) has label index {index}, expected one "
                        f"in [0, {per_class.size}); use the dataset's label indices")
@@ -72,6 +76,9 @@ def static_probabilities(labels: np.ndarray, *, weights: Any = None,
     if class_balanced and n:
         counts = np.bincount(labels)
         w = w / counts[labels]
+    top = float(w.max(initial=0.0))
+    if top > 0.0:
+        w = w / top  # only their ratios matter; this keeps the sum finite
     total = float(w.sum())
     if not total > 0.0:
         msg = "WeightedSampler weights are all zero; give at least one sample a positive weight"
@@ -139,9 +146,10 @@ class WeightedSampler:
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
             msg = f"WeightedSampler(seed=...) must be a non-negative int, got {seed!r}"
             raise ConfigError(msg)
-        if samples_per_epoch is not None and (isinstance(samples_per_epoch, bool)
-                                              or samples_per_epoch < 1):
-            msg = (f"WeightedSampler(samples_per_epoch=...) must be >= 1 or None, got "
+        if samples_per_epoch is not None and (
+                isinstance(samples_per_epoch, bool)
+                or not isinstance(samples_per_epoch, (int, np.integer)) or samples_per_epoch < 1):
+            msg = (f"WeightedSampler(samples_per_epoch=...) must be an int >= 1 or None, got "
                    f"{samples_per_epoch!r}")
             raise ConfigError(msg)
         if not 0.0 <= beta <= 1.0:

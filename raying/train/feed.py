@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from typing import Any
 
 from raying.errors import ConfigError
@@ -37,6 +36,14 @@ class Feed:
         return cls(manifest=pipe.manifest, transform=pipe.transform, sampler=pipe.sampler,
                    on_error=pipe.on_error, config=pipe.config, settings=pipe.settings,
                    name=pipe.name, epochs=int(epochs), stages=tuple(pipe.stages))
+
+    def encode(self) -> bytes:
+        """The bytes a Train worker gets (``pickle.loads`` reads them back). cloudpickle:
+        map_batches functions defined in the driver's script (``__main__``) travel by value,
+        as they do to read tasks; plain pickle would name a module the workers lack."""
+        from ray import cloudpickle
+
+        return cloudpickle.dumps(self)
 
 
 def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[str, Any]:
@@ -81,6 +88,6 @@ def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[s
     ensure_ray()
     _ = pipe.store_name  # binds the sampler: a prioritized pipeline starts its store here
     feed = Feed.of(pipe, epochs)
-    ds = ray.data.from_items([{"feed": pickle.dumps(feed)}])
+    ds = ray.data.from_items([{"feed": feed.encode()}])
     ds.context.enable_progress_bars = False  # one row, read once per worker: no bar
     return {"datasets": {name: ds}, "dataset_config": DataConfig(datasets_to_split=[])}

@@ -175,3 +175,25 @@ def test_a_closed_pipeline_refuses_use_instead_of_starting_an_empty_store(manife
     again.load_state_dict(state)
     assert again.priorities()[:4].tolist() == [5.0] * 4
     again.close()
+
+
+def test_map_batches_shares_the_priority_store_and_state_needs_it_open(manifest, ray_local):
+    from raying.errors import ConfigError
+
+    s = raying.PrioritizedSampler(alpha=1.0, seed=4, samples_per_epoch=64)
+    base = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
+                           config=raying.PipelineConfig(block_rows=32))
+    staged = base.map_batches(lambda b: b)
+    base.report(np.arange(10), np.full(10, 50.0))  # binds base's store first
+    assert sum(len(b["id"]) for b in staged.iter_batches(batch_size=32, epoch=0)) == 64
+    assert staged.store_name == base.store_name
+    s.flush()
+    raying.sampling.store.flush(s.handle)
+    assert np.allclose(staged.priorities()[:10], 50.0)  # the reports through base, kept
+    state = staged.state_dict()
+    assert state["sampler"]["tables"] is not None
+    staged.close()
+    with pytest.raises(ConfigError, match=r"state_dict\(\) of Pipeline .* after close\(\): "
+                                          r"its priority store is gone"):
+        staged.state_dict()
+    base.close()

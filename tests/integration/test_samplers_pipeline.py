@@ -216,3 +216,25 @@ def test_infobatch_under_a_class_balanced_prior_through_the_pipeline(tmp_path, r
         assert abs(got - mean) < 4 * np.sqrt(var), (kept, mean, var)
     assert abs(weighted[1] / weighted[0] - 1.0) < 0.1, weighted
     assert per_epoch[-1]["candidates"] == len(m) and per_epoch[-1]["pruned_share"] > 0.1
+
+
+def test_infobatch_plans_an_epoch_when_it_starts_even_with_keep_warm(manifest, ray_local):
+    """keep_warm (the default) starts the next epoch's reads early; an InfoBatch epoch is
+    planned from the losses reported until it starts, so it is not planned early: every
+    hard sample reported during epoch 0, the last batches' too, is read in epoch 1."""
+    s = raying.InfoBatchSampler(prune_ratio=0.5, seed=2)
+    pipe = raying.Pipeline(manifest, sampler=s,
+                           transform=raying.ImageTransform(size=8, random_crop=False,
+                                                           flip=False),
+                           config=raying.PipelineConfig(block_rows=32, name="ib-warm"))
+    assert pipe.config.keep_warm
+    try:
+        for b in pipe.iter_batches(batch_size=25, epoch=0):
+            pipe.report(b["id"], np.where(manifest.labels[b["id"]] == 0, 10.0, 0.5))
+        pipe.sampler.flush()
+        store.flush(pipe.sampler.handle)
+        ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=50, epoch=1)])
+        assert (manifest.labels[ids] == 0).sum() == 40, "every hard sample is read"
+        assert len(ids) < 200  # and the well learned are pruned
+    finally:
+        pipe.close()

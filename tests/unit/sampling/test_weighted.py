@@ -42,6 +42,8 @@ def test_per_class_weights_by_name_or_index_and_per_sample_weights():
     ([0.0, 0.0, 0.0, 0.0], r"weights are all zero"),
     ({"nope": 2.0}, r"names class 'nope', which is not one of"),
     ({5: 2.0}, r"has label index 5, expected one in \[0, 2\)"),
+    ({1.7: 3.0}, r"has key 1.7; use class names \(str\) or label indices \(int\)"),
+    ({True: 3.0}, r"has key True; use class names"),
 ])
 def test_bad_weights_are_refused(weights, match):
     with pytest.raises(raying.ConfigError, match=match):
@@ -122,3 +124,16 @@ def test_state_roundtrip_and_protocol():
     assert t.state_dict()["set_aside"].tolist() == [4]
     with pytest.raises(raying.ConfigError, match=r"this pipeline has WeightedSampler\(seed=3\)"):
         raying.WeightedSampler(seed=3).load_state_dict(s.state_dict())
+
+
+def test_huge_finite_weights_keep_their_ratios():
+    p = static_probabilities(_labels([2, 2]), weights=[1e308, 1e308, 5e307, 0.0])
+    assert np.all(np.isfinite(p)) and p.sum() == pytest.approx(1.0)
+    assert np.allclose(p, np.array([2, 2, 1, 0]) / 5)
+
+
+@pytest.mark.parametrize("cls", [raying.WeightedSampler, raying.PrioritizedSampler])
+@pytest.mark.parametrize("bad", [2.5, 0, True, "10"])
+def test_samples_per_epoch_must_be_a_positive_int(cls, bad):
+    with pytest.raises(raying.ConfigError, match=r"samples_per_epoch=...\) must be an int >= 1"):
+        cls(samples_per_epoch=bad)

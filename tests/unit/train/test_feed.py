@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import raying
@@ -49,3 +50,25 @@ def test_a_share_takes_every_nth_unit_renumbered(manifest):
         mine = p.plan(1).units
         assert [u.index for u in mine] == list(range(len(mine)))
         assert [u.ids.tolist() for u in mine] == [u.ids.tolist() for u in units[i::3]]
+
+
+def test_a_stage_from_the_driver_script_reaches_the_workers_by_value(manifest):
+    """A map_batches function defined in the driver's script (module ``__main__``): a Train
+    worker's ``__main__`` is Ray's, so the feed carries the function itself, not its name."""
+    import pickle
+
+    from raying.train.feed import Feed
+
+    def add_twice(batch):
+        batch["twice"] = batch["id"] * 2
+        return batch
+
+    add_twice.__module__ = "__main__"
+    add_twice.__qualname__ = "add_twice_only_in_the_driver"
+    pipe = raying.Pipeline(manifest).map_batches(add_twice)
+    with pytest.raises((AttributeError, pickle.PicklingError)):
+        pickle.loads(pickle.dumps(Feed.of(pipe, 1)))  # by name: not found
+    feed = pickle.loads(Feed.of(pipe, 1).encode())
+    (stage,) = feed.stages
+    assert stage.fn({"id": np.arange(3)})["twice"].tolist() == [0, 2, 4]
+    pipe.close()

@@ -114,6 +114,16 @@ ENVIRONMENT: dict[str, tuple[str, type]] = {
     "RAYING_REPORT_FLUSH_S": ("report_flush_s", float),
     "RAYING_ROI_DECODE": ("roi_decode", int),
 }
+# The values each variable may take: (lowest, highest), None where open. Out of range is a
+# ConfigError naming the variable when the Pipeline is built, not a silent empty epoch or
+# every read failing later in a worker.
+ENVIRONMENT_RANGE: dict[str, tuple[float, float | None]] = {
+    "RAYING_OBJECT_STORE_MB": (0, None),  # 0: Ray's default
+    "RAYING_READ_RETRY_BACKOFF_S": (0, None),
+    "RAYING_PREFETCH_BATCHES": (0, None),  # 0: none prepared ahead
+    "RAYING_ROI_DECODE": (0, 1),
+}
+_POSITIVE: tuple[float, float | None] = (1, None)  # every other integer: >= 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +171,24 @@ class Settings:
             raw = env.get(name)
             if raw is None or not raw.strip():
                 continue
+            what = "an integer" if kind is int else "a number"
             try:
-                values[field] = kind(raw)
+                value = kind(raw)
             except ValueError:
-                what = "an integer" if kind is int else "a number"
                 msg = (f"environment variable {name} must be {what}, got {raw!r}; unset it "
                        f"or fix it")
                 raise ConfigError(msg) from None
+            if name in ENVIRONMENT_RANGE or kind is int:
+                low, high = ENVIRONMENT_RANGE.get(name, _POSITIVE)
+                ok = value >= low and (high is None or value <= high)  # type: ignore[operator]
+                span = f">= {low}" if high is None else f"in [{low}, {high}]"
+            else:  # the other float settings are durations (a tick, a flush age): > 0
+                ok, span = value > 0, "> 0"
+            if not ok or not math.isfinite(value):
+                msg = (f"environment variable {name} must be {what} {span}, got {raw!r}; "
+                       f"unset it or fix it")
+                raise ConfigError(msg)
+            values[field] = value
         return cls(**values)
 
 

@@ -134,7 +134,7 @@ class Manifest:
             seen = sorted({_ext(i.path) for i in infos})[:8]
             msg = (f"no images ({', '.join(extensions)}) found under {uri}"
                    f"{'; found endings ' + ', '.join(seen) if seen else ' (it is empty)'}; "
-                   f"check the URI or pass extensions=...")
+                   f"check the URI, or pass Manifest.scan(..., extensions=[...])")
             raise DataError(msg)
         return _scan.use_classes(_scan.scan_images(cls, path, uri, images, label, opts,
                                                    dirs=None if classes else listed.get("dirs")),

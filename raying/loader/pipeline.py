@@ -82,12 +82,13 @@ class Pipeline:
                    f"PrioritizedSampler, or an object with the raying.sampling.protocol.Sampler "
                    f"methods), got {type(sampler).__name__}")
             raise ConfigError(msg)
-        self.sampler: Sampler = sampler if sampler is not None else UniformSampler()
         self.on_error = on_error
         self.config = config or PipelineConfig()
-        # The RAYING_* environment, read once here; read tasks and the store get these values.
+        # The RAYING_* environment, read once here; read tasks and the store get these values
+        # (and the default sampler, built after, its Parquet window).
         self.settings = settings if settings is not None else Settings.from_env()
         use(self.settings)
+        self.sampler: Sampler = sampler if sampler is not None else UniformSampler()
         self.name = self.config.name or f"raying-{uuid.uuid4().hex[:8]}"
         # The decoded cache's directory: one per pipeline, and per share of a sharded one
         # (trainers of one run share the name, and the store, but each closes its own).

@@ -140,10 +140,16 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
                  f"move augmentation to the GPU instead (uint8 to the device)", m)
         else:
             line("pre_decode", "no", "the CPUs decode faster than the consumer needs", m)
-    # 3. cache tier and size
-    mem_cap = int(min(size, MEMORY_TIER_SHARE * mach["memory_available_bytes"],
+    # 3. cache tier and size: the dataset as the cache holds it (a header per entry: a file,
+    # or a Parquet row group's image column)
+    from raying.read.cache.entry import entry_bytes
+
+    entries = (-(-size // max(1, data.get("row_group_bytes") or size)) if parquet
+               else data["files"])
+    held = size + entries * entry_bytes(0)
+    mem_cap = int(min(held, MEMORY_TIER_SHARE * mach["memory_available_bytes"],
                       0.5 * mach["shm_free_bytes"]))
-    disk_cap = int(min(size, DISK_TIER_SHARE * mach["disk_free_bytes"])) if size > mem_cap else 0
+    disk_cap = int(min(held, DISK_TIER_SHARE * mach["disk_free_bytes"])) if held > mem_cap else 0
     cache: dict[str, Any] | None = None
     if fast:
         line("cache", "none", "storage is local and fast: the OS page cache serves repeats",
@@ -152,9 +158,9 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
         cache = {"memory_bytes": mem_cap, "disk_bytes": disk_cap,
                  "disk_dir": (mach["disk_dir"].rstrip("/") + "/raying-cache") if disk_cap
                  else None, "policy": "priority"}
-        fits = (f"the whole dataset ({_mb(size)}) fits the memory tier" if mem_cap >= size
+        fits = (f"the whole dataset ({_mb(size)}) fits the memory tier" if mem_cap >= held
                 else f"the dataset ({_mb(size)}) exceeds the memory tier, so a disk tier "
-                     f"holds {disk_cap / size:.0%} of it")
+                     f"holds {disk_cap / held:.0%} of it")
         line("cache", f"memory {_mb(mem_cap)}" + (f" + disk {_mb(disk_cap)}" if disk_cap
                                                      else "") + ", policy priority",
              f"every read from this storage costs {lat * 1e3:.1f} ms + transfer; {fits}; the "

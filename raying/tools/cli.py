@@ -125,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("dst", help="output folder")
     k.add_argument("--decode-size", type=int, default=None,
                    help="store pre-decoded uint8 SxS pixels (fixed_size_binary)")
-    k.add_argument("--shard-rows", type=int, default=4096)
-    k.add_argument("--row-group-rows", type=int, default=256)
+    k.add_argument("--shard-rows", type=int, default=None,
+                   help="rows per Parquet shard (default: RAYING_PACK_SHARD_ROWS, 4096)")
+    k.add_argument("--row-group-rows", type=int, default=None,
+                   help="rows per row group (default: RAYING_PACK_ROW_GROUP_ROWS, 256)")
     k.add_argument("--on-error", default="skip", choices=["skip", "raise"])
     k.add_argument("--verify", action="store_true", help="fully decode every image first")
     k.add_argument("--label", default="folder", choices=["folder", "none"],

@@ -72,7 +72,8 @@ class DemoSettings:
 def settings_from_args(ns: argparse.Namespace) -> DemoSettings:
     """Settings from the `raying demo` arguments (``quick``, ``out``, ``data``, ``seeds``)."""
     quick = bool(getattr(ns, "quick", False))
-    seeds = getattr(ns, "seeds", None) or 1
+    seeds = getattr(ns, "seeds", None)
+    seeds = 1 if seeds is None else seeds
     if seeds < 1:
         msg = f"--seeds must be >= 1, got {seeds}"
         raise ConfigError(msg)

@@ -101,6 +101,25 @@ def test_a_bad_environment_value_names_the_variable():
         Settings.from_env({"RAYING_READ_RETRIES": "five"})
 
 
+@pytest.mark.parametrize(("name", "raw", "pattern"), [
+    ("RAYING_BLOCK_ROWS", "-5", r"an integer >= 1, got '-5'"),  # an empty epoch, silently
+    ("RAYING_BLOCK_ROWS", "0", r"an integer >= 1, got '0'"),
+    ("RAYING_READ_RETRIES", "0", r"an integer >= 1, got '0'"),  # every read a "bad sample"
+    ("RAYING_INFLIGHT_TASKS_PER_CPU", "-1", r"an integer >= 1"),
+    ("RAYING_PREFETCH_BATCHES", "-1", r"an integer >= 0, got '-1'"),
+    ("RAYING_OBJECT_STORE_MB", "-5", r"an integer >= 0, got '-5'"),
+    ("RAYING_ROI_DECODE", "7", r"an integer in \[0, 1\], got '7'"),
+    ("RAYING_READ_RETRY_BACKOFF_S", "nan", r"a number >= 0, got 'nan'"),
+    ("RAYING_STORE_TICK_S", "0", r"a number > 0, got '0'"),
+    ("RAYING_REPORT_FLUSH_S", "inf", r"a number > 0, got 'inf'"),
+])
+def test_an_environment_value_out_of_range_names_the_variable(name, raw, pattern):
+    from raying.options import Settings
+
+    with pytest.raises(ConfigError, match=rf"environment variable {name} must be {pattern}"):
+        Settings.from_env({name: raw})
+
+
 def test_the_library_reads_no_raying_variable_outside_options():
     import pathlib
     import re
@@ -142,3 +161,16 @@ def test_the_configuration_guide_lists_every_variable():
     rows = {line.split("|")[1].strip().strip("`") for line in guide.splitlines()
             if line.startswith("| `RAYING_")}
     assert rows == set(ENVIRONMENT)
+
+
+def test_the_default_sampler_takes_the_environment_the_pipeline_read(monkeypatch, tmp_path):
+    from raying.tools.datagen import make_image_folder
+
+    m = raying.Manifest.scan(str(make_image_folder(tmp_path / "i", n=4, classes=1,
+                                                   size=(8, 8))))
+    for window in ("7", "2"):
+        monkeypatch.setenv("RAYING_PARQUET_WINDOW_ROW_GROUPS", window)
+        pipe = raying.Pipeline(m)
+        assert pipe.settings.parquet_window_row_groups == int(window)
+        assert pipe.sampler.window_row_groups == int(window)  # not the last pipeline's
+        pipe.close()

@@ -45,6 +45,11 @@ def test_s3_small_files_pack_cache_and_many_reads_in_flight():
     assert a["read_concurrency"]["value"] == 64
     assert a["cache"]["value"].startswith("memory 10.0 GiB")  # the dataset fits in memory
     assert config["io"]["cache"]["disk_bytes"] == 0
+    # Room for every file's entry, its header included: the whole dataset is admitted.
+    from raying.read.cache.entry import entry_bytes
+
+    assert config["io"]["cache"]["memory_bytes"] == 10 * GIB + 100_000 * entry_bytes(0)
+    assert "fits the memory tier" in a["cache"]["reason"]
 
 
 def test_fast_local_storage_keeps_the_defaults():

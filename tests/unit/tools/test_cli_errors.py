@@ -94,3 +94,25 @@ def test_job_entry_point_turns_raying_errors_into_one_line(capsys):
     assert "error: StorageError: /x does not exist; check the path" in err
     assert "Traceback" not in err
     assert common.run(lambda: 0) == 0
+
+
+def test_demo_refuses_zero_seeds():
+    import argparse
+
+    from raying.errors import ConfigError
+    from raying.tools.demo import settings_from_args
+
+    assert settings_from_args(argparse.Namespace(seeds=None)).seeds == (0,)
+    for bad in (0, -3):
+        with pytest.raises(ConfigError, match=rf"--seeds must be >= 1, got {bad}"):
+            settings_from_args(argparse.Namespace(seeds=bad))
+
+
+def test_pack_takes_its_sizes_from_the_environment_unless_given(monkeypatch):
+    from raying.tools import cli
+
+    parser = cli.build_parser()
+    ns = parser.parse_args(["pack", "src", "dst"])
+    assert (ns.shard_rows, ns.row_group_rows) == (None, None)  # pack() reads RAYING_PACK_*
+    ns = parser.parse_args(["pack", "src", "dst", "--shard-rows", "50", "--row-group-rows", "10"])
+    assert (ns.shard_rows, ns.row_group_rows) == (50, 10)

@@ -191,8 +191,9 @@ class InfoBatchSampler:
         from raying.sampling.binding import bind_store
         from raying.sampling.feedback import Reporter
 
-        if self.handle is not None and self.store_name == f"{name}-priorities":
-            return  # bound already (a map_batches pipeline shares this sampler and store)
+        if (self.handle is not None and self._reporter is not None
+                and self.store_name == f"{name}-priorities"):
+            return  # bound here already (a map_batches pipeline shares this sampler and store)
         self._n = len(manifest)
         self._prior_q = self.prior_probabilities(manifest)  # validated before a store exists
         self.store_name = f"{name}-priorities"

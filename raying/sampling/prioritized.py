@@ -160,8 +160,9 @@ class PrioritizedSampler:
         from raying.sampling.binding import bind_store
         from raying.sampling.feedback import Reporter
 
-        if self.handle is not None and self.store_name == f"{name}-priorities":
-            return  # bound already (a map_batches pipeline shares this sampler and store)
+        if (self.handle is not None and self._reporter is not None
+                and self.store_name == f"{name}-priorities"):
+            return  # bound here already (a map_batches pipeline shares this sampler and store)
         self._n = len(manifest)
         self.store_name = f"{name}-priorities"
         self.handle, self._created = bind_store(self.store_name, self._n,

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="fully decode every image first")
     p.add_argument("--overwrite", action="store_true",
                    help="delete Parquet files already in --dst first (else they are refused)")
+    p.add_argument("--no-shuffle", action="store_true",
+                   help="keep the source order (default: rows shuffled across shards by --seed)")
     return p
 
 
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res = raying.pack(src, dst, decode_size=args.decode_size, shard_rows=shard_rows,
                       row_group_rows=group_rows, storage=_common.storage_options(args),
                       dst_storage=_common.storage_options(args), on_error=args.on_error,
-                      verify=args.verify, progress=False, overwrite=args.overwrite)
+                      verify=args.verify, progress=False, overwrite=args.overwrite,
+                      shuffle=not args.no_shuffle, seed=args.seed)
     back = raying.Manifest.scan(dst, format="parquet", label="label",
                                 storage=_common.storage_options(args))
     summary = {"job": "pack", "source_samples": len(src), **res.summary(),

@@ -95,8 +95,8 @@ def _pair(name: str, value) -> tuple[float, float]:
     except (TypeError, ValueError):
         msg = f"ImageTransform {name} must be a pair of numbers (min, max), got {value!r}"
         raise ConfigError(msg) from None
-    if not 0 < lo <= hi:
-        msg = f"ImageTransform {name} must satisfy 0 < min <= max, got {value!r}"
+    if not (0 < lo <= hi and math.isfinite(hi)):
+        msg = f"ImageTransform {name} must satisfy 0 < min <= max < inf, got {value!r}"
         raise ConfigError(msg)
     return lo, hi
 

@@ -35,6 +35,9 @@ class BatchAssembler:
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             msg = f"batch_size must be a positive int, got {batch_size!r}"
             raise ConfigError(msg)
+        if not isinstance(drop_last, (bool, np.bool_)):
+            msg = f"drop_last must be True or False, got {drop_last!r}"
+            raise ConfigError(msg)
         self.batch_size = int(batch_size)
         self.drop_last = drop_last
         self._parts: list[dict[str, np.ndarray]] = []

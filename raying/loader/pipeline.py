@@ -401,8 +401,9 @@ class Pipeline:
         epoch = _epoch(epoch)  # here, not in the prefetch thread
         assembler = BatchAssembler(batch_size, drop_last=drop_last)
         depth = self._depth(prefetch_batches)
-        conv = TorchConverter(device, normalize=normalize, mean=mean or DEFAULT_MEAN,
-                              std=std or DEFAULT_STD, pin_memory=pin_memory)
+        conv = TorchConverter(device, normalize=normalize,
+                              mean=DEFAULT_MEAN if mean is None else mean,
+                              std=DEFAULT_STD if std is None else std, pin_memory=pin_memory)
         self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
 
         def batches():

@@ -22,7 +22,8 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
 
     Each pass over the dataset (each Keras epoch) reads the next epoch of the plan, starting
     at ``epoch``; so ``model.fit(ds, epochs=3)`` sees epochs ``epoch, epoch+1, epoch+2``, each
-    in its own order. Elements are dicts with the batch contract's keys (``image`` uint8 NHWC,
+    in its own order (any pass counts, ``ds.take(1)`` too; with Keras ``steps_per_epoch``,
+    which keeps one iterator, fit ``ds.repeat()``). Elements are dicts with the batch contract's keys (``image`` uint8 NHWC,
     or float32 NHWC normalized with ``normalize=True``), or ``(image, label, weight)`` with
     ``as_supervised=True``, which Keras ``fit`` takes as (x, y, sample_weight).
 
@@ -34,7 +35,7 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     labels), arrive as the stages return them.
     """
     tf = _tf()
-    BatchAssembler(batch_size)  # bad arguments fail here, before Ray starts
+    BatchAssembler(batch_size, drop_last=drop_last)  # bad arguments fail here, before Ray starts
     pipe._depth(prefetch_batches)
     pipe._block_stream()  # start Ray (if needed) in this thread, not in tf.data's
     size = pipe.transform.size

@@ -104,7 +104,8 @@ class Loader:
 
         Its auto-sharding is off (the share is this worker's already). Under
         ``MultiWorkerMirroredStrategy`` every worker must run the same number of steps:
-        pass ``steps_per_epoch=loader.steps_per_epoch(batch_size)`` to ``fit``.
+        pass ``steps_per_epoch=loader.steps_per_epoch(batch_size)`` to ``fit``, one ``fit``
+        epoch per loader epoch (the dataset holds this epoch only).
         """
         import tensorflow as tf
 

@@ -41,10 +41,12 @@ def _jpegs(n: int, h: int, w: int, quality: int = 90) -> list[bytes]:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"size": 0}, "ImageTransform size must be a positive integer, got 0"),
     ({"size": 22.5}, "ImageTransform size must be a positive integer, got 22.5"),
-    ({"scale": (0.5, 0.1)}, r"ImageTransform scale must satisfy 0 < min <= max, got \(0.5, 0.1\)"),
+    ({"scale": (0.5, 0.1)}, r"ImageTransform scale must satisfy 0 < min <= max < inf, got \(0.5, 0.1\)"),
     ({"scale": (0.1, 2.0)}, r"at most 1.0, got \(0.1, 2.0\)"),
     ({"scale": 0.5}, "ImageTransform scale must be a pair of numbers"),
-    ({"ratio": (0.0, 1.0)}, r"ImageTransform ratio must satisfy 0 < min <= max, got \(0.0, 1.0\)"),
+    ({"ratio": (0.0, 1.0)}, r"ImageTransform ratio must satisfy 0 < min <= max < inf, got "
+                            r"\(0.0, 1.0\)"),
+    ({"ratio": (1.0, float("inf"))}, r"ratio must satisfy 0 < min <= max < inf, got \(1.0, inf\)"),
     ({"resize": 100}, r"ImageTransform resize \(100\) must be >= size \(224\)"),
     ({"interpolation": "bilinear"}, "interpolation must be one of .*got 'bilinear'"),
     ({"flip": 1}, "ImageTransform flip must be True or False, got 1"),

@@ -115,6 +115,7 @@ def test_torch_gets_numpy_strings_as_lists_and_a_clear_error_for_datetimes():
     ({"batch_size": 0}, r"batch_size must be a positive int, got 0"),
     ({"prefetch_batches": -1}, r"prefetch_batches must be an int >= 0 .* got -1"),
     ({"prefetch_batches": 1.5}, r"prefetch_batches must be an int >= 0 .* got 1.5"),
+    ({"drop_last": "no"}, r"drop_last must be True or False, got 'no'"),
 ])
 def test_bad_iteration_arguments_fail_before_the_reads_start(tmp_path, kwargs, pattern):
     import raying
@@ -126,4 +127,25 @@ def test_bad_iteration_arguments_fail_before_the_reads_start(tmp_path, kwargs, p
         with pytest.raises(ConfigError, match=pattern):
             next(it(**kwargs))
     assert pipe._stream is None  # no read stream (nor Ray) was started for them
+    pipe.close()
+
+
+def test_torch_mean_and_std_take_any_three_numbers_and_refuse_empty_ones(tmp_path):
+    torch = pytest.importorskip("torch")
+    import raying
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "img", n=4, classes=1, size=(8, 8))
+    pipe = raying.Pipeline(raying.Manifest.scan(str(root)), transform=raying.ImageTransform(size=4))
+    with pytest.raises(ConfigError, match=r"mean must be 3 finite numbers"):
+        next(pipe.iter_torch_batches(mean=(), device="cpu"))
+    with pytest.raises(ConfigError, match=r"std must be 3 finite numbers"):
+        next(pipe.iter_torch_batches(std=[], device="cpu"))
+    from raying.loader.batches import TorchConverter
+
+    for mean, std in ((np.array([0.5, 0.5, 0.5]), torch.tensor([0.25, 0.25, 0.25])),
+                      ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))):
+        conv = TorchConverter("cpu", normalize=True, mean=mean, std=std)
+        x = conv.to_float(torch.full((1, 2, 2, 3), 255, dtype=torch.uint8))
+        assert torch.allclose(x, torch.full_like(x, 2.0))  # (1 - 0.5) / 0.25
     pipe.close()

@@ -395,6 +395,17 @@ class CacheConfig:
                 msg = (f"CacheConfig({field}={path!r}) is not writable by this user; point it "
                        f"at a writable local directory")
                 raise ConfigError(msg)
+            # os.access answers for permissions only (root passes it on /proc, a read-only
+            # mount): a real file says whether the tier can write there.
+            probe = os.path.join(path, f".raying-probe-{os.getpid()}")
+            try:
+                with open(probe, "wb") as fh:
+                    fh.write(b"raying")
+                os.unlink(probe)
+            except OSError as exc:
+                msg = (f"CacheConfig({field}={path!r}): cannot write a file there "
+                       f"({exc.strerror or exc}); point it at a writable local directory")
+                raise ConfigError(msg) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -510,6 +521,18 @@ class PipelineConfig:
         if self.epochs is not None and (not whole(self.epochs) or self.epochs < 1):
             msg = (f"PipelineConfig(epochs=...) must be an integer >= 1 or None, got "
                    f"{self.epochs!r}")
+            raise ConfigError(msg)
+
+        cache = self.decoded_cache
+        if isinstance(cache, (float, np.floating)) and math.isfinite(cache) and cache >= 0 \
+                and float(cache).is_integer():
+            cache = int(cache)  # bytes written as 2e9
+            object.__setattr__(self, "decoded_cache", cache)
+        if not (cache is None or cache is False or (isinstance(cache, str) and cache in
+                                                    ("auto", "off"))
+                or (whole(cache) and cache >= 0)):
+            msg = (f"PipelineConfig(decoded_cache=...) must be 'auto', 'off' (or None, 0), or "
+                   f"a budget in bytes, got {cache!r}")
             raise ConfigError(msg)
 
         fill = self.decoded_cache_fill

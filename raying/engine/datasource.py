@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 from raying.engine.metrics import RunAccount
+from raying.errors import ConfigError
 from raying.options import use
 from raying.read.account import UnitAccount
 from raying.read.spec import ReadSpec
@@ -54,17 +55,30 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
           block_rows: int):
     import ray
     from ray.data.block import BlockAccessor
+    from ray.exceptions import RayActorError
 
     spec: ReadSpec = ray.get(spec_ref) if isinstance(spec_ref, ray.ObjectRef) else spec_ref
     use(spec.settings)  # before a lazy unit is drawn: the driver's plan chunk and retries
+
+    def closed(exc: BaseException) -> ConfigError:
+        return ConfigError(f"this dataset's pipeline was closed (its account and priority "
+                           f"store are gone: {type(exc).__name__}); iterate pipe.dataset(e) "
+                           f"before pipe.close(), or build the pipeline again")
+
     if unit.ids is None:  # prioritized: draw now, so losses reported so far shape this read
-        unit = sampler.fill(unit)
+        try:
+            unit = sampler.fill(unit)
+        except RayActorError as exc:
+            raise closed(exc) from None
     lookup: ManifestLookup = ray.get(lookup_ref)
     unit, paths = lookup.complete(unit)
     yielded = False
     for block, account in iter_unit(spec, unit, paths, block_rows=block_rows):
         if accounts is not None:  # landed before the block is seen: stats() are complete
-            ray.get(accounts.add.remote(account))
+            try:
+                ray.get(accounts.add.remote(account))
+            except RayActorError as exc:
+                raise closed(exc) from None
         if len(block["id"]) == 0:
             if yielded or not account.final:
                 continue  # a task yields its empty blocks only when it has nothing else

@@ -36,7 +36,7 @@ _OWNERS = itertools.count()  # a claim owner per fetch: pid, thread and this cou
 ACCOUNT_KEYS = (
     "io_requests", "io_bytes_fetched", "io_bytes_delivered", "io_reads_deduped",
     "io_reads_shared",
-    "cache_lookups", "cache_corrupt", "cache_dropped",
+    "cache_lookups", "cache_corrupt", "cache_dropped", "cache_failed",
     *(f"cache_{what}_{tier}" for tier in TIER_NAMES
       for what in ("hits", "hit_bytes", "admitted", "evicted")),
 )

@@ -461,3 +461,15 @@ def test_a_shard_queues_read_tasks_for_its_share_of_the_cores(image_folder, ray_
     assert windows[None] == max(2, DEFAULT_INFLIGHT_TASKS_PER_CPU * cpus)
     assert windows[(0, 2)] == max(2, DEFAULT_INFLIGHT_TASKS_PER_CPU * -(-cpus // 2))
     assert windows[(1, cpus)] == max(2, DEFAULT_INFLIGHT_TASKS_PER_CPU)
+
+
+def test_a_dataset_iterated_after_its_pipeline_closed_says_so(image_folder, ray_local):
+    pipe = raying.Pipeline(raying.Manifest.scan(str(image_folder)),
+                           transform=raying.ImageTransform(size=16))
+    ds = pipe.dataset(0)
+    assert sum(len(b["id"]) for b in ds.iter_batches(batch_size=16)) == len(pipe.manifest)
+    pipe.close()
+    with pytest.raises(raying.ConfigError, match=r"this dataset's pipeline was closed .* "
+                                                 r"iterate pipe.dataset\(e\) before "
+                                                 r"pipe.close\(\)"):
+        list(ds.iter_batches(batch_size=16))

@@ -19,6 +19,10 @@ from raying.options import CacheConfig
     ("window", 1.5, "window=.*integer >= 1 or None"),
     ("keep_warm", "no", "keep_warm=.*True or False"),
     ("task_num_cpus", 0, "task_num_cpus=.*> 0"),
+    ("decoded_cache", "on", r"decoded_cache=...\) must be 'auto', 'off' .* got 'on'"),
+    ("decoded_cache", -5, r"decoded_cache=...\) must be .* got -5"),
+    ("decoded_cache", True, r"decoded_cache=...\) must be .* got True"),
+    ("decoded_cache", 1.5, r"decoded_cache=...\) must be .* got 1.5"),
 ])
 def test_pipeline_config_values(field, value, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -27,6 +31,7 @@ def test_pipeline_config_values(field, value, pattern):
 
 def test_pipeline_config_accepts_numpy_integers():
     assert raying.PipelineConfig(block_rows=np.int64(64), window=np.int32(2)).block_rows == 64
+    assert raying.PipelineConfig(decoded_cache=2e9).decoded_cache == 2_000_000_000  # bytes
 
 
 @pytest.mark.parametrize(("mean", "std", "pattern"), [

@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import logging
 import os
+import sqlite3
 import threading
 import zlib
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ class CacheStats:
         evicted: entries evicted, per tier name.
         corrupt: entries found corrupt (dropped and refetched).
         dropped: offers not admitted because the background writer's queue was full.
+        failed: tier operations that failed (a full or read-only filesystem under a tier):
+            their lookups counted as misses, their writes skipped.
     """
 
     lookups: int = 0
@@ -60,12 +63,14 @@ class CacheStats:
     evicted: dict[str, int] = dataclasses.field(default_factory=dict)
     corrupt: int = 0
     dropped: int = 0
+    failed: int = 0
 
     def add(self, other: CacheStats) -> None:
         """Add another's counts to these."""
         self.lookups += other.lookups
         self.corrupt += other.corrupt
         self.dropped += other.dropped
+        self.failed += other.failed
         for name in ("hits", "hit_bytes", "admitted", "evicted"):
             mine, theirs = getattr(self, name), getattr(other, name)
             for tier, v in theirs.items():
@@ -81,13 +86,29 @@ class CacheStats:
     def account(self) -> dict[str, int]:
         """Flat integer counters, summable across units (``cache_*`` keys of run_unit)."""
         out = {"cache_lookups": self.lookups, "cache_corrupt": self.corrupt,
-               "cache_dropped": self.dropped}
+               "cache_dropped": self.dropped, "cache_failed": self.failed}
         for tier in TIER_NAMES:
             out[f"cache_hits_{tier}"] = self.hits.get(tier, 0)
             out[f"cache_hit_bytes_{tier}"] = self.hit_bytes.get(tier, 0)
             out[f"cache_admitted_{tier}"] = self.admitted.get(tier, 0)
             out[f"cache_evicted_{tier}"] = self.evicted.get(tier, 0)
         return out
+
+
+# What a tier's filesystem or index can raise when it is full, read-only or gone.
+_TIER_ERRORS = (OSError, sqlite3.Error)
+_warned: set[tuple[str, str]] = set()  # (tier root, operation) warned about in this process
+
+
+def _tier_failed(name: str, tier: Any, what: str, exc: BaseException) -> None:
+    """Log once per tier folder and operation that the tier failed; reads go on uncached."""
+    root = str(getattr(tier, "root", "?"))
+    if (root, what) in _warned:
+        return
+    _warned.add((root, what))
+    logger.warning("raying cache: the %s tier at %s failed a %s (%s: %s); reading around it "
+                   "(counted as cache_failed). Free space there, or give the cache another "
+                   "folder", name, root, what, type(exc).__name__, exc)
 
 
 def _bump(d: dict[str, int], key: str, n: int) -> None:
@@ -191,11 +212,16 @@ class TieredCache:
         missing = [i for i in range(len(keys)) if out[i] is None]
         for level, (name, tier) in enumerate(self.tiers):
             served = [i for i in range(len(keys)) if out[i] is not None]
-            found, corrupt = tier.get_many(
-                [full[i] for i in missing],
-                [scores[i] for i in missing] if scores is not None else None,
-                draws=len(keys), touch=[full[i] for i in served],
-                touch_scores=[scores[i] for i in served] if scores is not None else None)
+            try:
+                found, corrupt = tier.get_many(
+                    [full[i] for i in missing],
+                    [scores[i] for i in missing] if scores is not None else None,
+                    draws=len(keys), touch=[full[i] for i in served],
+                    touch_scores=[scores[i] for i in served] if scores is not None else None)
+            except _TIER_ERRORS as exc:  # the cache is an optimisation: read around it
+                _tier_failed(name, tier, "lookup", exc)
+                local.failed += 1
+                continue
             local.corrupt += corrupt
             promote = [missing[j] for j in found]
             for j, payload in found.items():
@@ -320,9 +346,14 @@ class TieredCache:
                scores: Sequence[float] | None, local: CacheStats, *, upto: int) -> None:
         crcs = [zlib.crc32(payloads[i]) for i in idx] if upto > 1 else None
         for name, tier in self.tiers[:upto]:
-            admitted, evicted = tier.put_many(
-                [full[i] for i in idx], [payloads[i] for i in idx],
-                [scores[i] for i in idx] if scores is not None else None, crcs=crcs)
+            try:
+                admitted, evicted = tier.put_many(
+                    [full[i] for i in idx], [payloads[i] for i in idx],
+                    [scores[i] for i in idx] if scores is not None else None, crcs=crcs)
+            except _TIER_ERRORS as exc:  # not written: later lookups miss, reads go on
+                _tier_failed(name, tier, "write", exc)
+                local.failed += 1
+                continue
             _bump(local.admitted, name, admitted)
             _bump(local.evicted, name, evicted)
 

@@ -134,6 +134,38 @@ def test_tiers_serve_in_order_and_promote(tmp_path):
     assert cache.used_bytes() == {"memory": 2 * eb(1000), "disk": 4 * eb(1000)}
 
 
+@pytest.mark.parametrize("error", [sqlite3.OperationalError("database or disk is full"),
+                                   OSError(28, "No space left on device"),
+                                   PermissionError(1, "Operation not permitted")])
+def test_a_failing_tier_is_read_around_and_counted(tmp_path, error, caplog):
+    """A full or read-only filesystem under a tier makes its lookups misses and skips its
+    writes (counted, warned once), while the other tier keeps serving: no read fails."""
+    cfg = CacheConfig(memory_bytes=4 * eb(1000), memory_dir=str(tmp_path / "m"),
+                      disk_bytes=10 * eb(1000), disk_dir=str(tmp_path / "d"), policy="lru",
+                      background_writes=False)
+    cache = TieredCache(cfg, namespace="full")
+    keys = [f"f{i}" for i in range(4)]
+    cache.put_many(keys, [payload_of(k, 1000) for k in keys])
+    memory = dict(cache.tiers)["memory"]
+
+    def fail(*args, **kwargs):
+        raise error
+
+    memory.get_many = fail
+    memory.put_many = fail
+    stats = CacheStats()
+    with caplog.at_level("WARNING"):
+        got = cache.get_many(keys, stats=stats)
+        cache.get_many(keys, stats=stats)
+        cache.put_many(["new"], [payload_of("new", 1000)], stats=stats)
+    assert [bytes(g) for g in got] == [payload_of(k, 1000) for k in keys]  # from the disk
+    assert stats.hits == {"disk": 8} and stats.failed == 5  # 2 lookups, 2 promotions, 1 put
+    assert stats.account()["cache_failed"] == stats.failed
+    warned = [r.getMessage() for r in caplog.records if "tier at" in r.getMessage()]
+    assert len(warned) == 2, warned  # once per operation, not per call
+    assert "reading around it" in warned[0] and str(tmp_path / "m") in warned[0]
+
+
 def test_background_writes_fill_the_cache_without_blocking(tmp_path, monkeypatch):
     cfg = CacheConfig(memory_bytes=10**6, memory_dir=str(tmp_path / "m"))
     cache = TieredCache(cfg, namespace="bg")
@@ -197,6 +229,12 @@ def test_cache_config_validation_names_the_argument(tmp_path):
         CacheConfig(disk_bytes=10)
     with pytest.raises(ConfigError, match=r"CacheConfig\(memory_bytes=...\) must be an integer"):
         CacheConfig(memory_bytes=-1)
+    # A folder permissions allow (root) but where no file can be made: refused when built.
+    with pytest.raises(ConfigError, match=r"CacheConfig\(disk_dir='/proc'\)(: cannot write a "
+                                          r"file there| is not writable by this user)"):
+        CacheConfig(disk_bytes=2**20, disk_dir="/proc").check_dirs()
+    CacheConfig(disk_bytes=2**20, disk_dir=str(tmp_path / "ok")).check_dirs()
+    assert list((tmp_path / "ok").iterdir()) == []  # the probe file is gone
 
 
 # --- corruption ---------------------------------------------------------------------------------

@@ -115,13 +115,19 @@ def test_priority_forgets_entries_that_stop_being_drawn(tmp_path):
     assert sorted(found) == [0, 2]
 
 
-def test_tiers_serve_in_order_and_promote(tmp_path):
-    cfg = CacheConfig(memory_bytes=2 * eb(1000), memory_dir=str(tmp_path / "m"),
+def _two_tiers_filled(tmp_path, memory_entries: int, namespace: str):
+    """A synchronous LRU memory + disk cache with four 1,000-byte entries offered to it."""
+    cfg = CacheConfig(memory_bytes=memory_entries * eb(1000), memory_dir=str(tmp_path / "m"),
                       disk_bytes=10 * eb(1000), disk_dir=str(tmp_path / "d"), policy="lru",
                       background_writes=False)
-    cache = TieredCache(cfg, namespace="ds")
+    cache = TieredCache(cfg, namespace=namespace)
     keys = [f"f{i}" for i in range(4)]
     cache.put_many(keys, [payload_of(k, 1000) for k in keys])
+    return cache, keys
+
+
+def test_tiers_serve_in_order_and_promote(tmp_path):
+    cache, keys = _two_tiers_filled(tmp_path, 2, "ds")
     stats = CacheStats()
     got = cache.get_many(keys, stats=stats)
     assert [bytes(g) for g in got] == [payload_of(k, 1000) for k in keys]
@@ -140,12 +146,7 @@ def test_tiers_serve_in_order_and_promote(tmp_path):
 def test_a_failing_tier_is_read_around_and_counted(tmp_path, error, caplog):
     """A full or read-only filesystem under a tier makes its lookups misses and skips its
     writes (counted, warned once), while the other tier keeps serving: no read fails."""
-    cfg = CacheConfig(memory_bytes=4 * eb(1000), memory_dir=str(tmp_path / "m"),
-                      disk_bytes=10 * eb(1000), disk_dir=str(tmp_path / "d"), policy="lru",
-                      background_writes=False)
-    cache = TieredCache(cfg, namespace="full")
-    keys = [f"f{i}" for i in range(4)]
-    cache.put_many(keys, [payload_of(k, 1000) for k in keys])
+    cache, keys = _two_tiers_filled(tmp_path, 4, "full")
     memory = dict(cache.tiers)["memory"]
 
     def fail(*args, **kwargs):

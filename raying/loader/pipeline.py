@@ -126,8 +126,9 @@ class Pipeline:
         must keep the rows (``id`` as given, every column one row per id), ``image`` uint8
         ``(n, size, size, 3)``, a numeric ``label`` (its dtype and shape may change: soft
         labels) and one number per row in ``weight`` and ``prob`` (cast back to float32 and
-        float64), and return the same columns for every batch. It runs in the read workers on every path (``iter_*``,
-        ``to_tf`` and ``dataset(e)``), after the stages added before it.
+        float64), and return the same columns for every batch. It runs in the read workers
+        on every path (``iter_*``, ``to_tf`` and ``dataset(e)``), after the stages added
+        before it.
 
         With ``with_rng=True`` it is called as ``fn(batch, rng=generator)``: a
         ``numpy.random.Generator`` derived from (sampler seed, epoch, the stage's position,
@@ -342,8 +343,8 @@ class Pipeline:
         """Batches prepared ahead: ``prefetch_batches``, or the setting when None."""
         if prefetch_batches is None:
             return self.settings.prefetch_batches
-        if (isinstance(prefetch_batches, bool) or not isinstance(prefetch_batches, (int, np.integer))
-                or prefetch_batches < 0):
+        if (isinstance(prefetch_batches, bool)
+                or not isinstance(prefetch_batches, (int, np.integer)) or prefetch_batches < 0):
             msg = (f"prefetch_batches must be an int >= 0 (0: none ahead) or None (the "
                    f"setting, RAYING_PREFETCH_BATCHES), got {prefetch_batches!r}")
             raise ConfigError(msg)

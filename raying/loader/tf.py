@@ -23,9 +23,10 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     Each pass over the dataset (each Keras epoch) reads the next epoch of the plan, starting
     at ``epoch``; so ``model.fit(ds, epochs=3)`` sees epochs ``epoch, epoch+1, epoch+2``, each
     in its own order (any pass counts, ``ds.take(1)`` too; with Keras ``steps_per_epoch``,
-    which keeps one iterator, fit ``ds.repeat()``). Elements are dicts with the batch contract's keys (``image`` uint8 NHWC,
-    or float32 NHWC normalized with ``normalize=True``), or ``(image, label, weight)`` with
-    ``as_supervised=True``, which Keras ``fit`` takes as (x, y, sample_weight).
+    which keeps one iterator, fit ``ds.repeat()``). Elements are dicts with the batch
+    contract's keys (``image`` uint8 NHWC, or float32 NHWC normalized with
+    ``normalize=True``), or ``(image, label, weight)`` with ``as_supervised=True``, which
+    Keras ``fit`` takes as (x, y, sample_weight).
 
     Extra Parquet columns (``Manifest.scan(columns=...)``) come under their names: numbers as
     tensors of their dtype, strings and bytes as ``tf.string``, fixed-size lists as

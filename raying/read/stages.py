@@ -170,18 +170,19 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
         raise bad("changed or dropped the 'id' column; expected the ids it was given, in "
                   "order (a stage may change values, not which rows there are: filter or "
                   "reorder with the sampler instead)")
-    if np.asarray(got).dtype.kind not in "iu":
-        raise bad(f"returned the 'id' column as {np.asarray(got).dtype}; keep the ids as they "
-                  f"came (int64): the priority store and resume positions index by them")
+    got_dtype = np.asarray(got).dtype
+    if got_dtype.kind not in "iu":
+        raise bad(f"returned the 'id' column as {got_dtype}; keep the ids as they came "
+                  f"(int64): the priority store and resume positions index by them")
     out["id"] = ids  # the ids it was given (int64), whatever integer type came back
     if "label" not in out:
         raise bad("dropped the 'label' column; keep it (a stage may change its values or "
                   "dtype, e.g. soft labels of shape (n, classes)) and put other targets in "
                   "columns of their own")
     for key, dtype in _RESERVED_DTYPES.items():
-        value = np.asarray(out.get(key)) if key in out else None
-        if value is None:
+        if key not in out:
             raise bad(f"dropped the {key!r} column; keep it as it came ({dtype})")
+        value = np.asarray(out[key])
         if value.dtype.kind not in "biuf" or value.shape != (n,):
             raise bad(f"returned the {key!r} column as {value.dtype} {value.shape}; expected "
                       f"{dtype} ({n},): one number per row")

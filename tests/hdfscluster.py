@@ -89,9 +89,11 @@ LIBHDFS_SOURCES = ("hdfs.c", "jni_helper.c", "exception.c", "common/htable.c",
                    "os/posix/mutexes.c", "os/posix/thread.c",
                    "os/posix/thread_local_storage.c")
 # Each JVM: a small heap and the quick-start compiler; these are test daemons, not a cluster.
+# -XX:-UsePerfData: no /tmp/hsperfdata_<user>/<pid> file, which a JVM killed with SIGKILL (a
+# Ray worker holding a libhdfs client, at ray.shutdown) leaves behind.
 SERVER_JAVA_OPTS = ("-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
-                    "-Djava.net.preferIPv4Stack=true")
-CLIENT_JAVA_OPTS = "-Xmx128m -XX:+UseSerialGC -Djava.net.preferIPv4Stack=true"
+                    "-XX:-UsePerfData", "-Djava.net.preferIPv4Stack=true")
+CLIENT_JAVA_OPTS = "-Xmx128m -XX:+UseSerialGC -XX:-UsePerfData -Djava.net.preferIPv4Stack=true"
 # The DataNode logs this once its blocks are known to the NameNode: the cluster can serve.
 BLOCK_REPORT_LINE = "Successfully sent block report"
 DEFAULT_START_TIMEOUT_S = 120.0
@@ -309,6 +311,8 @@ class HDFSCluster:
         self.install = install
         self.dir = Path(run_dir)
         self.conf = self.dir / "conf"
+        self.tmp = self.dir / "tmp"
+        self.tmp.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         # Fixed DataNode ports, so a restarted DataNode is where the NameNode last saw it.
         self.datanode_ports = {"address": free_port(), "ipc.address": free_port(),
@@ -377,7 +381,10 @@ class HDFSCluster:
             "log4j.logger.org.apache.hadoop.hdfs.server.datanode.DataNode=INFO\n")
 
     def _java(self, main: str, *args: str) -> list[str]:
+        # The daemons' web servers unpack into java.io.tmpdir (a Jetty_* folder per start,
+        # never removed): the cluster's own folder, removed with it.
         return [str(self.install.java_home / "bin" / "java"), *SERVER_JAVA_OPTS,
+                f"-Djava.io.tmpdir={self.tmp}",
                 f"-Dhadoop.log.dir={self.dir / 'logs'}", "-cp", self.classpath,
                 f"org.apache.hadoop.hdfs.server.{main}", *args]
 

@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -306,6 +307,7 @@ def test_advise_measures_hdfs(hdfs, hdfs_images, capsys):
 
 PROBE = r"""
 import sys
+import tempfile
 import raying
 try:
     m = raying.Manifest.scan(sys.argv[1])
@@ -317,6 +319,7 @@ except raying.RayingError as exc:
 # pyarrow alone, without raying's checks: what the user would get otherwise.
 BARE = r"""
 import sys
+import tempfile
 import pyarrow.fs as pafs
 try:
     fs = pafs.HadoopFileSystem("127.0.0.1", int(sys.argv[1]))
@@ -375,3 +378,15 @@ def test_missing_pieces_of_a_real_setup_are_named(hdfs, hdfs_images, tmp_path):
             ({"JAVA_HOME": str(tmp_path / "jre")}, "FAILED OSError Unable to load libjvm")]
     for change, expected in bare:
         assert _run(BARE, port, {**base, **change}) == expected, change
+
+
+def test_the_daemons_leave_nothing_in_the_system_temp_folder(hdfs):
+    """The web servers' unpacked files lie in the cluster's folder (removed with it), and no
+    JVM writes a perf-data file that a killed process would leave behind."""
+    assert list(hdfs.tmp.glob("Jetty_*")), "the daemons' web servers unpacked elsewhere"
+    system = Path(tempfile.gettempdir())
+    for proc in (hdfs.namenode, hdfs.datanode):
+        assert proc is not None and proc.poll() is None
+        assert not list(system.glob(f"hsperfdata_*/{proc.pid}"))
+        assert not [p for p in system.glob("Jetty_*")
+                    if f"_{hdfs.datanode_ports['http.address']}_" in p.name]

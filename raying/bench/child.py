@@ -54,6 +54,7 @@ from raying.bench.workloads import OUTPUT_SIZE, Workload, read_through
 # ``epoch(e)`` yielding ``(images, labels)``, ``close()`` and optionally ``extra() -> dict``.
 PEERS = {
     "L": "raying.bench.peers_native:LimitPeer",
+    "L-crop": "raying.bench.peers_native:CropLimitPeer",
     "pyarrow": "raying.bench.peers_native:PyArrowPeer",
     "torch": "raying.bench.peers_torch:TorchPeer",
     "tf": "raying.bench.peers_tf:TfPeer",
@@ -81,6 +82,7 @@ PEER_NEEDS = {
 # whose weights live updates reshape, which only raying has).
 PEER_WORKLOADS = {
     "L": ("W1", "W2", "W3", "W6", "W7"),
+    "L-crop": ("W1", "W2", "W3", "W6", "W7"),
     "pyarrow": ("W4",),
     "torch": ("W1", "W2", "W3", "W4", "W6", "W7"),
     "tf": ("W1", "W2", "W3", "W4", "W6", "W7"),
@@ -93,7 +95,7 @@ PEER_WORKLOADS = {
     "raydata-train": ("W1", "W3"),  # one folder, one Parquet: Train start-up is dear
 }
 # Peers that are references, not loaders: they run the "iterate" mode only.
-REFERENCE_PEERS = ("L", "pyarrow")
+REFERENCE_PEERS = ("L", "L-crop", "pyarrow")
 _WORK_CHUNK_BYTES = 1 << 20
 
 

@@ -6,6 +6,12 @@ share every epoch into a preallocated uint8 batch, and reports each batch's row 
 labels through a queue. There is no loader around it: no file reads, no transfer of pixels
 between processes, no framework. It is the rate the machine decodes and augments at.
 
+L-crop: the same loop with raying's own kernel (``ImageTransform.apply_encoded``: only the
+crop window of a JPEG is decoded, at a reduced DCT scale where the crop allows) in place of
+``decode_crop_flip``. It is the rate of any loader that decodes only the crop window (raying,
+tf.data's ``decode_and_crop_jpeg``) with nothing around the kernel: a ceiling for both, so a
+ratio between two of them above ``L-crop / the slower one`` cannot be reached on this machine.
+
 pyarrow: ``pq.ParquetFile(f).iter_batches(batch_size, columns=["label", "image"])`` over the
 W4 shards in order, each batch's pixels viewed with ``np.frombuffer`` (no copy, no crop, no
 shuffle). One process; pyarrow's own threads as it sets them. ``extra()`` adds one timed
@@ -50,16 +56,18 @@ def _load_share(wl: Workload, k: int, cores: int) -> tuple[list[bytes], np.ndarr
 
 
 def _limit_worker(wl_dict: dict[str, Any], k: int, cores: int, batch: int, seed: int,
-                  commands, results) -> None:
+                  commands, results, crop_window: bool = False) -> None:
     import cv2
 
     from raying.bench import kernels
+    from raying.image.transform import ImageTransform
 
     try:
         cv2.setNumThreads(1)
         wl = Workload.from_dict(wl_dict)
         datas, labels = _load_share(wl, k, cores)
         out = np.empty((batch, OUTPUT_SIZE, OUTPUT_SIZE, 3), dtype=np.uint8)
+        transform = ImageTransform(size=OUTPUT_SIZE)
         results.put(("ready", k, len(datas)))
         while True:
             epoch = commands.get()
@@ -69,8 +77,14 @@ def _limit_worker(wl_dict: dict[str, Any], k: int, cores: int, batch: int, seed:
             order = rng.permutation(len(datas))
             for start in range(0, len(order), batch):
                 idx = order[start:start + batch]
-                for j, i in enumerate(idx):
-                    kernels.decode_crop_flip(datas[i], rng, out[j])
+                if crop_window:  # ids as the samples' global positions: k, k + cores, ...
+                    got = transform.apply_encoded([datas[i] for i in idx], idx * cores + k,
+                                                  seed=seed, epoch=epoch, out=out)
+                    if got.errors:
+                        raise RuntimeError(f"L-crop could not decode: {got.errors[0]}")
+                else:
+                    for j, i in enumerate(idx):
+                        kernels.decode_crop_flip(datas[i], rng, out[j])
                 if wl.augment:
                     out[:len(idx)] = kernels.colour_jitter(
                         out[:len(idx)], kernels.jitter_factors(rng, len(idx)))
@@ -81,14 +95,15 @@ def _limit_worker(wl_dict: dict[str, Any], k: int, cores: int, batch: int, seed:
 
 
 class _LimitLoader:
-    def __init__(self, wl: Workload, batch: int, cores: int, seed: int) -> None:
+    def __init__(self, wl: Workload, batch: int, cores: int, seed: int,
+                 crop_window: bool = False) -> None:
         ctx = mp.get_context("fork")
         self.cores = cores
         self.results = ctx.Queue()
         self.commands = [ctx.SimpleQueue() for _ in range(cores)]
         self.procs = [ctx.Process(target=_limit_worker, daemon=True,
                                   args=(wl.to_dict(), k, cores, batch, seed,
-                                        self.commands[k], self.results))
+                                        self.commands[k], self.results, crop_window))
                       for k in range(cores)]
         for p in self.procs:
             p.start()
@@ -131,6 +146,13 @@ class LimitPeer:
 
     def stop(self) -> None:
         pass
+
+
+class CropLimitPeer(LimitPeer):
+    """L-crop: L with raying's crop-window decode kernel (see the module docstring)."""
+
+    def open(self, wl: Workload, *, batch_size: int, cores: int, seed: int) -> _LimitLoader:
+        return _LimitLoader(wl, batch_size, cores, seed, crop_window=True)
 
 
 class _PyArrowLoader:

@@ -10,7 +10,7 @@ import numpy as np
 
 from raying.bench.child import REFERENCE_PEERS
 
-PEER_COLOURS = {"L": "#444444", "pyarrow": "#444444", "torch": "#ee4c2c", "tf": "#ff9f00",
+PEER_COLOURS = {"L": "#444444", "L-crop": "#888888", "pyarrow": "#444444", "torch": "#ee4c2c", "tf": "#ff9f00",
                 "raydata": "#028cf0", "raying": "#2ca02c", "raying-train": "#17becf",
                 "raydata-train": "#8c564b",
                 "raying-cache": "#bcbd22", "raying-cache-eager": "#dbdb8d",
@@ -84,8 +84,9 @@ def targets_table(checks: list[dict[str, Any]]) -> str:
     for c in checks:
         verdict = {True: "PASS", False: "MISS", None: "n/a "}[c["pass"]]
         value = "-" if c["value"] is None else f"{c['value']:.3f}"
+        above = " ABOVE THE CEILING" if c.get("reachable") is False else ""
         lines.append(f"  {verdict} {c['target']:<44} {value:>7} ({c['kind']} "
-                     f"{c['threshold']}){' ' + c['detail'] if c['detail'] else ''}")
+                     f"{c['threshold']}){' ' + c['detail'] if c['detail'] else ''}{above}")
     return "\n".join(lines)
 
 

@@ -43,8 +43,8 @@ from raying.bench.workloads import (
 )
 from raying.errors import ConfigError
 
-ALL_PEERS = ("L", "pyarrow", "torch", "tf", "tf-cache", "raydata", "raying", "raying-cache",
-             "raying-cache-eager", "raying-train", "raydata-train")
+ALL_PEERS = ("L", "L-crop", "pyarrow", "torch", "tf", "tf-cache", "raydata", "raying",
+             "raying-cache", "raying-cache-eager", "raying-train", "raydata-train")
 ALL_MODES = ("iterate", "sleep", "compute")
 DEFAULT_ROUNDS = 3
 DEFAULT_EPOCHS = 3  # one cold epoch, two steady ones

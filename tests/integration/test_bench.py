@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from raying.bench import aggregate, measure, run
+from raying.bench import aggregate, measure, report, run
 from raying.bench.child import PEER_WORKLOADS, check_batch, steady
 from raying.errors import ConfigError
 
@@ -138,6 +138,36 @@ def test_a_cache_row_is_labelled_not_anyone_s_best_peer():
     assert cache["value"] == pytest.approx(0.25) and cache["pass"] is False
     mem = checks["W1 b64: raying whole memory beyond Ray's floor / torch whole"]
     assert mem["value"] == pytest.approx(100.0 / 300.0) and mem["pass"] is True
+
+
+def test_a_target_above_the_crop_window_kernel_s_own_rate_is_marked_unreachable():
+    """L-crop is a reference, nobody's best peer; a ratio target asking raying for more img/s
+    than L-crop's steady rate is marked unreachable, one within it reachable."""
+    wl = {"W1": {"rows": 10, "decoded": None}, "W2": {"rows": 10, "decoded": None}}
+
+    def cell(w: str, rate_s: float) -> dict:
+        return {"workload": w, "batch_size": 64, "mode": "iterate", "setup_s": 0.1,
+                "cpu_steady_s": 1.0, "peak_pss_mb": 100.0, "errors": [],
+                "epochs": [{"rows": 10, "problems": [], "request_s": 0.0, "first_s": 0.5,
+                            "end_s": 1.0, "ttfb_s": 0.5},
+                           {"rows": 10, "problems": [], "request_s": 1.0, "first_s": 1.1,
+                            "end_s": 1.0 + rate_s, "ttfb_s": 0.1}]}
+
+    # Steady img/s: tf 10 on both; L-crop 20 on W1 (1.15 x 10 fits), 11 on W2 (it does not).
+    runs = [{"peer": "tf", "round": 0, "cells": [cell("W1", 1.0), cell("W2", 1.0)]},
+            {"peer": "raying", "round": 0, "cells": [cell("W1", 0.8), cell("W2", 0.8)]},
+            {"peer": "L-crop", "round": 0, "cells": [cell("W1", 0.5), cell("W2", 1 / 1.1)]}]
+    rows = aggregate.combine(runs, wl, epochs=2)
+    assert all(r["best_peer"] == "tf" for r in rows if r["peer"] == "raying")
+    checks = {c["target"]: c for c in aggregate.targets(rows)}
+    w1 = checks["W1 b64: raying steady / best of torch, tf"]
+    w2 = checks["W2 b64: raying steady / best of torch, tf"]
+    assert w1["reachable"] is True and w2["reachable"] is False
+    assert "needs 12 img/s, L-crop 11" in w2["detail"]
+    assert report.targets_table([w2]).endswith("ABOVE THE CEILING")
+    assert "ABOVE" not in report.targets_table([w1])
+    by = {(r["workload"], r["peer"]): r for r in rows}
+    assert by[("W2", "raying")]["ratio_to_L_crop"] == pytest.approx(12.5 / 11)
 
 
 def test_the_train_path_is_held_against_the_iterator_and_ray_data_through_train():

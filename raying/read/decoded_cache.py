@@ -186,6 +186,17 @@ def released(directory: str) -> bool:
     return os.path.exists(_tombstone(os.path.basename(directory.rstrip("/"))))
 
 
+def close_released() -> int:
+    """Close this process's handles on the decoded caches of closed pipelines (their index
+    and lock files; see ``tiered.close_finished``). Every read of a decoded cache calls it,
+    so a read worker lets go of a closed pipeline's files at its next read of any pipeline."""
+    from raying.read.cache.tiered import close_finished
+
+    base = os.path.abspath(root())
+    return close_finished(lambda d: os.path.dirname(os.path.abspath(d)) == base
+                          and released(d))
+
+
 def owner_id() -> str:
     """Who owns the directories this process's pipelines create, as the owner file holds it:
     ``host pid [gcs-address job-id]`` (the Ray part when Ray is up)."""
@@ -384,6 +395,7 @@ class DecodedCache:
     def of(cls, spec: Any) -> DecodedCache | None:
         """The cache of ``spec``'s pipeline on this node, or None when it is off or was
         released; with ``"auto"`` its budget is at most this node's own share."""
+        close_released()
         if not spec.decoded_cache_bytes:
             return None
         directory = cache_dir(spec.decoded_cache_name)

@@ -18,6 +18,7 @@ entry's latest draw, capped by ``decay_reads / draws since then``; see :class:`D
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
@@ -33,6 +34,9 @@ from raying.read.cache.dirtier import DirTier, digest_of, entry_bytes
 from raying.read.cache.inflight import SingleFlight
 
 logger = logging.getLogger(__name__)
+
+# How long close() waits for the background writer to finish the entry it is writing.
+DEFAULT_CLOSE_WAIT_S = 5.0
 
 __all__ = ["CacheStats", "DirTier", "TieredCache", "decode_array", "digest_of", "encode_array",
            "entry_bytes", "open_cache"]
@@ -150,6 +154,7 @@ class TieredCache:
         self._busy = False
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
+        self._closed = False
         # Entries waiting to be written serve hits (they are in memory), so the queue must
         # stay small next to the tiers or it would act as an unbounded extra tier.
         self._queue_limit = min(DEFAULT_CACHE_QUEUE_BYTES,
@@ -308,6 +313,8 @@ class TieredCache:
         while True:
             with self._wake:
                 while not self._queue:
+                    if self._closed:
+                        return
                     self._wake.wait()
                 full, payloads, scores, upto, on_done = self._queue.popleft()
                 self._busy = True
@@ -330,6 +337,25 @@ class TieredCache:
                 self.stats.add(local)
                 self._background.add(local)
                 self._wake.notify_all()
+
+    def close(self) -> None:
+        """Stop the writer (what it had not written is dropped) and close the tiers' index
+        and lock files in this process. The cache is not used after."""
+        with self._wake:
+            self._closed = True
+            dropped = list(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._pending.clear()
+            self._wake.notify_all()
+            # The item being written, if any, finishes first: its tier files stay open for it.
+            self._wake.wait_for(lambda: not self._busy, DEFAULT_CLOSE_WAIT_S)
+        for *_, on_done in dropped:
+            if on_done is not None:
+                with contextlib.suppress(Exception):
+                    on_done()
+        for _, tier in self.tiers:
+            tier.close()
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until the background writer has admitted everything offered so far."""
@@ -381,6 +407,25 @@ def _tier(root: str, capacity: int, config: CacheConfig, name: str) -> DirTier:
             tier = _TIERS[key] = DirTier(root, capacity, policy=config.policy,
                                          decay_reads=config.decay_reads, name=name)
     return tier
+
+
+def close_finished(finished: Callable[[str], bool]) -> int:
+    """Close and forget this process's caches whose every tier directory is ``finished``
+    (a closed pipeline's decoded cache, its directory removed): a process that outlives the
+    pipeline (a Ray worker) would otherwise keep their index and lock files open, and the
+    deleted files' tmpfs pages with them. Returns how many it closed."""
+    with _REG_LOCK:
+        if not _CACHES:
+            return 0
+        gone = [k for k, c in _CACHES.items()
+                if c.tiers and all(finished(t.root) for _, t in c.tiers)]
+        caches = [_CACHES.pop(k) for k in gone]
+        roots = {t.root for c in caches for _, t in c.tiers}
+        for key in [k for k in _TIERS if os.path.abspath(k[1]) in roots]:
+            del _TIERS[key]
+    for cache in caches:
+        cache.close()
+    return len(caches)
 
 
 def open_cache(config: CacheConfig, *, namespace: str = "") -> TieredCache:

@@ -284,3 +284,45 @@ def test_the_cache_fills_over_epochs_within_its_budget_with_unchanged_pixels(tmp
     finally:
         for p in (off, budgeted, eager):
             p.close()
+
+
+def _open_files_under(path) -> list[str]:
+    base = os.path.realpath(path)
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(base):
+            out.append(target)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="Linux /proc")
+def test_a_closed_pipeline_s_cache_files_are_let_go_at_the_next_read(monkeypatch, tmp_path):
+    """A read worker outlives the pipelines it reads for: once a pipeline is released, the
+    worker's next decoded-cache read of any pipeline closes the released one's index, WAL and
+    lock files (deleted, their tmpfs pages would stay allocated while they are open) and
+    forgets it; another pipeline's cache stays open and keeps its entries."""
+    monkeypatch.setenv(decoded_cache.DECODED_CACHE_DIR_ENV, str(tmp_path))
+    pixels = [np.full((8, 8, 3), i, np.uint8) for i in range(20)]
+    caches = {}
+    for name in ("closed", "open"):
+        cache = decoded_cache.DecodedCache(decoded_cache.cache_dir(name), 1 << 20, name)
+        cache.put(list(range(20)), pixels)
+        cache._tier.flush(10.0)
+        caches[name] = cache
+    assert _open_files_under(tmp_path / "closed")
+    assert decoded_cache.close_released() == 0  # nothing released yet: nothing closed
+    decoded_cache.release("closed")
+    assert not os.path.exists(tmp_path / "closed")
+    assert decoded_cache.close_released() == 1
+    assert _open_files_under(tmp_path / "closed") == []
+    assert _open_files_under(tmp_path / "open")
+    got = caches["open"].get(np.arange(20))
+    assert all(np.array_equal(g, p) for g, p in zip(got, pixels, strict=True))
+    assert decoded_cache.close_released() == 0
+    decoded_cache.release("open")
+    assert decoded_cache.close_released() == 1
+    assert _open_files_under(tmp_path) == []

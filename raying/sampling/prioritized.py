@@ -20,6 +20,21 @@ from raying.sampling.plan import EpochPlan, ReadUnit
 DEFAULT_PLAN_MAX_AGE_S = 1.0
 
 
+def group_order(ids: np.ndarray, rows_per_group: int, rng: np.random.Generator) -> np.ndarray:
+    """An order of grouped draws that keeps each stage-one pick's ``rows_per_group`` draws
+    together (ascending inside it), with the picks in a random order.
+
+    ``PriorityTable.sample_in_groups`` returns its draws as runs of ``rows_per_group``, one run
+    per chosen row group. Units take the buffer of draws front to back, and the buffer is
+    redrawn as reports arrive: sorted by id, every epoch's units would read the lowest ids of
+    each buffer (a sliding window, and only the dataset's start while reports keep coming);
+    merged by row group, an epoch would read a few row groups many times over.
+    """
+    pick = np.arange(len(ids)) // max(1, int(rows_per_group))
+    rank = rng.permutation(int(pick[-1]) + 1 if len(ids) else 0)
+    return np.lexsort((ids, rank[pick]))
+
+
 class PrioritizedSampler:
     """Draws each read's ids from a priority store that per-sample losses keep up to date.
 
@@ -207,7 +222,7 @@ class PrioritizedSampler:
         chunk = k if self._copy else max(settings().plan_chunk_ids, k)
         if self._starts is not None:
             plan = st.sample_grouped_plan(self.handle, chunk, self._starts, self.rows_per_group)
-            order = np.argsort(plan.ids, kind="stable")  # group draws by row group
+            order = group_order(plan.ids, self.rows_per_group, self._shuffle)
         else:
             plan = st.sample_plan(self.handle, chunk, systematic=self.systematic)
             # A systematic plan comes sorted by id; shuffle it so each unit is a random part.

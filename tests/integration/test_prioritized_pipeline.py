@@ -197,3 +197,26 @@ def test_map_batches_shares_the_priority_store_and_state_needs_it_open(manifest,
                                           r"its priority store is gone"):
         staged.state_dict()
     base.close()
+
+
+def test_prioritized_parquet_epochs_draw_from_the_whole_dataset(tmp_path, ray_local):
+    """Row-grouped draws on Parquet: with equal priorities, an epoch's row groups spread over
+    the whole dataset (units took the lowest ids of each buffer of draws: a sliding window)."""
+    from raying.tools.datagen import make_image_folder
+
+    src = make_image_folder(str(tmp_path / "src"), n=960, classes=4, size=(16, 16), seed=0)
+    raying.pack(str(src), str(tmp_path / "pq"), shard_rows=480, row_group_rows=64,
+                progress=False)
+    m = raying.Manifest.scan(str(tmp_path / "pq"))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           sampler=raying.PrioritizedSampler(seed=0),
+                           config=raying.PipelineConfig(block_rows=64))
+    for epoch in range(2):
+        ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=64, epoch=epoch)])
+        assert len(ids) == 960
+        # 16 draws per chosen row group (rows_per_group): 60 groups an epoch, counted in three
+        # bins of 5 row groups each (20 expected in each).
+        groups = np.bincount(ids // 320, minlength=3) / 16
+        chi2 = float(sum((g - 20.0) ** 2 / 20.0 for g in groups))
+        assert chi2 < 13.82, (epoch, groups)  # p = 0.001 with 2 degrees of freedom
+    pipe.close()

@@ -535,3 +535,31 @@ def test_the_leaf_summary_gives_the_exact_ess_and_least_probability_with_a_prior
         assert 1.0 / sum_p2 == pytest.approx(t.ess(), rel=1e-9)
         assert min_prob == pytest.approx(t.min_probability(), rel=1e-12)
         assert math.isfinite(min_prob) and min_prob > 0
+
+
+def test_a_prefix_of_grouped_draws_in_group_order_is_spread_over_the_ids():
+    """Units take a buffer of grouped draws front to back: in ``group_order`` each stage-one
+    pick's draws stay together and ascending, and the buffer's first quarter holds as many
+    draws of the upper half of the ids as of the lower (sorted by id it held none) from as
+    many row groups as picks."""
+    from raying.sampling.prioritized import group_order
+
+    n, k, per = 960, 4096, 16
+    starts = np.arange(0, n, 64)
+    upper_share = []
+    for seed in range(200):
+        t = PriorityTable(n, seed=seed)
+        ids, _ = t.sample_in_groups(k, starts, per)
+        got = ids[group_order(ids, per, np.random.default_rng(seed))]
+        runs = got.reshape(-1, per)
+        assert np.all(np.diff(runs, axis=1) >= 0)  # ascending inside a pick
+        group = np.searchsorted(starts, runs, side="right") - 1
+        assert np.all(group == group[:, :1])  # one row group per pick
+        assert sorted(map(tuple, runs)) == sorted(map(tuple, np.sort(ids.reshape(-1, per))))
+        first = got[:k // 4]
+        upper_share.append(float(np.mean(first >= n // 2)))
+        # A quarter of the picks: about as many distinct row groups as a random quarter has.
+        assert len(np.unique(group[:len(runs) // 4])) >= 10
+    share = np.asarray(upper_share)
+    z = (share.mean() - 0.5) / (share.std(ddof=1) / math.sqrt(len(share)))
+    assert abs(z) < 3.3, (share.mean(), z)  # two-sided p ~ 0.001

@@ -34,18 +34,20 @@ from raying.storage import errors as _storage_errors
 from raying.storage import files as _storage
 from raying.storage.tiers import profile_for
 
-_FOOTERS: dict[tuple[int, str], tuple[pq.FileMetaData, int]] = {}
+_FOOTERS: dict[tuple[int, str, str], tuple[pq.FileMetaData, int]] = {}
 _FOOTERS_LOCK = threading.Lock()
 
 
-def footer(fs: Any, path: str, stats: OpStats | None = None, *, cache: Any = None
-           ) -> tuple[pq.FileMetaData, int]:
-    """The metadata and size of a Parquet file, read once per process and filesystem.
+def footer(fs: Any, path: str, stats: OpStats | None = None, *, cache: Any = None,
+           namespace: str = "") -> tuple[pq.FileMetaData, int]:
+    """The metadata and size of a Parquet file, read once per process, filesystem and
+    dataset identity (``namespace``: a file rewritten in place by a new pack belongs to
+    another dataset, and its old footer would point into the new bytes).
 
     With a ``cache`` (a TieredCache) the footer is also kept in its tiers, so a worker
     process started later on the node does not request it from storage again.
     """
-    key = (id(fs), path)
+    key = (id(fs), namespace, path)
     with _FOOTERS_LOCK:
         hit = _FOOTERS.get(key)
     if hit is not None:
@@ -127,7 +129,8 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
     cache = None
     if io.cache is not None and io.cache.enabled:
         cache = open_cache(io.cache, namespace=namespace)
-    metas = {p: footer(fs, p, stats, cache=cache) for p in dict.fromkeys(p for p, _ in distinct)}
+    metas = {p: footer(fs, p, stats, cache=cache, namespace=namespace)
+             for p in dict.fromkeys(p for p, _ in distinct)}
     ranges = [chunk_range(metas[p][0], g, column) for p, g in distinct]
     keys = [f"{p}#rg{g}/{column}" for p, g in distinct]
     item_scores = [best.get(it, 0.0) for it in distinct] if scores is not None else None

@@ -52,9 +52,11 @@ class ReadSpec:
 
     @property
     def dataset_key(self) -> str:
-        """The dataset's identity in cache keys: its URI and the S3 endpoint, if any (the same
+        """The dataset's identity in cache keys: the manifest's fingerprint (its URI, format and
+        every file's path and size, so a dataset rewritten in place is another dataset) when a
+        Pipeline set ``cache_namespace``, else its URI; with the S3 endpoint, if any (the same
         bucket and prefix on two endpoints are two datasets)."""
-        return dataset_key(self.root, self.storage)
+        return self.cache_namespace or dataset_key(self.root, self.storage)
 
     @classmethod
     def of(cls, manifest: Any, transform: Any, seed: int, on_error: str, *,

@@ -280,3 +280,36 @@ def test_hugging_face_image_structs_read_like_binary(packs, tmp_path, ray_local)
     ids, images, _ = _collect(pipe, 0)
     pipe.close()
     assert np.array_equal(ids, want[0]) and images.shape == want[1].shape
+
+
+def test_a_dataset_packed_again_in_place_is_not_served_from_the_warm_tiers(image_folder,
+                                                                            tmp_path, ray_local):
+    """``raying pack --overwrite`` to the same folder (another shuffle): a pipeline over the
+    new files, on the tiers the old ones filled, gets every id's own label and pixels, as a
+    read without tiers does (the tiers served the old row groups under the new ids)."""
+    dst = tmp_path / "pq"
+    io = IOConfig(cache=CacheConfig(memory_bytes=8 << 20, memory_dir=str(tmp_path / "mem"),
+                                    disk_bytes=8 << 20, disk_dir=str(tmp_path / "disk"),
+                                    background_writes=False))
+
+    def epoch(io_config):
+        m = raying.Manifest.scan(str(dst))
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16, random_crop=False,
+                                                                  flip=False),
+                               config=raying.PipelineConfig(block_rows=16, io=io_config,
+                                                            decoded_cache=None))
+        out = {}
+        for b in pipe.iter_batches(batch_size=32, epoch=0):
+            for i, label, image in zip(b["id"], b["label"], b["image"], strict=True):
+                out[int(i)] = (int(label), image.tobytes())
+        pipe.close()
+        return out
+
+    raying.pack(str(image_folder), str(dst), shard_rows=25, row_group_rows=8, seed=0,
+                progress=False)
+    first = epoch(io)
+    raying.pack(str(image_folder), str(dst), shard_rows=25, row_group_rows=8, seed=1,
+                overwrite=True, progress=False)
+    cached, direct = epoch(io), epoch(None)
+    assert cached == direct
+    assert sum(first[i] != direct[i] for i in direct) > len(direct) // 2  # a real reshuffle

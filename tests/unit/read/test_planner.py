@@ -196,6 +196,27 @@ def test_parquet_chunks_come_from_the_cache_the_second_time(parquet_file, tmp_pa
     assert a[0].equals(b[1]) and a[1].equals(b[0])
 
 
+def test_a_file_rewritten_in_place_is_read_anew_under_its_new_dataset_key(parquet_file,
+                                                                          tmp_path):
+    """A new pack over the same path is another dataset (another namespace: the manifest's
+    fingerprint): neither the process's footer nor the cache's chunks of the old file serve
+    it, though both keep serving the old namespace's reads in the same process."""
+    fs = slow.slow_filesystem(pafs.LocalFileSystem(), (0.0, None))
+    io = IOConfig(cache=CacheConfig(memory_bytes=10**7, memory_dir=str(tmp_path / "mem")))
+    old = parquet.read_chunks(fs, [(parquet_file, 1)], "image", io=io, namespace="old")
+    n = 300  # fewer, longer rows in other row groups: the old footer points elsewhere
+    new_images = [bytes([7 + i % 200]) * (900 + i) for i in range(n)]
+    pq.write_table(pa.table({"id": pa.array(np.arange(n)), "image": pa.array(new_images)}),
+                   parquet_file, row_group_size=60, compression="none")
+    stats = planner.OpStats()
+    [got] = parquet.read_chunks(fs, [(parquet_file, 1)], "image", io=io, namespace="new",
+                                stats=stats)
+    assert got.to_pylist() == new_images[60:120]
+    assert stats.requests >= 2  # the new footer and the chunk, from the file
+    [again] = parquet.read_chunks(fs, [(parquet_file, 1)], "image", io=io, namespace="old")
+    assert again.equals(old[0])  # the old namespace's cached chunk (stale, but its own)
+
+
 def test_parquet_missing_column_is_a_clear_error(parquet_file):
     with pytest.raises(Exception, match="Parquet column 'pixels' not found"):
         parquet.read_chunks(pafs.LocalFileSystem(), [(parquet_file, 0)], "pixels",

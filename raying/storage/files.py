@@ -175,6 +175,9 @@ def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
 
     Local files are read one after the other (measured faster than threads for files in the
     page cache); other stores use a thread pool, since each read mostly waits on the network.
+    A read that failed on the storage itself (not a missing file, not a refusal) gets a second
+    round of retries once the others are done: an outage a few seconds long (a DataNode
+    restarting, a network blip) outlasts one read's retries, and its files are good samples.
 
     Args:
         fs: the filesystem, from :func:`resolve`.
@@ -194,10 +197,23 @@ def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
             return exc
 
     workers = min(threads or settings().remote_read_threads, len(names))
-    if isinstance(fs, pafs.LocalFileSystem) or workers <= 1:
-        return [one(n) for n in names]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="raying-read") as pool:
-        return list(pool.map(one, names))
+
+    def each(batch: list[str]) -> list[bytes | Exception]:
+        if isinstance(fs, pafs.LocalFileSystem) or workers <= 1 or len(batch) <= 1:
+            return [one(n) for n in batch]
+        with ThreadPoolExecutor(max_workers=min(workers, len(batch)),
+                                thread_name_prefix="raying-read") as pool:
+            return list(pool.map(one, batch))
+
+    got = each(names)
+    again = [i for i, r in enumerate(got) if isinstance(r, StorageError)
+             and not isinstance(r, (NotFoundError, CredentialsError))]
+    # Only beside reads that succeeded: when every read failed the storage is down, and the
+    # caller reports that at once (fetch.refuse_outage) rather than after another round.
+    if again and len(again) < len(got):
+        for i, result in zip(again, each([names[i] for i in again]), strict=True):
+            got[i] = result
+    return got
 
 
 def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:

@@ -276,7 +276,7 @@ def test_threads_reading_the_same_row_groups_fetch_each_chunk_once(tmp_path):
                    path, row_group_size=10)
     fs = slow.slow_filesystem(pafs.LocalFileSystem(), (LATENCY_S, None))
     io = dataclasses.replace(_io(tmp_path), gap_bytes=0)  # one request per chunk
-    footer(fs, path)  # footers apart: this is about the chunks
+    footer(fs, path, namespace="pq")  # footers apart: this is about the chunks
     out: dict = {}
 
     def go(name: str, groups: list[int]) -> threading.Thread:

@@ -406,6 +406,46 @@ def test_retries_give_up_with_the_uri_and_the_count(tree, caplog):
     assert len([r for r in caplog.records if "retrying" in r.message]) == 2
 
 
+class _Outage(_Flaky):
+    """Local files; opens of the files named in ``down`` fail until ``failures`` of them did."""
+
+    def __init__(self, failures: int, down: set[str]) -> None:
+        super().__init__(failures, NETWORK_ERROR)
+        self.down = down
+
+    def open_input_stream(self, path):
+        if path.rsplit("/", 1)[-1] in self.down and self.opens < self.failures:
+            self.opens += 1
+            raise OSError(self.message)
+        return self.base.open_input_stream(path)
+
+
+def test_a_short_outage_that_outlasts_one_read_s_retries_loses_no_file(tree):
+    """Two of four reads fail 3 times each (an outage longer than their 3 attempts): their
+    second round, once the others are done, reads them; a missing file is not retried."""
+    fs = pafs.PyFileSystem(_Outage(6, {"1.jpg", "2.jpg"}))
+    names = [f"{tree}/cats/1.jpg", f"{tree}/cats/2.jpg", f"{tree}/dogs/3.PNG",
+             f"{tree}/cats/none.jpg"]
+    got = storage.read_many(fs, names, retries=3, backoff=0.001)
+    assert got[:3] == [storage.read_bytes(pafs.LocalFileSystem(), n) for n in names[:3]]
+    assert isinstance(got[3], NotFoundError)
+    # Still failing after the second round: the error is returned in its slot.
+    fs = pafs.PyFileSystem(_Outage(100, {"1.jpg"}))
+    got = storage.read_many(fs, names[:3], retries=3, backoff=0.001)
+    assert isinstance(got[0], StorageError) and got[1:] == [
+        storage.read_bytes(pafs.LocalFileSystem(), n) for n in names[1:3]]
+
+
+def test_no_second_round_when_every_read_failed(tree):
+    """Every read failing is an outage the caller reports at once: one round only."""
+    handler = _Outage(100, {"1.jpg", "2.jpg"})
+    got = storage.read_many(pafs.PyFileSystem(handler),
+                            [f"{tree}/cats/1.jpg", f"{tree}/cats/2.jpg"], retries=3,
+                            backoff=0.001)
+    assert all(isinstance(g, StorageError) for g in got)
+    assert handler.opens == 6
+
+
 def test_refusals_are_not_retried(tree):
     handler = _Flaky(10, "AWS Error ACCESS_DENIED during HeadObject operation")
     with pytest.raises(CredentialsError):

@@ -25,6 +25,9 @@ def list_dataset(fs: pafs.FileSystem, path: str, uri: str,
     ``report`` (see ``list_files``) gets the folders listed."""
     info = _storage.file_info(fs, path, uri)
     if info.type == pafs.FileType.NotFound:
+        down = _storage.unreachable(fs, uri)
+        if down is not None:
+            raise down
         msg = f"{uri} does not exist; check the path (and for S3 the bucket and prefix)"
         raise StorageError(msg)
     if info.type == pafs.FileType.File:

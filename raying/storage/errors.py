@@ -6,6 +6,7 @@ import logging
 import random
 import threading
 import time
+import urllib.parse
 
 import pyarrow.fs as pafs
 
@@ -72,11 +73,14 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 def storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *,
-                  action: str = "read", attempts: int = 1, uri: str | None = None) -> Exception:
+                  action: str = "read", attempts: int = 1, uri: str | None = None,
+                  probe: bool = True) -> Exception:
     """The raying error for ``exc``, raised while ``action``-ing ``path`` on ``fs``.
 
     The message names the URI (``uri`` if given) and the fix, never a credential. raying's own
     errors come back unchanged; anything that is not an OSError (a bug, a bad argument) too.
+    ``probe``: on HDFS, ask the NameNode whether it answers at all (a missing path and a dead
+    NameNode look alike to libhdfs); off for the errors of attempts that are retried.
     """
     if isinstance(exc, RayingError):
         return exc
@@ -90,6 +94,13 @@ def storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *,
     options = getattr(spec, "options", None)
     detail = _s3.scrub(str(exc))
     tries = f" (after {attempts} attempts)" if attempts > 1 else ""
+    if (probe and scheme == "hdfs" and kind in ("missing", "network", "transient")
+            and fs is not None):
+        # libhdfs connects lazily: a NameNode that is down or a wrong port surfaces in the
+        # first call as a missing path or a bare I/O error.
+        down = _hdfs_unreachable(fs, uri, detail, tries)
+        if down is not None:
+            return down
     if kind == "missing":
         return NotFoundError(_missing_message(fs, scheme, path, uri, options))
     if kind == "credentials":
@@ -110,6 +121,31 @@ def storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *,
                "AWS_ENDPOINT_URL points to it")
         return StorageError(msg)
     return StorageError(f"cannot {action} {uri}{tries}: {detail}")
+
+
+def unreachable(fs: pafs.FileSystem, uri: str) -> StorageError | None:
+    """The error to raise for ``uri``, found missing, when its storage is an HDFS whose
+    NameNode does not answer (libhdfs then reports every path as missing); else None."""
+    if _scheme_of(fs, _spec_of(fs)) != "hdfs":
+        return None
+    return _hdfs_unreachable(fs, uri, "", "")
+
+
+def _hdfs_unreachable(fs, uri: str, detail: str, tries: str) -> StorageError | None:
+    """The error for an HDFS whose NameNode does not answer (its root, which always exists,
+    cannot be listed), or None when it answers."""
+    try:
+        if fs.get_file_info("/").type == pafs.FileType.Directory:
+            return None
+    except Exception:  # noqa: BLE001 - the probe failing is the answer
+        pass
+    where = urllib.parse.urlsplit(uri).netloc or "fs.defaultFS"
+    said = f": {detail.strip().splitlines()[0]}" if detail.strip() else ""
+    return StorageError(
+        f"cannot connect to HDFS at {where} to reach {uri}{tries} (the NameNode did not "
+        f"answer{said}). Check that the NameNode is up and the address "
+        "(hdfs://host:port/path; hdfs:///path uses fs.defaultFS from core-site.xml in "
+        "HADOOP_CONF_DIR)")
 
 
 def _missing_message(fs, scheme, path, uri, options) -> str:
@@ -174,8 +210,9 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
         try:
             return call()
         except Exception as exc:
-            error = storage_error(exc, fs, path, attempts=attempt, uri=uri)
-            if attempt >= attempts or not is_retryable(exc):
+            final = attempt >= attempts or not is_retryable(exc)
+            error = storage_error(exc, fs, path, attempts=attempt, uri=uri, probe=final)
+            if final:
                 raise error from None
             delay = min(backoff * 2 ** (attempt - 1), DEFAULT_READ_RETRY_MAX_BACKOFF_S)
             delay *= 0.5 + random.random() / 2

@@ -19,12 +19,12 @@ import pyarrow.fs as pafs
 from raying.errors import CredentialsError, StorageError
 from raying.options import StorageOptions, settings
 from raying.storage import errors as _errors
-from raying.storage.errors import NotFoundError
+from raying.storage.errors import NotFoundError, unreachable
 from raying.storage.spec import StorageSpec, clear_cache
 
 __all__ = ["NotFoundError", "StorageSpec", "clear_cache", "exists", "file_info",
            "is_credentials_error", "list_files", "make_dirs", "open_input", "read_bytes",
-           "read_many", "resolve", "storage_error", "write_bytes_atomic"]
+           "read_many", "resolve", "storage_error", "unreachable", "write_bytes_atomic"]
 
 logger = logging.getLogger(__name__)
 

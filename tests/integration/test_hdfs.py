@@ -380,6 +380,22 @@ def test_missing_pieces_of_a_real_setup_are_named(hdfs, hdfs_images, tmp_path):
         assert _run(BARE, port, {**base, **change}) == expected, change
 
 
+def test_a_namenode_that_does_not_answer_is_named_not_a_missing_path(hdfs, hdfs_images):
+    """libhdfs connects lazily and reports a path it cannot ask about as missing: a scan of a
+    port where no NameNode listens says it cannot connect there; a path that is missing on
+    the live cluster still says so."""
+    from tests.hdfscluster import free_port
+
+    port = free_port()
+    with pytest.raises(raying.StorageError,
+                       match=rf"cannot connect to HDFS at 127\.0\.0\.1:{port} to reach "
+                             rf"hdfs://127\.0\.0\.1:{port}/ds .*NameNode is up"):
+        raying.Manifest.scan(f"hdfs://127.0.0.1:{port}/ds")
+    with pytest.raises(raying.StorageError, match=r"/nope/ds does not exist; check the path"):
+        raying.Manifest.scan(hdfs.uri("/nope/ds"))
+    assert len(raying.Manifest.scan(hdfs_images)) == 60
+
+
 def test_the_daemons_leave_nothing_in_the_system_temp_folder(hdfs):
     """The web servers' unpacked files lie in the cluster's folder (removed with it), and no
     JVM writes a perf-data file that a killed process would leave behind."""

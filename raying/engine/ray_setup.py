@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
+from raying.errors import ConfigError
 from raying.options import settings
+
+# How long a RAY_ADDRESS's head may take to accept a connection before raying says it is down
+# (ray.init itself retries a head that is down for minutes without a word).
+DEFAULT_RAY_CONNECT_TIMEOUT_S = 10.0
 
 
 def default_object_store_bytes(num_cpus: int | None = None) -> int | None:
@@ -34,9 +40,41 @@ def ensure_ray() -> None:
 
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address:
+        check_ray_address(address)
         ray.init(logging_level=logging.WARNING)
     else:
         ray.init(address="local", include_dashboard=False, log_to_driver=True,
                  logging_level=logging.WARNING,
                  object_store_memory=default_object_store_bytes())
+
+
+def check_ray_address(address: str, timeout_s: float = DEFAULT_RAY_CONNECT_TIMEOUT_S) -> None:
+    """Refuse a ``RAY_ADDRESS`` a driver cannot attach to, before ``ray.init`` waits on it.
+
+    Raises:
+        ConfigError: an ``http(s)://`` address (the job API's, for ``ray job submit``).
+        ConnectionError: nothing accepts a connection at ``host:port`` (or ``ray://``'s).
+    """
+    if address in ("auto", "local"):
+        return
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme in ("http", "https"):
+        msg = (f"RAY_ADDRESS={address} is the job API's HTTP address (what `ray job submit` "
+               "takes); a driver attaches to the head's GCS address, host:6379 (`ray status` "
+               "on the head prints it), or to ray://host:10001. Set RAY_ADDRESS to that, or "
+               "unset it to start a local Ray")
+        raise ConfigError(msg)
+    hostport = rest if sep else address
+    host, colon, port = hostport.rpartition(":")
+    if not colon or not port.isdigit():
+        return  # let Ray judge forms it knows better
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)),
+                                 timeout=timeout_s).close()
+    except OSError as exc:
+        msg = (f"could not connect to Ray at {address} (RAY_ADDRESS): {exc}. The head is down "
+               "or unreachable from here: start it (raying cluster start) or unset RAY_ADDRESS "
+               "to start a local Ray")
+        raise ConnectionError(msg) from None

@@ -69,11 +69,17 @@ class Reporter:
                    f"ids of the batch (batch['id'])")
             raise ConfigError(msg)
         try:
-            v = to_numpy(losses, dtype=np.float64)
+            v = to_numpy(losses, dtype=None)
         except (TypeError, ValueError):
-            msg = (f"raying.report: losses must be real numbers, got "
-                   f"{type(losses).__name__}; pass the per-sample losses (reduction='none')")
+            v = None
+        # Real numbers only: numpy would turn "5.0" and b"1" into 5.0 and 1.0, drop a complex
+        # loss's imaginary part, and None into NaN.
+        if v is None or v.dtype.kind not in "iuf":
+            got = type(losses).__name__ if v is None else f"{type(losses).__name__} of {v.dtype}"
+            msg = (f"raying.report: losses must be real numbers, got {got}; pass the "
+                   f"per-sample losses (reduction='none')")
             raise ConfigError(msg) from None
+        v = v.astype(np.float64, copy=False)
         # Float ids travel as floats: the store rejects and counts non-integral ones (a cast
         # here would truncate 1.5 to 1 and credit the loss to another sample).
         i = i.astype(np.float64 if i.dtype.kind == "f" else np.int64, copy=False)

@@ -214,8 +214,14 @@ def test_reporter_takes_bfloat16_losses_and_refuses_bool_or_text_ids():
         for ids in (torch.tensor([True, False]), np.array([True]), ["a", "b"]):
             with pytest.raises(ConfigError, match="ids must be integers"):
                 rep.add(ids, [1.0] * len(ids))
-        with pytest.raises(ConfigError, match="losses must be real numbers"):
-            rep.add([1], ["high"])
-        assert st.stats(handle)["updates_received"] == 2  # nothing of the refused reached it
+        # Numbers numpy would make of text or bytes, a complex loss, None: all refused.
+        for losses in (["high"], np.array(["5.0"]), [b"1"], np.array([1 + 2j]), [None],
+                       [True], torch.tensor([1 + 2j])):
+            with pytest.raises(ConfigError, match="losses must be real numbers"):
+                rep.add([1], losses)
+        rep.add([3], [2])  # an integer loss is a number
+        st.flush(handle)
+        assert st.priorities(handle, np.array([3])).tolist() == [2.0]
+        assert st.stats(handle)["updates_received"] == 3  # nothing of the refused reached it
     finally:
         st.kill_store(handle)

@@ -79,8 +79,11 @@ def run_job(job: Job, *, epochs: int, cores: int, seed: int, timeout_s: float,
     result_path = base + ".result.json"
     if os.path.exists(result_path):
         os.remove(result_path)
+    # numpy's BLAS on one thread in every peer's processes, as Ray sets it in its workers:
+    # W7's jitter calls it per image, and a second BLAS thread in each of the peers' worker
+    # processes competes with the other workers for the same cores.
     env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
-               RAY_USAGE_STATS_ENABLED="0")
+               RAY_USAGE_STATS_ENABLED="0", OPENBLAS_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)  # every Ray peer starts its own local Ray
     read_fd, write_fd = os.pipe()
     load_before = os.getloadavg()

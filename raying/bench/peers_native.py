@@ -85,9 +85,10 @@ def _limit_worker(wl_dict: dict[str, Any], k: int, cores: int, batch: int, seed:
                 else:
                     for j, i in enumerate(idx):
                         kernels.decode_crop_flip(datas[i], rng, out[j])
-                if wl.augment:
-                    out[:len(idx)] = kernels.colour_jitter(
-                        out[:len(idx)], kernels.jitter_factors(rng, len(idx)))
+                if wl.augment:  # one image at a time: its float32 copies stay in the cache
+                    factors = kernels.jitter_factors(rng, len(idx))
+                    for j in range(len(idx)):
+                        out[j:j + 1] = kernels.colour_jitter(out[j:j + 1], factors[j:j + 1])
                 results.put(("batch", len(idx), labels[idx]))
             results.put(("done", k, 0))
     except BaseException:  # noqa: BLE001 - forwarded to the measuring process

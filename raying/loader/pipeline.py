@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -249,6 +250,9 @@ class Pipeline:
             owner = decoded.owner_id()
             if budget:
                 decoded.claim(self._cache_name, owner)
+                # A pipeline dropped without close() frees this node's decoded pixels when it
+                # is collected (tmpfs is memory), not only when the process exits.
+                weakref.finalize(self, decoded.release, self._cache_name)
             self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
                                              decoded_cache_name=self._cache_name,
                                              decoded_cache_auto=self.config.decoded_cache == "auto",

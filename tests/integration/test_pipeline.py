@@ -443,6 +443,28 @@ def test_close_waits_for_running_reads_before_it_frees_the_decoded_cache(image_f
     assert not os.path.exists(decoded_cache.cache_dir(pipe._cache_name))
 
 
+def test_a_pipeline_dropped_without_close_frees_its_decoded_cache_when_collected(image_folder,
+                                                                                ray_local):
+    """tmpfs is memory: a pipeline abandoned mid-epoch (an exception in the loop, no close)
+    frees this node's decoded pixels once it is garbage, not at the process's exit."""
+    import gc
+
+    from raying.read import decoded_cache
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=8, decoded_cache=32 * 2**20,
+                                                        decoded_cache_fill=None))
+    with pytest.raises(KeyError):
+        for _ in pipe.iter_batches(batch_size=16, epoch=0):
+            raise KeyError("the trainer's own bug")
+    path = decoded_cache.cache_dir(pipe._cache_name)
+    assert os.path.isdir(path)
+    del pipe
+    gc.collect()
+    assert not os.path.exists(path)
+
+
 def test_a_shard_queues_read_tasks_for_its_share_of_the_cores(image_folder, ray_local):
     """A Train worker's shard keeps a window for its share of the cluster's cores, so the
     tasks of a worker that runs ahead do not hold the cores the others wait for."""

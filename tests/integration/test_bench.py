@@ -59,7 +59,7 @@ def test_steady_excludes_the_cold_epoch():
 
 
 def test_config_rejects_bad_arguments():
-    with pytest.raises(ConfigError, match=r"--peers takes a comma list of L, pyarrow"):
+    with pytest.raises(ConfigError, match=r"--peers takes a comma list of L, L-crop, pyarrow"):
         run.config_from_args(argparse.Namespace(peers="torch,keras"))
     with pytest.raises(ConfigError, match=r"--epochs must be >= 2 \(one cold epoch"):
         run.config_from_args(argparse.Namespace(epochs=1))

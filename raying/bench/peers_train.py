@@ -18,6 +18,7 @@ and drains the queues.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -151,6 +152,7 @@ class _TrainLoader:
         from ray.train.torch import TorchTrainer
 
         self.pipe = pipe
+        self.storage = tempfile.mkdtemp(prefix="raying-bench-train-")  # Train's run folder
         self.relay = _relay_class().remote(TRAIN_WORKERS, RELAY_MESSAGES)
         self._items: list[collections.deque] = [collections.deque()
                                                 for _ in range(TRAIN_WORKERS)]
@@ -161,7 +163,7 @@ class _TrainLoader:
             loop, train_loop_config={"relay": self.relay, **config},
             scaling_config=ScalingConfig(num_workers=TRAIN_WORKERS,
                                          resources_per_worker={"CPU": 0, TRAINER_SLOT: 1}),
-            run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="raying-bench-train-")),
+            run_config=RunConfig(storage_path=self.storage),
             **data)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._fit, daemon=True)
@@ -210,6 +212,7 @@ class _TrainLoader:
                 ray.get(self.relay.get.remote(rank, 0.25))
         if self.pipe is not None:
             self.pipe.close()
+        shutil.rmtree(self.storage, ignore_errors=True)
 
 
 class RayingTrainPeer:

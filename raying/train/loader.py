@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import pickle
+import shutil
 import tempfile
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +20,8 @@ from raying.train.feed import FEED_DATASET, Feed
 # Files of a checkpoint: every worker writes its own position; rank 0 the user's state.
 _POSITION = "raying-position-rank{}.pkl"
 _STATE = "raying-state.pkl"
+# The local folder of a checkpoint: this prefix, the process id, a random part.
+_CHECKPOINT_PREFIX = "raying-checkpoint-"
 
 
 def loader(*, name: str = FEED_DATASET) -> Loader:
@@ -67,6 +72,9 @@ class Loader:
         self.pipe = pipe
         _check_room_for_reads(self.pipe.config.task_num_cpus)
         self.restored: Any = None
+        # Local folders of the checkpoints made here, until Ray Train has copied them.
+        self._checkpoint_folders: list[str] = []
+        weakref.finalize(self, _remove_all, self._checkpoint_folders)
         self.epoch = 0
         self._first = 0
         self._complete = False
@@ -149,7 +157,9 @@ class Loader:
         worker's position in the epoch and, from rank 0, a snapshot of the priorities.
 
         Every worker must pass its own to ``ray.train.report``: each holds that worker's
-        position. Reports sent so far reach the store before the checkpoint is made.
+        position. Reports sent so far reach the store before the checkpoint is made. Its
+        local folder (``ray.train.report`` copies it to the run's storage) is removed at the
+        next ``checkpoint()``, at :meth:`close` or when the process exits.
         """
         from ray.train import Checkpoint
         from ray.train.collective import barrier
@@ -163,7 +173,10 @@ class Loader:
         position = self.pipe.state_dict()
         if self.rank != 0:  # one copy of the priorities, from rank 0
             position = {**position, "sampler": _without_tables(position["sampler"])}
-        folder = tempfile.mkdtemp(prefix="raying-checkpoint-")
+        self._drop_checkpoint_folders()
+        _sweep_checkpoint_folders()
+        folder = tempfile.mkdtemp(prefix=f"{_CHECKPOINT_PREFIX}{os.getpid()}-")
+        self._checkpoint_folders.append(folder)
         with open(os.path.join(folder, _POSITION.format(self.rank)), "wb") as fh:
             pickle.dump({"epoch": self.epoch, "complete": self._complete,
                          "world_size": self.world_size, "position": position}, fh)
@@ -198,14 +211,40 @@ class Loader:
         self.pipe.load_state_dict(position)
 
     def close(self) -> None:
-        """Stop this worker's reads (the store belongs to the driver and stays)."""
+        """Stop this worker's reads (the store belongs to the driver and stays) and remove the
+        last checkpoint's local folder."""
         self.pipe.close(release_store=False)
+        self._drop_checkpoint_folders()
+
+    def _drop_checkpoint_folders(self) -> None:
+        while self._checkpoint_folders:
+            shutil.rmtree(self._checkpoint_folders.pop(), ignore_errors=True)
 
     def __enter__(self) -> Loader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _sweep_checkpoint_folders() -> None:
+    """Remove the checkpoint folders of processes that are gone (a Train worker killed at the
+    end of a run never reaches close() or its exit handlers)."""
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{_CHECKPOINT_PREFIX}*-*")):
+        pid = os.path.basename(path)[len(_CHECKPOINT_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # alive, another user's: not ours to remove
+            pass
+
+
+def _remove_all(folders: list[str]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _without_tables(sampler_state: dict[str, Any]) -> dict[str, Any]:

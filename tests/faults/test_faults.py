@@ -218,12 +218,14 @@ def test_store_killed_mid_epoch_restores_from_snapshot(folder, ray_fresh, tmp_pa
             st.flush(s.handle)
             before = st.stats(s.handle)
             ray_fresh.kill(s.handle.actors[0], no_restart=False)
+            # The kill is asynchronous: wait for the restarted store before reporting more,
+            # or a snapshot the dying store takes of later reports would be restored.
+            deadline = time.time() + 90  # a restart spawns a worker: slow on a loaded machine
+            after = st.stats(s.handle)
+            while after["restores"] < 1 and time.time() < deadline:
+                time.sleep(0.1)
+                after = st.stats(s.handle)
     assert rows == 400, "the epoch completes across the store restart"
-    deadline = time.time() + 90  # a restart spawns a worker: slow on a loaded machine
-    after = st.stats(s.handle)
-    while after["restores"] < 1 and time.time() < deadline:  # the kill is asynchronous
-        time.sleep(0.1)
-        after = st.stats(s.handle)
     assert before["snapshots"] >= 1 and after["restores"] >= 1, (before, after)
     lost = before["updates_applied"] - after["restored_updates"]
     # Loss is bounded by the updates applied since the last snapshot (< every_updates + a tick).

@@ -14,7 +14,7 @@
   images, sides 300-800 px (mean near 500x375, landscape, portrait and square), quality 75-95,
   ~10% grayscale and ~10% progressive. Decoded it is ~11 GB, more than the decoded-cache
   budget of this kind of node allows, so no loader can keep it in memory.
-- W7: heavy augmentation: W1 plus a user colour jitter of ~1 ms per image
+- W7: heavy augmentation: W1 plus a user colour jitter of ~0.3 ms per 224 px image on one core
   (``raying.bench.kernels.colour_jitter``, torchvision's ColorJitter(0.4, 0.4, 0.4) math) that
   every peer applies in its own idiom: in the DataLoader's dataset, as tf.data ``map`` of TF
   ops, as Ray Data ``map_batches``, as raying ``pipe.map_batches(..., with_rng=True)``.

@@ -227,6 +227,24 @@ def calibrate_work(ms_per_image: float) -> tuple[int, float]:
     return int(bytes_per_s * ms_per_image / 1000), bytes_per_s
 
 
+def compile_raying() -> dict[str, Any]:
+    """Write the bytecode of raying's own modules, as an installed package has it.
+
+    torch's, tf's and Ray's modules come compiled from their wheels; raying's, in an editable
+    install under ``PYTHONDONTWRITEBYTECODE`` (set on this project's machines), would be
+    compiled again by every Ray worker that imports its read path, inside raying's cold
+    epoch and no other peer's. Python reads the files whatever that variable says.
+    """
+    import compileall
+
+    import raying
+
+    folder = os.path.dirname(os.path.abspath(raying.__file__))
+    ok = compileall.compile_dir(folder, quiet=1)
+    return {"raying_bytecode": "compiled" if ok else "not all modules compiled",
+            "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE")}
+
+
 def _host(cores: int) -> dict[str, Any]:
     model = ""
     try:
@@ -278,6 +296,7 @@ def main(ns: argparse.Namespace) -> int:
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t_run = time.monotonic()
     host = _host(cfg.cores)
+    host.update(compile_raying())
     say(f"raying bench: {cfg.cores} cores, workloads {','.join(cfg.workloads)}, peers "
         f"{','.join(cfg.peers)}, {cfg.rounds} round(s) x {cfg.epochs} epochs, batch "
         f"{','.join(map(str, cfg.batch_sizes))}, modes {','.join(cfg.modes)}; data in {cfg.data}")

@@ -6,6 +6,7 @@ Speed is never asserted here: the quick bench's figures are noise on a shared ma
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 from raying.bench import aggregate, measure, report, run
 from raying.bench.child import PEER_WORKLOADS, check_batch, steady
 from raying.errors import ConfigError
+from raying.read import task as read_task
 
 
 # -- pieces, no Ray --------------------------------------------------------------------------------
@@ -234,6 +236,10 @@ def test_quick_bench_every_peer_runs_and_counts_rows(quick_bench):
     assert {r["mode"] for r in rows if r["workload"] == "W1"} == {"iterate", "compute"}
     assert any(r["workload"] == "W4" and r["gb_s"] for r in rows)
     assert doc["targets"] and doc["definitions"]
+    # raying's modules ran from bytecode, as an installed package's do (not compiled again by
+    # every Ray worker inside raying's cold epoch).
+    assert doc["host"]["raying_bytecode"] == "compiled"
+    assert os.path.exists(importlib.util.cache_from_source(read_task.__file__))
     assert all(not run_["leftover_pids"] for run_ in doc["runs"])
     assert os.path.getsize(out / "bench.png") > 10_000
     assert "speed targets" in res.stdout

@@ -73,13 +73,13 @@ class UserFunctionError(RayingError, RuntimeError):
     carry on.
 
     A bug in code is not bad data: ``on_error="skip"`` never sets it aside. The message names
-    the function, the epoch and the batch's first ids, and ends with the traceback of the
+    the function, the epoch and the ids of the rows it was called on (up to 16), and ends with the traceback of the
     user's code (kept as text, so it survives the trip from a Ray worker to the driver).
 
     Attributes:
         function: the function's qualified name.
         epoch: the epoch being read.
-        ids: the batch's sample ids (the first 8).
+        ids: the sample ids of the call's rows (up to 16).
         traceback_text: the formatted traceback of the user's code ("" for a bad result).
     """
 
@@ -91,7 +91,7 @@ class UserFunctionError(RayingError, RuntimeError):
         self.problem = problem
         self.traceback_text = traceback_text
         text = f"map_batches function {function} {problem} (epoch {epoch}, ids {self.ids}"
-        text += "...)" if len(self.ids) >= 8 else ")"
+        text += "...)" if len(self.ids) >= 16 else ")"
         if traceback_text:
             text += f"\n\nTraceback of {function}:\n{traceback_text.rstrip()}"
         super().__init__(text)

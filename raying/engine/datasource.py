@@ -6,6 +6,8 @@ import contextlib
 import functools
 from typing import Any
 
+import numpy as np
+
 from raying.engine.metrics import RunAccount
 from raying.errors import ConfigError
 from raying.options import use
@@ -84,7 +86,34 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
                 continue  # a task yields its empty blocks only when it has nothing else
             block = empty_block(spec.transform.size, spec.columns)
         yielded = True
-        yield BlockAccessor.batch_to_block(block)
+        yield BlockAccessor.batch_to_block(_arrow_lists(block, spec.columns))
+
+
+def _arrow_lists(block: dict[str, Any],
+                 columns: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """Per-row numeric arrays (variable-length list columns, and such columns a stage adds)
+    as Arrow list arrays. Left to Ray Data, an object column becomes a fixed-shape tensor in
+    a block whose rows happen to have one length and a variable-shaped one in the next, so
+    a trainer's batches would be 2-D arrays or object arrays by chance; as lists every batch
+    holds an object array of 1-D arrays, as on the iterator path."""
+    import pyarrow as pa
+
+    lists = {name: desc["dtype"] for name, desc in columns if desc["kind"] == "list"}
+    out = dict(block)
+    for name, value in block.items():
+        if not isinstance(value, np.ndarray) or value.dtype != object:
+            continue
+        dtype = lists.get(name)
+        if dtype is None:  # a stage's column: lists only when every row is a 1-D number array
+            rows = list(value)
+            if not rows or not all(isinstance(r, np.ndarray) and r.ndim == 1
+                                   and r.dtype.kind in "biuf" for r in rows):
+                continue
+            if len({r.dtype for r in rows}) != 1:
+                continue
+            dtype = rows[0].dtype
+        out[name] = pa.array(list(value), type=pa.list_(pa.from_numpy_dtype(np.dtype(dtype))))
+    return out
 
 
 class DatasetReads:

@@ -132,6 +132,19 @@ class RunAccount:
                                          "detail": detail, "epoch": account.epoch})
         return fresh
 
+    def delivery_state(self) -> tuple[Any, ...]:
+        """What the consumer's side holds (rows delivered, ids seen, weights), to put back
+        with :meth:`restore_delivery` after a look at a batch no user receives."""
+        return (self.rows_delivered, self._t_first, self._t_last, self._epoch,
+                self._seen_ever.copy(), self._seen_epoch.copy(), list(self._w),
+                {e: list(r) for e, r in self._per_epoch.items()}, self.stall[0])
+
+    def restore_delivery(self, state: tuple[Any, ...]) -> None:
+        (self.rows_delivered, self._t_first, self._t_last, self._epoch, seen_ever, seen_epoch,
+         self._w, self._per_epoch, self.stall[0]) = state
+        self._seen_ever[:] = seen_ever
+        self._seen_epoch[:] = seen_epoch
+
     def delivered(self, n: int) -> None:
         now = time.perf_counter()
         if self._t_first is None:

@@ -36,7 +36,7 @@ from raying.options import (
 from raying.read.account import UnitAccount
 from raying.read.memory import Footprint, dir_bytes, own_kib
 from raying.read.spec import ReadSpec, dataset_key
-from raying.read.stages import UserStage
+from raying.read.stages import UserStage, layout_mismatch
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
 from raying.sampling.protocol import Sampler
 from raying.sampling.uniform import UniformSampler
@@ -330,7 +330,8 @@ class Pipeline:
                         "start": (start_unit, skip)}
         offset = {start_unit: skip}  # rows of each unit already accounted for
         tally = EpochTally(self._on_account)
-        keys: list[str] | None = None  # the columns of the epoch's first block with rows
+        # The epoch's first block with rows, as empty columns of its dtypes and row shapes.
+        keys: dict[str, np.ndarray] | None = None
         for index, block, last in stream.iter_epoch(int(epoch), start_unit=start_unit,
                                                     skip_rows=skip, on_account=tally.add):
             if len(block["id"]):
@@ -354,17 +355,26 @@ class Pipeline:
             raise ConfigError(msg)
         return int(prefetch_batches)
 
-    def _same_columns(self, keys: list[str] | None, block: dict[str, np.ndarray],
-                      epoch: int) -> list[str]:
-        """The block's columns, checked against the epoch's first block's: a batch that
-        spans two blocks joins them, and a trainer expects the same keys in every batch."""
+    def _same_columns(self, keys: dict[str, np.ndarray] | None, block: dict[str, np.ndarray],
+                      epoch: int) -> dict[str, np.ndarray]:
+        """The block's columns (empty, of its dtypes and row shapes), checked against the
+        epoch's first block's: a batch that spans two blocks joins them (numpy would merge
+        an int64 column into float64 silently, or fail in its own words), and a trainer
+        expects the same keys, dtypes and shapes in every batch."""
         got = sorted(block)
-        if keys is None or got == keys:
-            return got
         names = " then ".join(s.name for s in self._spec.stages) or "(none)"
-        raise UserFunctionError(names, epoch, [int(i) for i in block["id"][:8]],
-                                f"returned columns {got} for some blocks and {keys} for "
-                                f"others; return the same columns for every batch")
+        ids = [int(i) for i in block["id"][:16]]
+        if keys is None:
+            return {k: np.empty((0, *v.shape[1:]), v.dtype) for k, v in block.items()}
+        if got != sorted(keys):
+            raise UserFunctionError(names, epoch, ids,
+                                    f"returned columns {got} for some blocks and "
+                                    f"{sorted(keys)} for others; return the same columns for "
+                                    f"every batch")
+        bad = layout_mismatch([keys, block])
+        if bad is not None:
+            raise UserFunctionError(names, epoch, ids, bad[1])
+        return keys
 
     def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
                      prefetch_batches: int | None = None,
@@ -424,6 +434,21 @@ class Pipeline:
             self._cursor["delivered"] += n
             self.account.delivered(n)
             yield batch
+
+    def _first_batch(self, *, batch_size: int, epoch: int,
+                     drop_last: bool) -> dict[str, Any] | None:
+        """The first batch of ``epoch``, read to learn what the stages return. No user gets
+        it: the position (``state_dict``, a loaded resume point) and the delivery figures of
+        ``stats()`` stay as they were."""
+        state, cursor, resume = self.account.delivery_state(), dict(self._cursor), self._resume
+        probe = self.iter_batches(batch_size=batch_size, epoch=epoch, prefetch_batches=0,
+                                  drop_last=drop_last)
+        try:
+            return next(probe, None)
+        finally:
+            probe.close()
+            self.account.restore_delivery(state)
+            self._cursor, self._resume = cursor, resume
 
     def to_tf(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int | None = 0,
               normalize: bool = False, as_supervised: bool = False,

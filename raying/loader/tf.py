@@ -32,8 +32,9 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     tensors of their dtype, strings and bytes as ``tf.string``, fixed-size lists as
     ``(n, width)`` tensors and variable-length lists as ``tf.RaggedTensor`` ``(n, None)``.
     With ``map_batches`` stages the signature is taken from the first batch of the first
-    epoch, read once here: columns the stages add, and a label they make float or 2-D (soft
-    labels), arrive as the stages return them.
+    epoch, read once here (not counted in ``stats()``, not moving ``state_dict()``): every
+    column but ``image`` arrives as the stages return it (columns they add or drop, a label
+    made float or 2-D, a Parquet column cast, padded or turned into strings).
     """
     tf = _tf()
     BatchAssembler(batch_size, drop_last=drop_last)  # bad arguments fail here, before Ray starts
@@ -56,18 +57,16 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     # Variable-length list columns (name -> dtype), carried as RaggedTensor.
     ragged = {name: desc["dtype"] for name, desc in columns.items() if desc["kind"] == "list"}
     if pipe._spec.stages:
-        # map_batches functions may add columns or change the label's dtype or shape (soft
-        # labels): the signature follows the first batch of the first epoch, read once here.
-        probe = pipe.iter_batches(batch_size=batch_size,
-                                  epoch=0 if epoch is None else int(epoch),
-                                  prefetch_batches=0, drop_last=drop_last)
-        try:
-            first = next(probe, None)
-        finally:
-            probe.close()
+        # map_batches functions may add, drop or retype columns (a soft label, a Parquet
+        # column cast or padded): the signature follows the first batch of the first epoch,
+        # read once here, for every column but the image (whose contract the stages keep).
+        first = pipe._first_batch(batch_size=batch_size,
+                                  epoch=0 if epoch is None else int(epoch), drop_last=drop_last)
         if first is not None:
+            signature = {"image": signature["image"]}
+            ragged = {}
             for name, value in first.items():
-                if name != "image" and name not in columns:
+                if name != "image":
                     signature[name], dtype = _batch_spec(tf, name, value, n)
                     if dtype is not None:
                         ragged[name] = dtype

@@ -39,10 +39,11 @@ _STREAM_BASE = 1 << 20
 # Columns every block carries whose dtype a stage may not change (their values it may): the
 # sampler and the trainers' importance weighting read them.
 _RESERVED_DTYPES = {"weight": "float32", "prob": "float64"}
-# Ids a UserFunctionError names at most.
-_IDS_SHOWN = 8
+# Ids a UserFunctionError names at most: every id of a chunk, so the failing sample is among
+# them (a call sees one chunk or part of one).
 # Rows of a block decoded together before the stages run on them.
 DEFAULT_STAGE_ROWS = 16
+_IDS_SHOWN = DEFAULT_STAGE_ROWS
 # Bytes of images one call of the stages sees at most: a stage that works in float32 makes
 # temporaries of 4x that, which then stay within a core's L2 cache (1 row of 224 px).
 STAGE_CALL_BYTES = 256 * 1024
@@ -119,8 +120,34 @@ def join(stages: tuple[UserStage, ...], parts: list[dict[str, np.ndarray]], *,
                                     f"returned columns {sorted(part)} for some rows and "
                                     f"{sorted(keys)} for others; return the same columns "
                                     f"for every batch")
+    bad = layout_mismatch(parts)
+    if bad is not None:
+        name = " then ".join(s.name for s in stages)
+        raise UserFunctionError(name, epoch, _shown(parts[bad[0]]["id"]), bad[1])
     return {k: image if k == "image" and image is not None else
             np.concatenate([p[k] for p in parts]) for k in keys}
+
+
+def _layout(value: np.ndarray) -> tuple[str, tuple[int, ...]]:
+    """A column's dtype (strings of any width alike) and its shape past the rows."""
+    kind = value.dtype.kind
+    return ("str" if kind == "U" else "bytes" if kind == "S" else str(value.dtype),
+            tuple(value.shape[1:]))
+
+
+def layout_mismatch(parts: list[dict[str, np.ndarray]]) -> tuple[int, str] | None:
+    """``(index of the part, the problem)`` when a column of consecutive parts differs in
+    dtype or in its shape past the rows (numpy would merge int64 into float64 silently, or
+    fail with its own words), else None."""
+    first = {k: _layout(v) for k, v in parts[0].items()}
+    for index, part in enumerate(parts[1:], 1):
+        for key, value in part.items():
+            want, got = first.get(key), _layout(value)
+            if want is not None and got != want:
+                return index, (f"returned column {key!r} as {got[0]} of row shape {got[1]} "
+                               f"for some rows and {want[0]} of row shape {want[1]} for "
+                               f"others; return the same dtype and row shape for every batch")
+    return None
 
 
 def chunk_rngs(stages: tuple[UserStage, ...], seed: int, epoch: int,

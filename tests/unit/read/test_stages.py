@@ -245,10 +245,12 @@ def test_a_raising_stage_names_itself_epoch_ids_and_traceback_even_under_skip(pa
                            sampler=raying.UniformSampler(seed=0)).map_batches(broken)
     first = pipe.plan(2).units[0]
     unit, paths = pipe._fill(first)
-    ids = ", ".join(str(i) for i in unit.ids[:8])
+    # The ids of the call's rows: the unit's first chunk of 16.
+    ids = ", ".join(str(i) for i in unit.ids[:16])
+    more = r"\.\.\." if len(unit.ids) >= 16 else ""
     with pytest.raises(raying.UserFunctionError,
                        match=rf"map_batches function .*broken raised KeyError: 'no such column' "
-                             rf"\(epoch 2, ids \[{ids}\]\.\.\.\)") as info:
+                             rf"\(epoch 2, ids \[{ids}\]{more}\)") as info:
         run_unit(pipe._spec, unit, paths)
     err = info.value
     assert err.function.endswith("broken") and err.epoch == 2
@@ -273,6 +275,14 @@ def test_a_raising_stage_names_itself_epoch_ids_and_traceback_even_under_skip(pa
     (lambda b: {**b, "weight": b["weight"][:, None]},
      r"returned the 'weight' column as float32 \(\d+, 1\); expected float32 \(\d+,\)"),
     (lambda b: {k: v for k, v in b.items() if k != "prob"}, r"dropped the 'prob' column"),
+    # A column whose dtype or row shape depends on the call (a chunk of 16 rows, then the
+    # unit's short rest): numpy would merge int64 into float64, or fail in its own words.
+    (lambda b: {**b, "v": b["id"].astype(np.float32 if len(b["id"]) == 16 else np.int64)},
+     r"returned column 'v' as int64 of row shape \(\) for some rows and float32 of row "
+     r"shape \(\) for others"),
+    (lambda b: {**b, "pair": np.zeros((len(b["id"]), len(b["id"])), np.float32)},
+     r"returned column 'pair' as float32 of row shape \(\d+,\) for some rows and float32 of "
+     r"row shape \(16,\) for others"),
 ])
 def test_a_stage_that_breaks_the_batch_is_named(parquet_set, fn, pattern):
     m = raying.Manifest.scan(str(parquet_set))
@@ -280,6 +290,17 @@ def test_a_stage_that_breaks_the_batch_is_named(parquet_set, fn, pattern):
     with pytest.raises(raying.UserFunctionError, match=r"map_batches function .*<lambda> "
                                                         + pattern):
         read_epoch(pipe, 0)
+
+
+def test_layouts_of_joined_parts_differ_only_in_rows_or_string_width():
+    from raying.read.stages import layout_mismatch
+
+    a = {"s": np.array(["a", "bb"]), "x": np.zeros((2, 3), np.float32), "o": np.empty(2, object)}
+    b = {"s": np.array(["ccc"]), "x": np.zeros((1, 3), np.float32), "o": np.empty(1, object)}
+    assert layout_mismatch([a, b]) is None
+    assert layout_mismatch([a, {**b, "x": np.zeros((1, 4), np.float32)}])[0] == 1
+    assert layout_mismatch([a, b, {**b, "x": np.zeros((1, 3), np.float64)}])[0] == 2
+    assert layout_mismatch([a, {**b, "s": np.array([b"x"])}]) is not None
 
 
 def test_map_batches_refuses_what_it_cannot_run(parquet_set):

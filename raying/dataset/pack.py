@@ -93,7 +93,8 @@ def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: Storag
                 skipped.append({"id": int(ids[pos]), "path": paths[pos], "reason": err.reason,
                                 "detail": err.detail})
         keep[bad] = False
-        flat = res.images.reshape(len(res.images), -1)
+        # (rows, bytes per image); a shard whose every image was bad has no rows
+        flat = res.images.reshape(len(res.images), decode_size * decode_size * 3)
         image_col = pa.FixedSizeBinaryArray.from_buffers(
             pa.binary(flat.shape[1]), len(flat), [None, pa.py_buffer(flat)])
     else:

@@ -95,6 +95,7 @@ def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | No
             raise exc from None
         infos, base = [info], base.rpartition("/")[0]
     prefix = len(base.rstrip("/")) + 1
+    infos = _named(fs, infos, base)
 
     def kept(i: pafs.FileInfo) -> bool:
         return not any(part[:1] and part[:1] in skip_prefixes
@@ -109,6 +110,44 @@ def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | No
     if isinstance(fs, pafs.LocalFileSystem) and out:
         out = _drop_symlink_loops(out, base)
     return out
+
+
+def _named(fs: pafs.FileSystem, infos: list[pafs.FileInfo],
+           base: str) -> list[pafs.FileInfo]:
+    """The listed entries that can be used, with a warning for those set aside: names that
+    are not UTF-8 (pyarrow cannot give their path; an archive from an old system, Latin-1
+    names). The other files are kept."""
+    good, undecodable = [], 0
+    for info in infos:
+        try:
+            info.path  # noqa: B018 - raises for a name that is not UTF-8
+        except UnicodeDecodeError:
+            undecodable += 1
+            continue
+        good.append(info)
+    if undecodable:
+        named = ""
+        if isinstance(fs, pafs.LocalFileSystem):
+            found = _undecodable_names(base, 3)
+            named = f" (e.g. {', '.join(found)})" if found else ""
+        logger.warning("raying: left out %d entries under %s whose names are not UTF-8%s; "
+                       "rename them to UTF-8 (e.g. convmv -f latin1 -t utf-8 -r --notest "
+                       "<folder>) to read them", undecodable, base, named)
+    return good
+
+
+def _undecodable_names(base: str, limit: int) -> list[str]:
+    """Up to ``limit`` local paths under ``base`` that are not UTF-8, shown with escapes."""
+    found: list[str] = []
+    for root, dirs, files in os.walk(os.fsencode(base), followlinks=False):
+        for name in dirs + files:
+            try:
+                name.decode("utf-8")
+            except UnicodeDecodeError:
+                found.append(repr(os.path.join(root, name))[2:-1])
+                if len(found) >= limit:
+                    return found
+    return found
 
 
 def _drop_symlink_loops(infos: list[pafs.FileInfo], base: str) -> list[pafs.FileInfo]:

@@ -631,6 +631,21 @@ def test_a_symlink_loop_lists_each_file_once_and_says_so(tmp_path, caplog):
     assert "symlink loop" in caplog.text and "root/cat/back is " in caplog.text
 
 
+def test_names_that_are_not_utf8_are_left_out_and_named(tmp_path, caplog):
+    """A Latin-1 file name (pyarrow cannot decode its path) is set aside with a warning that
+    names it; the good files beside it are listed."""
+    root = tmp_path / "root"
+    (root / "cat").mkdir(parents=True)
+    (root / "cat" / "ok.jpg").write_bytes(b"x")
+    open(os.fsencode(root / "cat") + b"/caf\xe9.jpg", "wb").close()
+    fs, path = storage.resolve(str(root))
+    with caplog.at_level(logging.WARNING, logger="raying.storage.files"):
+        infos = storage.list_files(fs, path)
+    assert [i.path[len(str(root)) + 1:] for i in infos] == ["cat/ok.jpg"]
+    assert "left out 1 entries" in caplog.text and "cat/caf\\xe9.jpg" in caplog.text
+    assert "not UTF-8" in caplog.text and "convmv" in caplog.text
+
+
 def test_a_failed_hdfs_read_is_a_network_failure_and_retried():
     # libhdfs's words when no DataNode holding the block answered (pyarrow's OSError).
     exc = OSError(255, "HDFS read failed. Detail: [errno 255] Unknown error 255")

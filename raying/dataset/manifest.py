@@ -65,7 +65,8 @@ class Manifest:
             uri: a folder or file: plain path, ``file://``, ``s3://bucket/prefix`` or
                 ``hdfs://host:port/path``.
             format: ``"images"``, ``"parquet"`` or ``"auto"`` (Parquet when the folder holds
-                ``.parquet`` files, images otherwise).
+                ``.parquet`` files, images otherwise; a folder holding both is refused,
+                asking which).
             label: for images, ``"folder"`` (class subfolders), a function of the relative
                 path returning a class name or int, or None. For Parquet, the name of the label
                 column (``"folder"`` is read as ``"label"``), or None.
@@ -108,6 +109,17 @@ class Manifest:
         parquet = _scan.parquet_members(path, infos, PARQUET_EXTENSIONS)
         if format == "auto":
             format = "parquet" if parquet else "images"
+            endings_auto = tuple("." + e.lower().lstrip(".") for e in (
+                (extensions,) if isinstance(extensions, str) else extensions))
+            images = sum(1 for i in infos if i.path.lower().endswith(endings_auto))
+            if parquet and images:
+                # A folder of both: a captions.parquet beside an image folder, or a few
+                # pictures beside Parquet shards. Which one the user means is theirs to say.
+                msg = (f"{uri} holds both Parquet files ({len(parquet)}, e.g. "
+                       f"{parquet[0].path.rpartition('/')[2]}) and image files ({images}); say "
+                       f"which it is: format='images' (the Parquet files are left out) or "
+                       f"format='parquet' (the images are left out)")
+                raise ConfigError(msg)
         columns = _extra_columns(columns, format, uri)
         if format == "parquet":
             if not parquet:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -73,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let Ray pack read tasks instead of spreading them over nodes")
     p.add_argument("--name", help="names the pipeline's actors (priority store)")
     p.add_argument("--snapshot-uri", help="where the priority store writes its snapshots")
-    p.add_argument("--storage-path", help="Ray Train run storage (shared on multi-node)")
+    p.add_argument("--storage-path", help="Ray Train run storage (shared on multi-node); "
+                   "by default a temporary folder, removed when the run ends")
     p.add_argument("--max-failures", type=int, default=0,
                    help="worker failures Ray Train recovers from (resuming from a checkpoint)")
     return p
@@ -215,7 +217,11 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
         **raying.train.datasets(pipe, epochs=args.epochs),
     )
     t_fit = time.perf_counter()
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        if not args.storage_path:  # a run under a random name nobody can resume: not kept
+            shutil.rmtree(os.path.join(storage_path, f"{pipe.name}-torch"), ignore_errors=True)
     fit_s = time.perf_counter() - t_fit
     records = ray.get(ledger.all.remote())
     coverage = _common.epoch_coverage(records, len(m))

@@ -91,6 +91,16 @@ class Pipeline:
         use(self.settings)
         self.sampler: Sampler = sampler if sampler is not None else UniformSampler()
         self.name = self.config.name or f"raying-{uuid.uuid4().hex[:8]}"
+        store_options = getattr(self.sampler, "store_options", None)
+        snapshots = (store_options.get("snapshot_uri") if isinstance(store_options, dict)
+                     else getattr(store_options, "snapshot_uri", None))
+        if snapshots and not self.config.name:
+            # Snapshots are found by the store's name, which follows the pipeline's: under a
+            # random name a resubmitted driver starts from the initial priorities instead.
+            logger.warning("raying: StoreConfig(snapshot_uri=%r) keeps the priorities under "
+                           "the pipeline's name, here the random %r: a resubmitted driver "
+                           "finds them only under the same name; give PipelineConfig(name=...)",
+                           snapshots, self.name)
         # The decoded cache's directory: one per pipeline, and per share of a sharded one
         # (trainers of one run share the name, and the store, but each closes its own).
         shard = self.config.shard

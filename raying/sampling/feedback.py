@@ -79,6 +79,10 @@ class Reporter:
             msg = (f"raying.report: losses must be real numbers, got {got}; pass the "
                    f"per-sample losses (reduction='none')")
             raise ConfigError(msg) from None
+        if np.ndim(losses) == 0 and i.size != 1:
+            msg = (f"raying.report: one loss for {i.size} ids, a reduced (mean) loss; pass the "
+                   f"per-sample losses (e.g. CrossEntropyLoss(reduction='none'))")
+            raise ConfigError(msg)
         v = v.astype(np.float64, copy=False)
         # Float ids travel as floats: the store rejects and counts non-integral ones (a cast
         # here would truncate 1.5 to 1 and credit the loss to another sample).

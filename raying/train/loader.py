@@ -72,6 +72,8 @@ class Loader:
         self.pipe = pipe
         _check_room_for_reads(self.pipe.config.task_num_cpus)
         self.restored: Any = None
+        # Whether the checkpoint's priorities were loaded into a fresh store (a new driver).
+        self.priorities_restored = False
         # Local folders of the checkpoints made here, until Ray Train has copied them.
         self._checkpoint_folders: list[str] = []
         weakref.finalize(self, _remove_all, self._checkpoint_folders)
@@ -79,7 +81,7 @@ class Loader:
         self._first = 0
         self._complete = False
         if checkpoint is not None:
-            self._restore(checkpoint)
+            self._restore_priorities(self._restore(checkpoint))
 
     # -- epochs and batches --------------------------------------------------------------------
     def epochs(self) -> Iterator[int]:
@@ -185,7 +187,9 @@ class Loader:
                 pickle.dump(state, fh)
         return Checkpoint.from_directory(folder)
 
-    def _restore(self, checkpoint: Any) -> None:
+    def _restore(self, checkpoint: Any) -> list[dict[str, Any]] | None:
+        """Take up the checkpoint's state and position; returns the priorities it holds
+        (rank 0's), or None."""
         with checkpoint.as_directory() as folder:
             state_path = os.path.join(folder, _STATE)
             if os.path.exists(state_path):
@@ -193,7 +197,7 @@ class Loader:
                     self.restored = pickle.load(fh)
             path = os.path.join(folder, _POSITION.format(self.rank))
             if not os.path.exists(path):
-                return  # a checkpoint of another shape: restart the epochs' count only
+                return None  # a checkpoint of another shape: restart the epochs' count only
             with open(path, "rb") as fh:
                 saved = pickle.load(fh)
         if saved["world_size"] != self.world_size:
@@ -201,14 +205,40 @@ class Loader:
                    f"has {self.world_size}; each worker's position is in its share, so resume "
                    f"with ScalingConfig(num_workers={saved['world_size']})")
             raise ConfigError(msg)
+        tables = (saved["position"].get("sampler") or {}).get("tables")
         if saved["complete"]:
             self._first = saved["epoch"] + 1
-            return
+            return tables
         self._first = saved["epoch"]
+        # The position only: the priorities are the store's business (_restore_priorities).
         position = saved["position"]
-        # The store lives with the driver and kept every report: resume the position only.
         position = {**position, "sampler": _without_tables(position["sampler"])}
         self.pipe.load_state_dict(position)
+        return tables
+
+    def _restore_priorities(self, tables: list[dict[str, Any]] | None) -> None:
+        """Put the checkpoint's priorities into the store when it has none of its own.
+
+        After a worker restart within a run the store, which lives with the driver, kept every
+        report since the checkpoint: it is left as it is. A run resumed by a new driver (Ray
+        Train's restore of a run by its name and storage) starts a fresh store, all at the
+        initial priority: rank 0 loads the snapshot its checkpoint holds, and every worker
+        waits for that before its first read.
+        """
+        handle = getattr(self.pipe.sampler, "handle", None)
+        if handle is None:
+            return
+        from raying.sampling import store
+
+        if self.rank == 0 and tables is not None:
+            health = store.stats(handle)
+            if health["updates_applied"] == 0 and health["restores"] == 0:
+                store.load_state_dict(handle, tables)
+                self.priorities_restored = True
+        if self.world_size > 1:
+            from ray.train.collective import barrier
+
+            barrier()
 
     def close(self) -> None:
         """Stop this worker's reads (the store belongs to the driver and stays) and remove the

@@ -11,6 +11,7 @@ import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,6 +77,12 @@ def test_token_job_runs_the_smoke_job_and_keeps_the_secret(head, tmp_path):
     # The exact command `raying cluster start` prints, with its environment, from a shell
     # whose HOME holds no token: the token travels only through RAY_AUTH_TOKEN_PATH.
     before = {j.submission_id for j in head.job_client().list_jobs()}
+    runs = Path(tempfile.gettempdir()) / "raying-train"  # the job's default run storage
+
+    def run_folders():
+        return set(os.listdir(runs)) if runs.is_dir() else set()
+
+    runs_before = run_folders()
     proc = subprocess.run(head.submit_command(SMOKE_ENTRYPOINT), shell=True, cwd=REPO,
                           env=_clean_env(tmp_path), capture_output=True, text=True,
                           timeout=JOB_TIMEOUT_S)
@@ -88,6 +95,7 @@ def test_token_job_runs_the_smoke_job_and_keeps_the_secret(head, tmp_path):
     summary = _common.find_summary(logs)
     assert summary is not None, "the job's logs hold no run summary"
     assert summary["job"] == "train_torch" and summary["workers"] == 2
+    assert run_folders() <= runs_before  # its run, under a random name, was not kept
     for epoch in ("0", "1"):
         assert summary["epochs"][epoch]["rows"] == summary["samples"]
         assert summary["epochs"][epoch]["exactly_once"] is True

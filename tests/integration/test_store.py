@@ -219,6 +219,9 @@ def test_reporter_takes_bfloat16_losses_and_refuses_bool_or_text_ids():
                        [True], torch.tensor([1 + 2j])):
             with pytest.raises(ConfigError, match="losses must be real numbers"):
                 rep.add([1], losses)
+        for loss in (torch.tensor(0.7), np.float32(0.7), 0.7):  # reduction="mean"
+            with pytest.raises(ConfigError, match="one loss for 2 ids, a reduced"):
+                rep.add(torch.tensor([1, 2]), loss)
         rep.add([3], [2])  # an integer loss is a number
         st.flush(handle)
         assert st.priorities(handle, np.array([3])).tolist() == [2.0]

@@ -253,3 +253,56 @@ def test_tensorflow_trainer_trains_an_epoch_from_to_tf_and_feeds_the_losses_back
     # Both workers' per-sample losses reached the store: 2 workers x steps x 8 samples.
     assert pipe.sampler.stats()["updates_received"] == 2 * steps * 8
     pipe.close()
+
+
+def test_a_new_driver_resuming_a_prioritized_run_gets_the_checkpoint_s_priorities(
+        image_folder, ray_local, tmp_path):
+    """A run resumed by another driver (Ray Train's restore by name and storage) has a fresh
+    store at the initial priority: the Loader puts rank 0's snapshot of the priorities into
+    it. A store that holds reports of its own (a worker restarted within the run) keeps them."""
+    from ray.train import Checkpoint
+
+    from raying.train.feed import Feed
+    from raying.train.loader import _POSITION, Loader
+
+    m = raying.Manifest.scan(str(image_folder))
+    first = raying.Pipeline(m, sampler=raying.PrioritizedSampler(seed=0),
+                            transform=raying.ImageTransform(size=16))
+    ids = np.arange(len(m))
+    first.report(ids, np.where(ids % 10 == 0, 10.0, 0.01))
+    first.sampler.flush()
+    from raying.sampling import store
+
+    store.flush(first.sampler.handle)
+    wanted = first.priorities()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    with open(folder / _POSITION.format(0), "wb") as fh:
+        pickle.dump({"epoch": 1, "complete": True, "world_size": 1,
+                     "position": first.state_dict()}, fh)
+    first.close()
+
+    def resumed(report_first: bool):
+        pipe = raying.Pipeline(m, sampler=raying.PrioritizedSampler(seed=0),
+                               transform=raying.ImageTransform(size=16))
+        pipe.priorities()  # its store, fresh
+        if report_first:  # the store has reports of its own: they stay
+            pipe.report(ids[:5], np.ones(5))
+            pipe.sampler.flush()
+            store.flush(pipe.sampler.handle)
+        loader = Loader(Feed.of(pipe, 3), rank=0, world_size=1,
+                        checkpoint=Checkpoint.from_directory(str(folder)))
+        return pipe, loader
+
+    pipe, loader = resumed(report_first=False)
+    assert loader.priorities_restored and list(loader.epochs()) == [2]
+    np.testing.assert_allclose(pipe.priorities(), wanted)
+    assert pipe.priorities()[ids % 10 == 0].min() > 10 * pipe.priorities()[ids % 10 != 0].max()
+    loader.close()
+    pipe.close()
+
+    pipe, loader = resumed(report_first=True)
+    assert not loader.priorities_restored
+    assert np.ptp(pipe.priorities()[ids % 10 != 0]) == 0  # nothing loaded over its own
+    loader.close()
+    pipe.close()

@@ -68,6 +68,9 @@ DEFAULT_REPORT_FLUSH_IDS = 1024
 DEFAULT_REPORT_FLUSH_S = 0.05
 # 1: JPEGs decode only the region their crop needs (raying.image._jpegroi); 0: whole.
 DEFAULT_ROI_DECODE = 1
+# 1: a Ray that raying starts has its workers import the read path as they start
+# (raying.engine.preload); 0: on a worker's first read task.
+DEFAULT_PRELOAD_WORKERS = 1
 # Share of the gap to the mean that a stale priority closes per update call (see `age`).
 DEFAULT_AGE_RATE = 0.05
 # The noisy-label guard of prioritized sampling (PrioritizedSampler(guard=True)): a sample
@@ -113,6 +116,7 @@ ENVIRONMENT: dict[str, tuple[str, type]] = {
     "RAYING_REPORT_FLUSH_IDS": ("report_flush_ids", int),
     "RAYING_REPORT_FLUSH_S": ("report_flush_s", float),
     "RAYING_ROI_DECODE": ("roi_decode", int),
+    "RAYING_PRELOAD_WORKERS": ("preload_workers", int),
 }
 # The values each variable may take: (lowest, highest), None where open. Out of range is a
 # ConfigError naming the variable when the Pipeline is built, not a silent empty epoch or
@@ -122,6 +126,7 @@ ENVIRONMENT_RANGE: dict[str, tuple[float, float | None]] = {
     "RAYING_READ_RETRY_BACKOFF_S": (0, None),
     "RAYING_PREFETCH_BATCHES": (0, None),  # 0: none prepared ahead
     "RAYING_ROI_DECODE": (0, 1),
+    "RAYING_PRELOAD_WORKERS": (0, 1),
 }
 _POSITIVE: tuple[float, float | None] = (1, None)  # every other integer: >= 1
 
@@ -157,6 +162,7 @@ class Settings:
     report_flush_ids: int = DEFAULT_REPORT_FLUSH_IDS
     report_flush_s: float = DEFAULT_REPORT_FLUSH_S
     roi_decode: int = DEFAULT_ROI_DECODE
+    preload_workers: int = DEFAULT_PRELOAD_WORKERS
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:

@@ -5,15 +5,17 @@ Definitions (the JSON's ``definitions`` repeats them):
 - steady img/s: rows of epochs 1..E-1 / (end of epoch E-1 - end of epoch 0); the cold first
   epoch is excluded, the gaps at later epoch boundaries are included.
 - cold img/s: rows of epoch 0 / its end, counted from the start of building the loader
-  (dataset listing and the loader's own start-up included; Ray's start is ``ray_start_s``).
+  (dataset listing and the loader's own start-up included; Ray's start is ``ray_start_s``,
+  followed by ``ray_settle_s`` idle for the node to start its workers).
 - job wall (``job_s``): from building the loader to the end of epoch e, for e = 1..E: what a
   1-epoch and an E-epoch job wait (Ray's start excluded, as above).
 - GB/s (W4): steady img/s x S*S*3 stored bytes per row / 1e9.
 - ttfb cold: from the start of building the loader (dataset listing included) to the first
   batch of epoch 0; ``ttfb_cold_iter_s`` is the part after the iterator was asked for. Every
   cell builds a fresh loader, but only a measurement's first cell (``cell_index`` 0 in
-  ``runs``) also starts processes the framework keeps (Ray's workers); Ray's own start-up is
-  ``ray_start_s``, outside every ttfb.
+  ``runs``) runs the first tasks on the framework's fresh worker processes (Ray's); Ray's own
+  start-up is ``ray_start_s`` (then ``ray_settle_s`` idle, in which the node starts its
+  worker processes), outside every ttfb.
 - ttfb warm: from asking for epoch e's iterator (right after epoch e-1 ended) to its first
   batch, median over e >= 1.
 - CPU-s per 1k images: CPU seconds of the whole process tree (measuring process, its threads,

@@ -2,9 +2,12 @@
 
 Both start their own local Ray in the measuring process, ``ray.init(address="local",
 num_cpus=cores, include_dashboard=False)``, timed as ``ray_start_s`` (never part of a time to
-first batch). Ray Data gets Ray's default object store (30% of memory); raying gets the one
-``raying.ensure_ray`` gives a local Ray it starts (``default_object_store_bytes``: 256 MB per
-CPU, at least 512 MB), its default setting.
+first batch), then leave the node ``RAY_SETTLE_S`` idle to start its worker processes, as a
+job's model building does. Ray Data gets Ray's default object store (30% of memory) and
+workers that import what its first tasks need; raying gets the Ray ``raying.ensure_ray``
+starts (and ``raying cluster start``, cluster.yaml): its object store
+(``default_object_store_bytes``: 256 MB per CPU, at least 512 MB) and workers that import its
+read path as they start (``raying.engine.preload``).
 
 Ray Data (Ray 2.60 APIs):
 
@@ -50,14 +53,33 @@ DEFAULT_RAYDATA_BLOCK_ROWS = 256
 DEFAULT_RAYDATA_SHUFFLE_BUFFER_ROWS = 256
 
 
+# Seconds a fresh local Ray is left to start its workers before the first cell.
+RAY_SETTLE_S = 1.0
+
+
 def _start_ray(cores: int, object_store_bytes: int | None = None,
-               resources: dict[str, float] | None = None) -> dict[str, Any]:
+               resources: dict[str, float] | None = None,
+               preload: bool = False) -> dict[str, Any]:
+    """A local Ray as a user's ``ray.init`` starts it, or (``preload``) as raying's own
+    start does: its workers import raying's read path as they start."""
     import ray
 
+    kwargs: dict[str, Any] = {}
+    if preload:
+        from raying.engine.ray_setup import preload_kwargs
+
+        kwargs = preload_kwargs()
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=cores, include_dashboard=False,
-             object_store_memory=object_store_bytes, resources=resources)
-    return {"ray_start_s": time.perf_counter() - t0, "ray_version": ray.__version__}
+             object_store_memory=object_store_bytes, resources=resources, **kwargs)
+    started = time.perf_counter() - t0
+    # ray.init returns before the node has started its worker processes (and, with the
+    # preload, their imports); a job builds its model meanwhile. Every Ray peer's node gets
+    # the same second, idle, before its first cell.
+    time.sleep(RAY_SETTLE_S)
+    return {"ray_start_s": started, "ray_settle_s": RAY_SETTLE_S, "ray_version": ray.__version__,
+            "preload": sorted(kwargs.get("_system_config", {}).get(
+                "preload_python_modules", []))}
 
 
 # -- Ray Data ------------------------------------------------------------------------------------
@@ -215,7 +237,8 @@ class RayingPeer:
         from raying.engine.ray_setup import default_object_store_bytes
 
         import_raying()
-        return _start_ray(cores, default_object_store_bytes(cores))
+        # As a Ray that raying starts itself (ensure_ray): its object store, its preload.
+        return _start_ray(cores, default_object_store_bytes(cores), preload=True)
 
     def open(self, wl: Workload, *, batch_size: int, cores: int, seed: int) -> _RayingLoader:
         import raying

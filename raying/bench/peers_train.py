@@ -224,7 +224,7 @@ class RayingTrainPeer:
 
         import_raying()
         return _start_ray(cores, default_object_store_bytes(cores),
-                          resources={TRAINER_SLOT: TRAIN_WORKERS})
+                          resources={TRAINER_SLOT: TRAIN_WORKERS}, preload=True)
 
     def open(self, wl: Workload, *, batch_size: int, cores: int, seed: int) -> _TrainLoader:
         import raying

@@ -12,6 +12,10 @@ from raying.options import settings
 # How long a RAY_ADDRESS's head may take to accept a connection before raying says it is down
 # (ray.init itself retries a head that is down for minutes without a word).
 DEFAULT_RAY_CONNECT_TIMEOUT_S = 10.0
+# Ray's setting (a RayConfig entry, also read from the environment by its raylet) that names
+# modules every worker imports as it starts, and the module raying names in it.
+PRELOAD_ENV = "RAY_preload_python_modules"
+PRELOAD_MODULE = "raying.engine.preload"
 
 
 def default_object_store_bytes(num_cpus: int | None = None) -> int | None:
@@ -34,7 +38,8 @@ def default_object_store_bytes(num_cpus: int | None = None) -> int | None:
 def ensure_ray() -> None:
     """Start a local Ray (or attach to RAY_ADDRESS) if this process has none yet.
 
-    A local Ray started here gets :func:`default_object_store_bytes` of object store.
+    A local Ray started here gets :func:`default_object_store_bytes` of object store, and
+    its workers import raying's read path as they start (:func:`preload_kwargs`).
     """
     import ray
 
@@ -47,7 +52,23 @@ def ensure_ray() -> None:
     else:
         ray.init(address="local", include_dashboard=False, log_to_driver=True,
                  logging_level=logging.WARNING,
-                 object_store_memory=default_object_store_bytes())
+                 object_store_memory=default_object_store_bytes(), **preload_kwargs())
+
+
+def preload_env() -> dict[str, str]:
+    """The environment that has a Ray node's workers import raying's read path as they start
+    (Ray's ``preload_python_modules``; see :mod:`raying.engine.preload`): for ``ray start``.
+    Empty when ``RAYING_PRELOAD_WORKERS=0`` or the variable is set already (the user's)."""
+    if not settings().preload_workers or os.environ.get(PRELOAD_ENV):
+        return {}
+    return {PRELOAD_ENV: PRELOAD_MODULE}
+
+
+def preload_kwargs() -> dict[str, object]:
+    """``ray.init`` arguments for a local Ray with the read path preloaded in its workers."""
+    if not preload_env():
+        return {}
+    return {"_system_config": {"preload_python_modules": [PRELOAD_MODULE]}}
 
 
 def check_ray_address(address: str, timeout_s: float = DEFAULT_RAY_CONNECT_TIMEOUT_S) -> None:

@@ -37,3 +37,39 @@ def test_a_listening_head_and_ray_s_own_forms_pass():
         check_ray_address(f"ray://127.0.0.1:{server.getsockname()[1]}")
     for address in ("auto", "local", "head-without-port"):
         check_ray_address(address)
+
+
+def test_preload_names_the_read_path_unless_turned_off_or_set_by_the_user(monkeypatch):
+    from raying.engine import ray_setup
+    from raying.options import Settings, settings, use
+
+    monkeypatch.delenv(ray_setup.PRELOAD_ENV, raising=False)
+    before = settings()
+    try:
+        _preload_cases(ray_setup, Settings, use, monkeypatch)
+    finally:
+        use(before)
+
+
+def _preload_cases(ray_setup, Settings, use, monkeypatch):
+    use(Settings())
+    assert ray_setup.preload_env() == {ray_setup.PRELOAD_ENV: "raying.engine.preload"}
+    assert ray_setup.preload_kwargs() == {
+        "_system_config": {"preload_python_modules": ["raying.engine.preload"]}}
+    use(Settings(preload_workers=0))
+    assert ray_setup.preload_env() == {} and ray_setup.preload_kwargs() == {}
+    use(Settings())
+    monkeypatch.setenv(ray_setup.PRELOAD_ENV, "mymodule")  # the user's own: left to Ray
+    assert ray_setup.preload_env() == {} and ray_setup.preload_kwargs() == {}
+
+
+def test_the_preload_module_imports_the_read_path():
+    import subprocess
+    import sys
+
+    code = ("import sys; import raying.engine.preload; "
+            "print(all(m in sys.modules for m in ('numpy', 'pyarrow', 'raying.read.task', "
+            "'raying.image.decode', 'raying.engine.stream')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]

@@ -30,8 +30,9 @@ DEFAULT_PACK_SHARD_ROWS = 4096
 # Read tasks in flight per CPU the executor may use.
 DEFAULT_INFLIGHT_TASKS_PER_CPU = 2
 # Share of the object store that the decoded blocks of read tasks in flight may fill (split
-# between the Train workers of one pipeline); the rest is for blocks being consumed.
-DEFAULT_INFLIGHT_STORE_SHARE = 0.75
+# between the Train workers of one pipeline); the rest is for the part being consumed and
+# the blocks the consumer still holds, below Ray's spilling threshold (80 % of the store).
+DEFAULT_INFLIGHT_STORE_SHARE = 0.5
 # Object store of a local Ray that raying starts itself (``ensure_ray``): this many MB per CPU,
 # at least the floor, at most Ray's own default (30% of memory). Ray keeps consumed blocks in
 # the store until it needs their room, so its tmpfs pages grow to the store's size whatever

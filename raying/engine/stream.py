@@ -85,13 +85,14 @@ class BlockStream:
 
     With ``split_units``, a unit larger than its share of ``inflight_bytes``
     (``inflight_bytes / min_window``) runs as several tasks, each decoding a slice of its rows
-    (a whole number of blocks). A stream that shares the object store with others whose
-    consumers advance in step (the shards of Ray Train workers) needs it: a window of Parquet
-    row groups is 1,024 rows or more (150 MB at 224 px), every shard keeps ``min_window`` of
-    them, and the store spills to disk. Each slice reads the row groups its rows lie in, so a
-    shuffled window is read once per slice; on a single consumer, which drains blocks as
-    fast as they are made and does not spill, that costs more than it saves, so it stays
-    off there. The plan, the delivery order and resume positions stay the unit's: slices
+    (a whole number of blocks). A window of Parquet row groups is 1,024 rows or more (150 MB
+    at 224 px): ``min_window`` whole ones in flight, with the one being consumed, fill a
+    512 MB store past Ray's spilling threshold (80 %), and Ray then writes blocks to disk and
+    reads them back (W3 on 2 cores: "Spilled 367 MiB" in an epoch of 4.0 s against 1.7 s, in
+    about half of the runs), on a single consumer as on the shards of Ray Train workers. Each
+    slice reads the row groups its rows lie in, so a shuffled window is read once per slice
+    (a few ms of Parquet per slice here against the decode's ~0.3 s). The plan, the delivery
+    order and resume positions stay the unit's: slices
     are an execution detail, keyed ``(epoch, unit, part)``.
     """
 

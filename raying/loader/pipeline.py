@@ -312,7 +312,9 @@ class Pipeline:
                                            self.sampler.uses_store and not self.sampler.lazy),
                                        task_options=opts,
                                        inflight_bytes=inflight_bytes, min_window=min_window,
-                                       split_units=shards > 1)
+                                       # Units over their byte share run as slices:
+                                       # whole Parquet windows in flight spill the store.
+                                       split_units=True)
         return self._stream
 
     # -- iteration -----------------------------------------------------------------------------

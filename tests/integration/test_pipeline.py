@@ -346,10 +346,10 @@ def _jitter(batch, rng):
 @pytest.mark.parametrize("stage", [None, _jitter])
 def test_a_unit_over_its_byte_share_runs_as_slices_with_the_same_rows(packed, ray_local,
                                                                       monkeypatch, stage):
-    """On a Train worker's shard, a window of 4 row groups (32 rows here) over its share of
-    the byte budget runs as tasks of one block each; the epoch's rows, their order and their
-    pixels (a seeded user stage included) are those of the unsplit unit. A pipeline of its
-    own (no shard) never splits."""
+    """A window of 4 row groups (32 rows here) over its share of the byte budget runs as
+    tasks of one block each, on a Train worker's shard and on a pipeline of its own; the
+    epoch's rows, their order and their pixels (a seeded user stage included) are those of
+    the unsplit unit."""
     import raying.loader.pipeline as pipeline_module
 
     m = raying.Manifest.scan(str(packed), format="parquet", label="label")
@@ -382,7 +382,10 @@ def test_a_unit_over_its_byte_share_runs_as_slices_with_the_same_rows(packed, ra
         return got, tasks, units
 
     alone, _, _ = run(1e-9, None)
-    assert alone[0] is None
+    alone_whole, _, _ = run(0.75, None)
+    assert alone[0] == 16 and alone_whole[0] >= 32, (alone[0], alone_whole[0])
+    for (ids_w, img_w), (ids_s, img_s) in zip(alone_whole[1:], alone[1:], strict=True):
+        assert np.array_equal(ids_w, ids_s) and np.array_equal(img_w, img_s)
     seen: list[int] = []
     parts = 0  # tasks beyond one per unit, both shards
     for rank in (0, 1):

@@ -68,18 +68,24 @@ def _rebuild_decode_error(reason, detail, path, sample_id, root=None, fix=None):
     return DecodeError(reason, detail, path=path, sample_id=sample_id, root=root, fix=fix)
 
 
+# Ids a UserFunctionError names at most: a chunk's (see raying.read.stages), so the failing
+# sample is among them.
+IDS_SHOWN = 16
+
+
 class UserFunctionError(RayingError, RuntimeError):
     """A function given to ``Pipeline.map_batches`` failed, or returned a batch raying cannot
     carry on.
 
     A bug in code is not bad data: ``on_error="skip"`` never sets it aside. The message names
-    the function, the epoch and the ids of the rows it was called on (up to 16), and ends with the traceback of the
+    the function, the epoch and the ids of the rows it was called on (up to ``IDS_SHOWN``),
+    and ends with the traceback of the
     user's code (kept as text, so it survives the trip from a Ray worker to the driver).
 
     Attributes:
         function: the function's qualified name.
         epoch: the epoch being read.
-        ids: the sample ids of the call's rows (up to 16).
+        ids: the sample ids of the call's rows (up to ``IDS_SHOWN``).
         traceback_text: the formatted traceback of the user's code ("" for a bad result).
     """
 
@@ -91,7 +97,7 @@ class UserFunctionError(RayingError, RuntimeError):
         self.problem = problem
         self.traceback_text = traceback_text
         text = f"map_batches function {function} {problem} (epoch {epoch}, ids {self.ids}"
-        text += "...)" if len(self.ids) >= 16 else ")"
+        text += "...)" if len(self.ids) >= IDS_SHOWN else ")"
         if traceback_text:
             text += f"\n\nTraceback of {function}:\n{traceback_text.rstrip()}"
         super().__init__(text)

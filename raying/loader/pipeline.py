@@ -36,7 +36,7 @@ from raying.options import (
 from raying.read.account import UnitAccount
 from raying.read.memory import Footprint, dir_bytes, own_kib
 from raying.read.spec import ReadSpec, dataset_key
-from raying.read.stages import UserStage, layout_mismatch
+from raying.read.stages import UserStage, layout_mismatch, shown_ids
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
 from raying.sampling.protocol import Sampler
 from raying.sampling.uniform import UniformSampler
@@ -375,7 +375,7 @@ class Pipeline:
         expects the same keys, dtypes and shapes in every batch."""
         got = sorted(block)
         names = " then ".join(s.name for s in self._spec.stages) or "(none)"
-        ids = [int(i) for i in block["id"][:16]]
+        ids = shown_ids(block["id"])
         if keys is None:
             return {k: np.empty((0, *v.shape[1:]), v.dtype) for k, v in block.items()}
         if got != sorted(keys):

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from raying.errors import UserFunctionError
+from raying.errors import IDS_SHOWN, UserFunctionError
 from raying.image.rng import epoch_key
 
 # Random streams of user stages start here, away from the built-in transform's streams.
@@ -39,11 +39,9 @@ _STREAM_BASE = 1 << 20
 # Columns every block carries whose dtype a stage may not change (their values it may): the
 # sampler and the trainers' importance weighting read them.
 _RESERVED_DTYPES = {"weight": "float32", "prob": "float64"}
-# Ids a UserFunctionError names at most: every id of a chunk, so the failing sample is among
-# them (a call sees one chunk or part of one).
-# Rows of a block decoded together before the stages run on them.
+# Rows of a block decoded together before the stages run on them (as many as the ids a
+# UserFunctionError names, IDS_SHOWN: a failing call's ids are all shown).
 DEFAULT_STAGE_ROWS = 16
-_IDS_SHOWN = DEFAULT_STAGE_ROWS
 # Bytes of images one call of the stages sees at most: a stage that works in float32 makes
 # temporaries of 4x that, which then stay within a core's L2 cache (1 row of 224 px).
 STAGE_CALL_BYTES = 256 * 1024
@@ -116,14 +114,14 @@ def join(stages: tuple[UserStage, ...], parts: list[dict[str, np.ndarray]], *,
     for part in parts[1:]:
         if sorted(part) != sorted(keys):
             name = " then ".join(s.name for s in stages)
-            raise UserFunctionError(name, epoch, _shown(part["id"]),
+            raise UserFunctionError(name, epoch, shown_ids(part["id"]),
                                     f"returned columns {sorted(part)} for some rows and "
                                     f"{sorted(keys)} for others; return the same columns "
                                     f"for every batch")
     bad = layout_mismatch(parts)
     if bad is not None:
         name = " then ".join(s.name for s in stages)
-        raise UserFunctionError(name, epoch, _shown(parts[bad[0]]["id"]), bad[1])
+        raise UserFunctionError(name, epoch, shown_ids(parts[bad[0]]["id"]), bad[1])
     return {k: image if k == "image" and image is not None else
             np.concatenate([p[k] for p in parts]) for k in keys}
 
@@ -176,7 +174,7 @@ def run_chunk(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, se
             out = stage.fn(block, **kwargs)
         except Exception as exc:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            err = UserFunctionError(stage.name, epoch, _shown(ids),
+            err = UserFunctionError(stage.name, epoch, shown_ids(ids),
                                     f"raised {type(exc).__name__}: {exc}", text)
             raise err from exc
         block = _checked(stage, out, ids, n, size, epoch)
@@ -186,7 +184,7 @@ def run_chunk(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, se
 def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
              epoch: int) -> dict[str, np.ndarray]:
     def bad(problem: str) -> UserFunctionError:
-        return UserFunctionError(stage.name, epoch, _shown(ids), problem)
+        return UserFunctionError(stage.name, epoch, shown_ids(ids), problem)
 
     if not isinstance(out, Mapping):
         raise bad(f"returned {type(out).__name__}; expected the batch: a dict of numpy "
@@ -238,5 +236,6 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
     return out
 
 
-def _shown(ids: np.ndarray) -> list[int]:
-    return [int(i) for i in ids[:_IDS_SHOWN]]
+def shown_ids(ids: np.ndarray) -> list[int]:
+    """The ids a UserFunctionError names: every id of a chunk (a call sees one or part of one)."""
+    return [int(i) for i in ids[:IDS_SHOWN]]

@@ -292,6 +292,13 @@ def test_a_stage_that_breaks_the_batch_is_named(parquet_set, fn, pattern):
         read_epoch(pipe, 0)
 
 
+def test_an_error_names_every_id_a_stage_call_can_see():
+    from raying.errors import IDS_SHOWN
+    from raying.read.stages import DEFAULT_STAGE_ROWS
+
+    assert IDS_SHOWN >= DEFAULT_STAGE_ROWS
+
+
 def test_layouts_of_joined_parts_differ_only_in_rows_or_string_width():
     from raying.read.stages import layout_mismatch
 

@@ -68,7 +68,7 @@ def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[s
     import ray.data
     from ray.train import DataConfig
 
-    from raying.engine.ray_setup import ensure_ray
+    from raying.engine.ray_setup import ensure_ray, warn_without_state_api
 
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         msg = f"raying.train.datasets(epochs=...) must be an integer >= 1, got {epochs!r}"
@@ -85,7 +85,8 @@ def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[s
         msg = (f"raying.train.datasets() shards the pipeline over the Train workers itself; "
                f"build it without PipelineConfig(shard={pipe.config.shard!r})")
         raise ConfigError(msg)
-    ensure_ray()
+    ensure_ray(dashboard=True)  # Ray Train's own bookkeeping needs the State API
+    warn_without_state_api()
     _ = pipe.store_name  # binds the sampler: a prioritized pipeline starts its store here
     feed = Feed.of(pipe, epochs)
     ds = ray.data.from_items([{"feed": feed.encode()}])

@@ -48,3 +48,46 @@ def test_a_ray_raying_starts_preloads_the_read_path_in_its_workers(preload, expe
     # node's workers would oversubscribe it), as when numpy is imported inside the task.
     blas = next(ln for ln in lines if ln.startswith("blas"))
     assert blas in ("blas 1", "blas None"), out.stdout[-2000:]
+
+
+TRAIN_STATE_API = """
+import logging, os, sys
+import numpy as np
+from PIL import Image
+import ray
+import raying, raying.train
+from raying.engine.ray_setup import ensure_ray
+root = sys.argv[1]
+for c in ("a", "b"):
+    os.makedirs(os.path.join(root, c), exist_ok=True)
+    for i in range(2):
+        Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(os.path.join(root, c, f"{i}.jpg"))
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+if sys.argv[2] == "read-first":
+    ensure_ray()  # a driver that read with raying before it built the trainer
+pipe = raying.Pipeline(raying.Manifest.scan(root))
+raying.train.datasets(pipe, epochs=1)
+try:
+    ray.util.state.list_nodes(address=ray.get_runtime_context().gcs_address)
+    print("state api: up")
+except ray.util.state.exception.RayStateApiException:
+    print("state api: down")
+ray.shutdown()
+"""
+
+
+@pytest.mark.parametrize(("first", "state_api", "warned"), [("train", "up", False),
+                                                            ("read-first", "down", True)])
+def test_a_ray_raying_starts_for_ray_train_serves_the_state_api(tmp_path, first, state_api,
+                                                                 warned):
+    # Ray Train's placement-group cleaner asks the State API each second whether the
+    # trainer's controller lives, and logs a warning each time it cannot: a Ray started by
+    # raying.train.datasets() runs the dashboard that serves it; one started earlier without
+    # it gets raying's warning, once, saying how to start Ray instead.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", TRAIN_STATE_API, str(tmp_path), first],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"state api: {state_api}" in out.stdout, out.stdout[-2000:]
+    said = out.stdout.count("runs without its dashboard")
+    assert said == (1 if warned else 0), out.stdout[-2000:]

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from raying.engine.metrics import RunAccount
-from raying.errors import ConfigError
+from raying.engine.metrics import RunAccount, all_bad_message
+from raying.errors import ConfigError, DataError
 from raying.options import use
 from raying.read.account import UnitAccount
 from raying.read.spec import ReadSpec
@@ -33,8 +33,27 @@ def _account_actor_cls():
         def __init__(self, store: Any = None) -> None:
             self.account = RunAccount()
             self.store = store
+            # Per epoch: units whose last block came in, rows read and delivered, first skips.
+            self.epochs: dict[int, dict[str, Any]] = {}
 
-        def add(self, account: UnitAccount) -> None:
+        def add(self, account: UnitAccount, units: int = 0, samples: int = 0,
+                root: str = "") -> str | None:
+            """Take one block's account; returns the error for an epoch of ``units`` units
+            whose every sample read was bad, once its last unit is in (else None)."""
+            self._record(account)
+            ep = self.epochs.setdefault(account.epoch, {"done": set(), "rows_in": 0,
+                                                        "rows_out": 0, "skips": []})
+            ep["rows_in"] += account.rows_in
+            ep["rows_out"] += account.rows_out
+            ep["skips"].extend(account.skipped[:3 - len(ep["skips"])])
+            if account.final:
+                ep["done"].add(account.unit)
+            if not units or len(ep["done"]) < units:
+                return None
+            return all_bad_message(ep["rows_in"], ep["rows_out"], ep["skips"], samples, root,
+                                   account.epoch)
+
+        def _record(self, account: UnitAccount) -> None:
             fresh = self.account.add(account)
             if fresh:
                 self.account.end_epoch(account.epoch)
@@ -54,7 +73,13 @@ def _account_actor_cls():
 
 
 def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts: Any,
-          block_rows: int):
+          block_rows: int, epoch_units: int = 0, samples: int = 0, root: str = ""):
+    """A read task of ``pipe.dataset(e)``: one plan unit of an epoch of ``epoch_units``.
+
+    Every block's account goes to the account actor before the block is yielded; the task
+    that brings in an epoch's last unit raises DataError if every sample the epoch read was
+    set aside (a wrong image column, say), as the iterator path does: Ray Data would
+    otherwise hand the trainer an empty epoch."""
     import ray
     from ray.data.block import BlockAccessor
     from ray.exceptions import RayActorError
@@ -78,9 +103,11 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
     for block, account in iter_unit(spec, unit, paths, block_rows=block_rows):
         if accounts is not None:  # landed before the block is seen: stats() are complete
             try:
-                ray.get(accounts.add.remote(account))
+                refused = ray.get(accounts.add.remote(account, epoch_units, samples, root))
             except RayActorError as exc:
                 raise closed(exc) from None
+            if refused:
+                raise DataError(refused)
         if len(block["id"]) == 0:
             if yielded or not account.final:
                 continue  # a task yields its empty blocks only when it has nothing else
@@ -134,8 +161,10 @@ class DatasetReads:
         self._final: dict[str, Any] | None = None
 
     def dataset(self, plan: EpochPlan, *, sampler: Sampler, block_rows: int, fmt: str,
-                size: int, ray_remote_args: dict[str, Any] | None):
-        """The ``ray.data.Dataset`` of ``plan``: one read task per plan unit."""
+                size: int, ray_remote_args: dict[str, Any] | None, samples: int = 0,
+                root: str = ""):
+        """The ``ray.data.Dataset`` of ``plan``: one read task per plan unit (``samples``
+        and ``root``, the manifest's, name an epoch whose every sample is bad)."""
         import ray
         from ray.data.block import BlockMetadata
         from ray.data.datasource import Datasource, ReadTask
@@ -168,7 +197,7 @@ class DatasetReads:
                                          size_bytes=int(unit.num_rows * size * size * 3),
                                          exec_stats=None, input_files=None)
                     fn = functools.partial(_read, spec_ref, unit, lookup_ref, sampler, accounts,
-                                           block_rows)
+                                           block_rows, len(units), samples, root)
                     tasks.append(ReadTask(fn, meta))
                 return tasks
 

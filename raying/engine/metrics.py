@@ -248,14 +248,21 @@ class EpochTally:
     def refuse_all_bad(self, n: int, root: str, epoch: int) -> None:
         """Raise DataError if every sample read was set aside as bad (a wrong URI, format or
         column, not bad luck; a tiny epoch, e.g. a resumed tail, is let pass)."""
-        if self.rows_in < min(n, 8) or self.rows_out or not self.first_skips:
-            return
-        from raying.errors import DataError
+        msg = all_bad_message(self.rows_in, self.rows_out, self.first_skips, n, root, epoch)
+        if msg is not None:
+            from raying.errors import DataError
 
-        shown = "; ".join(f"{path or sid}: {reason}" for sid, path, reason, _ in
-                          self.first_skips[:3])
-        msg = (f"every one of the {self.rows_in} samples read in epoch {epoch} of {root} was "
-               f"set aside as bad ({shown}); nothing to train on. Check that the URI, format "
-               f"and image column are the intended ones; the list is in "
-               f"pipe.stats()['skipped']")
-        raise DataError(msg)
+            raise DataError(msg)
+
+
+def all_bad_message(rows_in: int, rows_out: int, first_skips: list[Any], n: int, root: str,
+                    epoch: int) -> str | None:
+    """The error for an epoch whose every sample read was set aside as bad, or None (some
+    row delivered, nothing skipped, or fewer rows read than ``min(n, 8)``)."""
+    if rows_in < min(n, 8) or rows_out or not first_skips:
+        return None
+    shown = "; ".join(f"{path or sid}: {reason}" for sid, path, reason, _ in first_skips[:3])
+    return (f"every one of the {rows_in} samples read in epoch {epoch} of {root} was "
+            f"set aside as bad ({shown}); nothing to train on. Check that the URI, format "
+            f"and image column are the intended ones; the list is in "
+            f"pipe.stats()['skipped']")

@@ -487,7 +487,9 @@ class Pipeline:
         return self._dataset_reads.dataset(plan, sampler=self.sampler,
                                            block_rows=self.block_rows(),
                                            fmt=self.manifest.format, size=self.transform.size,
-                                           ray_remote_args=self.config.ray_remote_args)
+                                           ray_remote_args=self.config.ray_remote_args,
+                                           samples=len(self.manifest),
+                                           root=self.manifest.root)
 
     # -- feedback, stats, state ----------------------------------------------------------------
     @property

@@ -130,3 +130,11 @@ def test_an_epoch_where_every_sample_is_bad_is_an_error_not_an_empty_epoch(tmp_p
     assert re.search(r"cls/\d\.jpg: (empty|not_an_image)", str(info.value)) and "pipe.stats()['skipped']" in str(info.value)
     assert pipe.stats()["skipped_count"] == 10
     pipe.close()
+    # The Ray Data path too (what a TorchTrainer(datasets=...) reads): the task that brings in
+    # the epoch's last unit raises, rather than Ray Data handing over an empty epoch.
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=4))
+    with pytest.raises(raying.DataError, match="every one of the 10 samples read in epoch 1"):
+        pipe.dataset(1).count()
+    assert pipe.stats()["skipped_count"] == 10
+    pipe.close()

@@ -338,8 +338,8 @@ class Pipeline:
             _, start_unit, skip, base = self._resume
         self._resume = None
         units: list[tuple[int, int, int, bool]] = []
-        self._cursor = {"epoch": int(epoch), "units": units, "delivered": base, "base": base,
-                        "start": (start_unit, skip)}
+        cursor = self._cursor = {"epoch": int(epoch), "units": units, "delivered": base,
+                                 "base": base, "start": (start_unit, skip)}
         offset = {start_unit: skip}  # rows of each unit already accounted for
         tally = EpochTally(self._on_account)
         # The epoch's first block with rows, as empty columns of its dtypes and row shapes.
@@ -355,6 +355,7 @@ class Pipeline:
             yield block
         self.account.end_epoch(int(epoch))
         tally.refuse_all_bad(len(self.manifest), self.manifest.root, int(epoch))
+        cursor["blocks_done"] = True  # every block of the epoch received
 
     def _depth(self, prefetch_batches: int | None) -> int:
         """Batches prepared ahead: ``prefetch_batches``, or the setting when None."""
@@ -408,6 +409,7 @@ class Pipeline:
             self._cursor["delivered"] += len(batch["id"])
             self.account.delivered(len(batch["id"]))
             yield batch
+        self._cursor["complete"] = True  # the whole epoch delivered: state_dict() moves on
 
     def iter_torch_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
                            device: Any = "auto",
@@ -446,6 +448,7 @@ class Pipeline:
             self._cursor["delivered"] += n
             self.account.delivered(n)
             yield batch
+        self._cursor["complete"] = True  # the whole epoch delivered: state_dict() moves on
 
     def _first_batch(self, *, batch_size: int, epoch: int,
                      drop_last: bool) -> dict[str, Any] | None:
@@ -574,7 +577,13 @@ class Pipeline:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this pipeline stands: epoch, position in its plan, sampler state."""
+        """Where this pipeline stands: epoch, position in its plan, sampler state.
+
+        Once an iteration has delivered its epoch to the end, the position is the start of
+        the next epoch: resume with ``epoch=state["epoch"]``, whether the state was taken
+        mid-epoch or after it. Through ``to_tf`` the position counts the batches handed to
+        tf.data, which prefetches ahead of the model.
+        """
         if self._closed and self.sampler.uses_store:
             msg = (f"state_dict() of Pipeline {self.name!r} after close(): its priority store "
                    f"is gone with the priorities; take state_dict() before close()")
@@ -582,6 +591,10 @@ class Pipeline:
         cur = self._cursor
         if self._resume is not None:
             epoch, unit, row, delivered = self._resume
+        elif cur.get("complete") or (  # delivered to its end: the next epoch, from its start
+                cur.get("blocks_done") and cur["delivered"] - cur["base"]
+                >= sum(end - begin for _, begin, end, _ in cur["units"])):
+            epoch, unit, row, delivered = cur["epoch"] + 1, 0, 0, 0
         else:
             epoch, delivered = cur["epoch"], cur["delivered"]
             unit, row = _position(cur["units"], delivered - cur["base"],

@@ -173,6 +173,8 @@ class Loader:
             store.flush(self.pipe.sampler.handle)  # this worker's reports applied
             barrier()  # ... and every other worker's, before rank 0 takes the snapshot
         position = self.pipe.state_dict()
+        # Delivered to its end (through to_tf too, whose generator the loader does not see).
+        complete = self._complete or (position["epoch"] > self.epoch)
         if self.rank != 0:  # one copy of the priorities, from rank 0
             position = {**position, "sampler": _without_tables(position["sampler"])}
         self._drop_checkpoint_folders()
@@ -180,7 +182,7 @@ class Loader:
         folder = tempfile.mkdtemp(prefix=f"{_CHECKPOINT_PREFIX}{os.getpid()}-")
         self._checkpoint_folders.append(folder)
         with open(os.path.join(folder, _POSITION.format(self.rank)), "wb") as fh:
-            pickle.dump({"epoch": self.epoch, "complete": self._complete,
+            pickle.dump({"epoch": self.epoch, "complete": complete,
                          "world_size": self.world_size, "position": position}, fh)
         if self.rank == 0:
             with open(os.path.join(folder, _STATE), "wb") as fh:
@@ -200,13 +202,22 @@ class Loader:
                 return None  # a checkpoint of another shape: restart the epochs' count only
             with open(path, "rb") as fh:
                 saved = pickle.load(fh)
+            others = []
+            for other in sorted(glob.glob(os.path.join(folder, _POSITION.format("*")))):
+                if other != path:
+                    with open(other, "rb") as fh:
+                        others.append(pickle.load(fh))
         if saved["world_size"] != self.world_size:
             msg = (f"the checkpoint was made by {saved['world_size']} Train workers, this run "
                    f"has {self.world_size}; each worker's position is in its share, so resume "
                    f"with ScalingConfig(num_workers={saved['world_size']})")
             raise ConfigError(msg)
         tables = (saved["position"].get("sampler") or {}).get("tables")
-        if saved["complete"]:
+        if saved["complete"] or saved["position"]["epoch"] > saved["epoch"] or any(
+                _done(other, saved["epoch"]) for other in others):
+            # This worker's share of the epoch was delivered, or another worker's was: a loop
+            # of steps_per_epoch steps (islice over to_tf) leaves the larger shares' last rows
+            # unread, and every worker must start the same epoch.
             self._first = saved["epoch"] + 1
             return tables
         self._first = saved["epoch"]
@@ -275,6 +286,12 @@ def _sweep_checkpoint_folders() -> None:
 def _remove_all(folders: list[str]) -> None:
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _done(saved: dict[str, Any], epoch: int) -> bool:
+    """Whether a worker's saved position has delivered ``epoch`` to its end."""
+    return saved["epoch"] > epoch or (saved["epoch"] == epoch and (
+        saved["complete"] or saved["position"]["epoch"] > epoch))
 
 
 def _without_tables(sampler_state: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,8 @@ def test_uniform_resume_roundtrip(manifest, ray_local, batches):
     assert_same(rest_a, rest_b, "continuation")
     ids = np.concatenate(seen + rest_b)
     assert sorted(ids.tolist()) == list(range(60))
-    assert b.state_dict()["unit"] > state["unit"], "the position moved on"
+    # The epoch delivered to its end: the position moved on to the next epoch's start.
+    assert (b.state_dict()["epoch"], b.state_dict()["unit"]) == (2, 0), "the position moved on"
 
 
 def test_resume_delivers_each_id_exactly_once(manifest, ray_local):
@@ -114,3 +115,36 @@ def test_parquet_resume_inside_a_multi_block_unit(image_folder, tmp_path_factory
     b.load_state_dict(state)
     rest = [x["id"] for x in b.iter_batches(batch_size=7, epoch=3)]
     assert np.array_equal(np.concatenate(first + rest), full)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_state_taken_after_a_whole_epoch_resumes_at_the_next(manifest, ray_local, drop_last):
+    # A checkpoint at an epoch's end is common (Keras fit, a loop's last line): resuming
+    # with epoch=state["epoch"] must read the next epoch, not an empty pass over the last.
+    make = _make(manifest)
+    a = make()
+    got = [b["id"] for b in a.iter_batches(batch_size=7, epoch=3, drop_last=drop_last)]
+    assert len(np.concatenate(got)) == (56 if drop_last else 60)
+    state = copy.deepcopy(a.state_dict())
+    assert (state["epoch"], state["unit"], state["row"], state["delivered"]) == (4, 0, 0, 0)
+    b = make()
+    b.load_state_dict(state)
+    rest = np.concatenate([x["id"] for x in b.iter_batches(batch_size=7, epoch=state["epoch"])])
+    full = np.concatenate([x["id"] for x in make().iter_batches(batch_size=7, epoch=4)])
+    assert_same(rest, full, "the next epoch, whole")
+    a.close()
+    b.close()
+
+
+def test_to_tf_state_moves_to_the_next_epoch_once_its_batches_are_handed_over(manifest,
+                                                                              ray_local):
+    pytest.importorskip("tensorflow")
+    make = _make(manifest)
+    a = make()
+    # A loop of as many steps as the epoch has batches: tf.data's generator has handed over
+    # every row but is never asked for more, so it does not end.
+    taken = list(itertools.islice(iter(a.to_tf(batch_size=8, epoch=0)), 8))
+    assert sum(int(b["id"].shape[0]) for b in taken) == 60
+    state = a.state_dict()
+    assert (state["epoch"], state["unit"], state["row"]) == (1, 0, 0)
+    a.close()

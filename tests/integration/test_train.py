@@ -306,3 +306,52 @@ def test_a_new_driver_resuming_a_prioritized_run_gets_the_checkpoint_s_prioritie
     assert np.ptp(pipe.priorities()[ids % 10 != 0]) == 0  # nothing loaded over its own
     loader.close()
     pipe.close()
+
+
+def test_a_tf_loop_of_steps_checkpointed_at_its_epoch_end_resumes_at_the_next_epoch(
+        image_folder, ray_local, tmp_path):
+    """The TF loop of the guide (islice over loader.to_tf, steps_per_epoch steps) never ends
+    the dataset's generator: its epoch-end checkpoint still counts the epoch done, and a
+    worker whose own share was not read to its end follows the others to the next epoch."""
+    pytest.importorskip("tensorflow")
+    import itertools
+    import shutil
+
+    from ray.train import Checkpoint
+
+    from raying.train.feed import Feed
+    from raying.train.loader import _POSITION, Loader
+
+    m = raying.Manifest.scan(str(image_folder))  # 60 samples: 8 batches of 8, the last of 4
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16))
+    loader = Loader(Feed.of(pipe, 3), rank=0, world_size=1)
+    for _ in loader.epochs():
+        rows = sum(int(b["id"].shape[0])
+                   for b in itertools.islice(loader.to_tf(batch_size=8), 8))
+        assert rows == 60
+        ck = loader.checkpoint(model="m")
+        break
+    resumed = Loader(Feed.of(pipe, 3), rank=0, world_size=1, checkpoint=ck)
+    assert resumed.restored == {"model": "m"} and list(resumed.epochs()) == [1, 2]
+    # Two workers: rank 1 stopped two batches short of its share's end (steps_per_epoch is
+    # the smallest share's), rank 0 read its share through. Both resume at epoch 1.
+    both = tmp_path / "both"
+    with ck.as_directory() as folder:
+        shutil.copytree(folder, both)
+    with open(both / _POSITION.format(0), "rb") as fh:
+        saved = pickle.load(fh)
+    saved["world_size"] = 2
+    with open(both / _POSITION.format(0), "wb") as fh:
+        pickle.dump(saved, fh)
+    short = dict(saved, complete=False,
+                 position={**saved["position"], "epoch": 0, "unit": 1, "row": 0})
+    with open(both / _POSITION.format(1), "wb") as fh:
+        pickle.dump(short, fh)
+    for rank in (0, 1):
+        worker = Loader(Feed.of(pipe, 3), rank=rank, world_size=2,
+                        checkpoint=Checkpoint.from_directory(str(both)))
+        assert list(worker.epochs()) == [1, 2], rank
+        worker.close()
+    resumed.close()
+    loader.close()
+    pipe.close()

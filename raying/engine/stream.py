@@ -42,6 +42,11 @@ DEFAULT_FIRST_BLOCK_ROWS = 64
 
 _remote_fn = None
 
+SUPERSEDED = ("this iterator was superseded: a newer iteration of the same Pipeline "
+              "(iter_batches, iter_torch_batches, to_tf, iter_blocks) has started, and a "
+              "Pipeline streams one iteration at a time. Finish or drop the old iterator "
+              "before starting the next, or build a second Pipeline to iterate both")
+
 
 def read_task(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None, block_rows: int,
               first_block_rows: int | None = None):
@@ -296,11 +301,7 @@ class BlockStream:
 
     def _check(self, mine: int) -> None:
         if self._generation != mine:
-            msg = ("this iterator was superseded: a newer iteration of the same Pipeline "
-                   "(iter_batches, iter_torch_batches, to_tf, iter_blocks) has started, and a "
-                   "Pipeline streams one iteration at a time. Finish or drop the old iterator "
-                   "before starting the next, or build a second Pipeline to iterate both")
-            raise SupersededError(msg)
+            raise SupersededError(SUPERSEDED)
 
     def cancel(self) -> None:
         """Drop every submitted and pending unit (a different epoch or a resume was asked)."""

@@ -74,6 +74,11 @@ class BatchAssembler:
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
+# Seconds a consumer that stops early waits for its prefetch thread before leaving it to end
+# on its own (daemon; it ends when the read it waits for returns).
+PREFETCH_STOP_WAIT_S = 0.25
+
+
 def prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None = None,
              stall: list[float] | None = None,
              timed: Callable[[float], None] | None = None) -> Iterator[Any]:
@@ -105,16 +110,27 @@ def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] |
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def put(item: Any) -> bool:
+        """Queue ``item``; False once the consumer is gone (nobody would take it)."""
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def work() -> None:
         try:
             for item in source:
-                if stop.is_set():
-                    return
-                q.put(convert(item) if convert else item)
+                if stop.is_set() or not put(convert(item) if convert else item):
+                    break
         except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-            q.put(_Failure(exc))
+            put(_Failure(exc))
         finally:
-            q.put(_DONE)
+            put(_DONE)
+            if stop.is_set() and hasattr(source, "close"):
+                source.close()  # this thread's generator: closed here, where it runs
 
     thread = threading.Thread(target=work, name="raying-prefetch", daemon=True)
     thread.start()
@@ -130,14 +146,16 @@ def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] |
                 raise item.exc
             yield item
     finally:
+        # A consumer that stops early (break, an exception, Ctrl-C) waits a moment for the
+        # thread, not for the read it may be blocked on (a slow stage, a hung storage
+        # read): the thread ends, and closes the source, when that read returns.
         stop.set()
-        while thread.is_alive():
+        deadline = time.monotonic() + PREFETCH_STOP_WAIT_S
+        while thread.is_alive() and time.monotonic() < deadline:
             try:
-                q.get(timeout=0.05)
+                q.get(timeout=0.02)
             except queue.Empty:
                 pass
-        if hasattr(source, "close"):
-            source.close()
 
 
 class _Failure:

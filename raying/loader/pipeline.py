@@ -23,7 +23,8 @@ from raying.dataset.manifest import Manifest
 from raying.engine.datasource import DatasetReads, merge_dataset_account
 from raying.engine.metrics import EpochTally, RunAccount
 from raying.engine.ray_setup import ensure_ray
-from raying.errors import ConfigError, UserFunctionError
+from raying.engine.stream import SUPERSEDED
+from raying.errors import ConfigError, SupersededError, UserFunctionError
 from raying.image.transform import ImageTransform
 from raying.loader.batches import BatchAssembler, TorchConverter, prefetch
 from raying.options import (
@@ -111,6 +112,7 @@ class Pipeline:
         # delivered in the epoch (``base`` of them before the first listed unit, on resume).
         self._cursor: dict[str, Any] = {"epoch": 0, "units": [], "delivered": 0, "base": 0}
         self._resume: tuple[int, int, int, int] | None = None
+        self._iterations = 0  # consumers' iterations started (the latest streams)
         self._bound = False
         self._closed = False
         self._dataset_reads: DatasetReads | None = None  # once dataset() ran
@@ -389,6 +391,17 @@ class Pipeline:
             raise UserFunctionError(names, epoch, ids, bad[1])
         return keys
 
+    def _begin_iteration(self) -> int:
+        """Number a consumer's iteration (iter_batches, iter_torch_batches)."""
+        self._iterations += 1
+        return self._iterations
+
+    def _still_current(self, mine: int) -> None:
+        """Refuse the batches an older iteration had prefetched once a newer one started:
+        they would count in the newer one's position (a resume would skip their rows)."""
+        if self._iterations != mine:
+            raise SupersededError(SUPERSEDED)
+
     def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
                      prefetch_batches: int | None = None,
                      drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
@@ -404,8 +417,10 @@ class Pipeline:
                 yield from assembler.push(block)
             yield from assembler.finish()
 
+        mine = self._begin_iteration()
         for batch in prefetch(batches(), depth, stall=self.account.stall,
                               timed=self.account.iterated):
+            self._still_current(mine)
             self._cursor["delivered"] += len(batch["id"])
             self.account.delivered(len(batch["id"]))
             yield batch
@@ -442,8 +457,10 @@ class Pipeline:
             for b in assembler.finish():
                 yield conv.device_put(conv.host(b))
 
+        mine = self._begin_iteration()
         for batch in prefetch(batches(), depth, stall=self.account.stall,
                               timed=self.account.iterated):
+            self._still_current(mine)
             n = int(batch["id"].shape[0])
             self._cursor["delivered"] += n
             self.account.delivered(n)

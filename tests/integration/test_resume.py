@@ -148,3 +148,27 @@ def test_to_tf_state_moves_to_the_next_epoch_once_its_batches_are_handed_over(ma
     state = a.state_dict()
     assert (state["epoch"], state["unit"], state["row"]) == (1, 0, 0)
     a.close()
+
+
+def test_a_superseded_iterator_yields_nothing_more_and_leaves_the_new_position_alone(
+        manifest, ray_local):
+    make = _make(manifest)
+    a = make()
+    old = a.iter_batches(batch_size=4, epoch=0, prefetch_batches=8)
+    next(old)
+    import time
+
+    time.sleep(0.5)  # the old iterator's prefetch fills up
+    new = a.iter_batches(batch_size=4, epoch=5)
+    seen = np.concatenate([next(new)["id"] for _ in range(3)])
+    with pytest.raises(raying.SupersededError, match="superseded"):
+        next(old)  # not one of the batches it had prefetched
+    state = a.state_dict()
+    assert (state["epoch"], state["delivered"]) == (5, 12)
+    new.close()
+    b = make()
+    b.load_state_dict(state)
+    rest = np.concatenate([x["id"] for x in b.iter_batches(batch_size=4, epoch=5)])
+    assert sorted(np.concatenate([seen, rest]).tolist()) == list(range(60))
+    a.close()
+    b.close()

@@ -149,3 +149,47 @@ def test_torch_mean_and_std_take_any_three_numbers_and_refuse_empty_ones(tmp_pat
         x = conv.to_float(torch.full((1, 2, 2, 3), 255, dtype=torch.uint8))
         assert torch.allclose(x, torch.full_like(x, 2.0))  # (1 - 0.5) / 0.25
     pipe.close()
+
+
+def test_a_consumer_that_stops_early_does_not_wait_for_a_read_in_flight():
+    # break (or Ctrl-C) while the prefetch thread waits on a slow read: the consumer goes on
+    # at once; the thread ends, and closes the source, when that read returns.
+    import threading
+    import time
+
+    from raying.loader.batches import PREFETCH_STOP_WAIT_S, prefetch
+
+    release, closed = threading.Event(), threading.Event()
+
+    def source():
+        try:
+            yield 0
+            yield 1
+            release.wait(30)  # a read that takes long
+            yield 2
+            yield 3
+        finally:
+            closed.set()
+
+    it = prefetch(source(), 1)
+    assert next(it) == 0
+    t0 = time.perf_counter()
+    it.close()
+    assert time.perf_counter() - t0 < PREFETCH_STOP_WAIT_S + 1.0
+    assert not closed.is_set()  # still in the read
+    release.set()
+    assert closed.wait(5), "the source was not closed once its read returned"
+    # A consumer that stops while the thread is quick closes the source before it returns.
+    quick, done = threading.Event(), []
+
+    def fast():
+        try:
+            yield from range(100)
+        finally:
+            done.append(True)
+            quick.set()
+
+    it = prefetch(fast(), 2)
+    assert next(it) == 0
+    it.close()
+    assert quick.wait(5) and done == [True]

@@ -57,6 +57,18 @@ def ensure_ray(*, dashboard: bool = False) -> None:
                  object_store_memory=default_object_store_bytes(), **preload_kwargs())
 
 
+def ray_session() -> str | None:
+    """This process's Ray connection, as ``<GCS address>/<job id>``; None without Ray. It
+    changes with ``ray.shutdown()`` and ``ray.init()`` (a new job even on the same cluster),
+    which take every object reference and actor handle of the old one with them."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    return f"{ctx.gcs_address}/{ctx.get_job_id()}"
+
+
 def warn_without_state_api() -> bool:
     """Warn, and return True, when the connected Ray serves no State API (no dashboard).
 

@@ -22,7 +22,7 @@ import numpy as np
 from raying.dataset.manifest import Manifest
 from raying.engine.datasource import DatasetReads, merge_dataset_account
 from raying.engine.metrics import EpochTally, RunAccount
-from raying.engine.ray_setup import ensure_ray
+from raying.engine.ray_setup import ensure_ray, ray_session
 from raying.engine.stream import SUPERSEDED
 from raying.errors import ConfigError, SupersededError, UserFunctionError
 from raying.image.transform import ImageTransform
@@ -113,6 +113,7 @@ class Pipeline:
         self._cursor: dict[str, Any] = {"epoch": 0, "units": [], "delivered": 0, "base": 0}
         self._resume: tuple[int, int, int, int] | None = None
         self._iterations = 0  # consumers' iterations started (the latest streams)
+        self._ray: str | None = None  # the Ray session the reads, store and refs belong to
         self._bound = False
         self._closed = False
         self._dataset_reads: DatasetReads | None = None  # once dataset() ran
@@ -209,11 +210,29 @@ class Pipeline:
                    f"of its priority store; build a new Pipeline (load_state_dict(...) of a "
                    f"state_dict() taken before close() continues where it stood)")
             raise ConfigError(msg)
+        self._same_ray()
         if not self._bound:
             if self.sampler.lazy or self.sampler.uses_store:
                 ensure_ray()
+                self._ray = self._ray or ray_session()
             self.sampler.bind(self.manifest, name=self.name)
             self._bound = True
+
+    def _same_ray(self) -> None:
+        """Refuse to go on after Ray was shut down (and maybe started again) under this
+        pipeline: its read tasks, priority store and object references went with the old
+        session, and touching them aborts the process in Ray's core."""
+        if self._ray is None:
+            return
+        now = ray_session()
+        if now == self._ray:
+            return
+        since = "ray.shutdown() and ray.init()" if now else "ray.shutdown()"
+        msg = (f"Pipeline {self.name!r} was started on a Ray session that has ended ({since} "
+               f"since): its reads, priority store and object references went with it. "
+               f"Build a new Pipeline after ray.init() (load_state_dict(...) of a "
+               f"state_dict() taken before continues where it stood)")
+        raise ConfigError(msg)
 
     def plan(self, epoch: int) -> EpochPlan:
         """The explicit plan of ``epoch`` (units of ids; prioritized units are drawn later)."""
@@ -277,12 +296,14 @@ class Pipeline:
         return self._spec
 
     def _block_stream(self):
+        self._same_ray()
         if self._stream is None:
             import ray
 
             from raying.engine.stream import BlockStream
 
             ensure_ray()
+            self._ray = self._ray or ray_session()
             self._bind()
             resources = ray.cluster_resources()
             cpus = int(resources.get("CPU", 1))
@@ -499,6 +520,7 @@ class Pipeline:
         and ``ray.train.get_dataset_shard("train").iter_torch_batches(...)`` in the workers.
         """
         ensure_ray()
+        self._ray = self._ray or ray_session()
         self._bind()
         plan = self.plan(_epoch(epoch))
         if self._dataset_reads is None:

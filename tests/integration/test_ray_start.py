@@ -91,3 +91,46 @@ def test_a_ray_raying_starts_for_ray_train_serves_the_state_api(tmp_path, first,
     assert f"state api: {state_api}" in out.stdout, out.stdout[-2000:]
     said = out.stdout.count("runs without its dashboard")
     assert said == (1 if warned else 0), out.stdout[-2000:]
+
+
+RESTART = """
+import os, sys
+import numpy as np
+from PIL import Image
+import ray
+import raying
+root = sys.argv[1]
+for c in ("a", "b"):
+    os.makedirs(os.path.join(root, c), exist_ok=True)
+    for i in range(40):
+        Image.fromarray(np.full((24, 24, 3), i, np.uint8)).save(os.path.join(root, c, f"{i}.jpg"))
+make = lambda: raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16))
+pipe = make()
+print("epoch 0:", sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=0)))
+ray.shutdown()  # the next epoch's first reads were already submitted (keep_warm)
+if sys.argv[2] == "again":
+    ray.init(address="local", include_dashboard=False)
+try:
+    next(iter(pipe.iter_batches(batch_size=16, epoch=1)))
+except raying.ConfigError as exc:
+    print("refused:", exc)
+pipe.close()
+print("stats rows:", pipe.stats()["rows_delivered"])
+pipe = make()
+print("new pipeline:", sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=1)))
+pipe.close()
+ray.shutdown()
+"""
+
+
+@pytest.mark.parametrize("restart", ["again", "down"])
+def test_a_pipeline_whose_ray_was_shut_down_says_so_and_a_new_one_works(tmp_path, restart):
+    # Iterating a pipeline over the object references of an ended Ray session aborted the
+    # process in Ray's core (a C++ check: no Python error to catch).
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", RESTART, str(tmp_path), restart],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+    since = "ray.shutdown() and ray.init() since" if restart == "again" else "ray.shutdown() since"
+    assert "refused: Pipeline" in out.stdout and since in out.stdout, out.stdout[-2000:]
+    assert "stats rows: 80" in out.stdout and "new pipeline: 80" in out.stdout, out.stdout

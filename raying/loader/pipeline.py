@@ -102,10 +102,13 @@ class Pipeline:
                            "the pipeline's name, here the random %r: a resubmitted driver "
                            "finds them only under the same name; give PipelineConfig(name=...)",
                            snapshots, self.name)
-        # The decoded cache's directory: one per pipeline, and per share of a sharded one
-        # (trainers of one run share the name, and the store, but each closes its own).
+        # The decoded cache's directory: one per pipeline object, and per share of a sharded
+        # one (trainers of one run share the name, and the store, but each closes its own).
+        # Its own suffix: a closed pipeline leaves a tombstone under its directory's name for
+        # its late read tasks, which a new pipeline of the same name must not find.
         shard = self.config.shard
-        self._cache_name = self.name if shard is None else f"{self.name}-{shard[0]}of{shard[1]}"
+        part = "" if shard is None else f"-{shard[0]}of{shard[1]}"
+        self._cache_name = f"{self.name}{part}-{uuid.uuid4().hex[:8]}"
         self.account = RunAccount(manifest)
         self._stream = None
         # Where the consumer stands: units seen so far as (index, first row, end row) and rows

@@ -7,6 +7,7 @@ read task runs): a file left on one node cannot hide behind another's.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
@@ -83,6 +84,7 @@ def test_close_frees_the_decoded_pixels_on_every_node(nodes):
     for epoch in (0, 1):
         rows = sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=epoch))
         assert rows == 96
+    name = pipe._cache_name  # the pipeline's name and its own suffix
     held = {node: dir_bytes(os.path.join(root, name)) for node, root in roots.items()}
     # Reads ran on every node (SPREAD), and each cached what it decoded in its own tmpfs.
     assert sum(1 for b in held.values() if b > 0) >= 2, held
@@ -123,7 +125,10 @@ def _start_driver(cluster, roots, folder, name: str) -> subprocess.Popen:
 
 
 def _dirs(roots: dict[str, str], name: str) -> dict[str, bool]:
-    return {node: os.path.isdir(os.path.join(root, name)) for node, root in roots.items()}
+    """Whether each node holds a decoded-cache directory of pipeline ``name`` (the name and
+    the pipeline object's own suffix)."""
+    return {node: bool(glob.glob(os.path.join(root, f"{name}-" + "[0-9a-f]" * 8)))
+            for node, root in roots.items()}
 
 
 def test_a_new_pipeline_sweeps_a_killed_drivers_pixels_on_every_node(nodes):

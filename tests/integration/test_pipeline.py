@@ -498,3 +498,27 @@ def test_a_dataset_iterated_after_its_pipeline_closed_says_so(image_folder, ray_
                                                  r"iterate pipe.dataset\(e\) before "
                                                  r"pipe.close\(\)"):
         list(ds.iter_batches(batch_size=16))
+
+
+def test_a_pipeline_built_again_under_a_closed_one_s_name_has_its_decoded_cache(image_folder,
+                                                                                ray_local):
+    """A fixed PipelineConfig(name=...) (for priority snapshots) is reused by each run or
+    phase: the closed pipeline's tombstone must not turn the next one's cache off."""
+    m = raying.Manifest.scan(str(image_folder))
+
+    def hits() -> int:
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               config=raying.PipelineConfig(name="fixed-name", block_rows=8,
+                                                            decoded_cache=32 * 2**20,
+                                                            decoded_cache_fill=None))
+        for e in range(2):
+            assert sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=e)) == 60
+        io = pipe.stats()["io"]
+        pipe.close()
+        return io.get("cache_decoded_hits", 0)
+
+    first = hits()
+    assert first > 0
+    # (Hits vary by a few between runs: the next epoch's first reads may start before the
+    # last cache writes of the epoch before land.) The old tombstone gave 0.
+    assert hits() >= first // 2

@@ -30,6 +30,11 @@ def to_numpy(values: Any, *, dtype: Any) -> np.ndarray:
             values = values.float().numpy()
     elif hasattr(values, "numpy") and not isinstance(values, np.ndarray):  # tf eager tensors
         values = values.numpy()
+    if isinstance(values, np.ndarray) and values.dtype.kind == "V" and (
+            "float" in values.dtype.name):
+        # bfloat16 and float8 (ml_dtypes, as tf's and jax's numpy() give them): no numpy
+        # kind of their own, but they convert to float32 exactly.
+        values = values.astype(np.float32)
     return np.asarray(values, dtype=dtype).reshape(-1)
 
 
@@ -76,8 +81,8 @@ class Reporter:
         # loss's imaginary part, and None into NaN.
         if v is None or v.dtype.kind not in "iuf":
             got = type(losses).__name__ if v is None else f"{type(losses).__name__} of {v.dtype}"
-            msg = (f"raying.report: losses must be real numbers, got {got}; pass the "
-                   f"per-sample losses (reduction='none')")
+            msg = (f"raying.report: losses must be real numbers (float or integer arrays or "
+                   f"tensors, one per id), got {got}")
             raise ConfigError(msg) from None
         if np.ndim(losses) == 0 and i.size != 1:
             msg = (f"raying.report: one loss for {i.size} ids, a reduced (mean) loss; pass the "

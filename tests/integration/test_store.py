@@ -226,5 +226,12 @@ def test_reporter_takes_bfloat16_losses_and_refuses_bool_or_text_ids():
         st.flush(handle)
         assert st.priorities(handle, np.array([3])).tolist() == [2.0]
         assert st.stats(handle)["updates_received"] == 3  # nothing of the refused reached it
+        # TensorFlow's bfloat16 (mixed_bfloat16), as a tensor and as the numpy array its
+        # numpy() gives (ml_dtypes, a dtype numpy has no kind for).
+        tf = pytest.importorskip("tensorflow")
+        rep.add(tf.constant([4, 5]), tf.constant([1.5, 0.25], dtype=tf.bfloat16))
+        rep.add(np.array([6]), tf.constant([0.75], dtype=tf.bfloat16).numpy())
+        st.flush(handle)
+        assert st.priorities(handle, np.array([4, 5, 6])).tolist() == [1.5, 0.25, 0.75]
     finally:
         st.kill_store(handle)

@@ -186,7 +186,17 @@ def resolve_device(device: Any):
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    return torch.device(device)
+    try:
+        out = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        msg = f"device={device!r} is not a torch device ({exc}); pass 'auto', 'cpu' or 'cuda:0'"
+        raise ConfigError(msg) from None
+    if out.type == "cuda" and not torch.cuda.is_available():
+        msg = (f"device={device!r}, but this torch ({torch.__version__}) sees no CUDA device "
+               f"(a CPU build, or no GPU on this node); pass device='auto' to use one when "
+               f"there is one, or 'cpu'")
+        raise ConfigError(msg)
+    return out
 
 
 class TorchConverter:

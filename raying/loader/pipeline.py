@@ -209,9 +209,11 @@ class Pipeline:
     # -- plans ---------------------------------------------------------------------------------
     def _bind(self) -> None:
         if self._closed:
-            msg = (f"Pipeline {self.name!r} is closed: its reads stopped and its sampler let go "
-                   f"of its priority store; build a new Pipeline (load_state_dict(...) of a "
-                   f"state_dict() taken before close() continues where it stood)")
+            store = (" and its sampler let go of its priority store"
+                     if self.sampler.uses_store else "")
+            msg = (f"Pipeline {self.name!r} is closed: its reads stopped{store}; build a new "
+                   f"Pipeline (load_state_dict(...) of a state_dict() taken before close() "
+                   f"continues where it stood)")
             raise ConfigError(msg)
         self._same_ray()
         if not self._bound:

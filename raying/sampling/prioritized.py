@@ -137,6 +137,7 @@ class PrioritizedSampler:
         self.handle: Any = None
         self.store_name: str | None = None
         self._reporter: Any = None
+        self._final_stats: dict[str, Any] | None = None  # the store's last stats, after close
         self._starts: np.ndarray | None = None
         self._buf: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._buf_sends = 0
@@ -270,7 +271,7 @@ class PrioritizedSampler:
         from raying.sampling import store as st
 
         if self.handle is None:
-            return {"sampler": self.name}
+            return dict(self._final_stats or {"sampler": self.name})
         self.flush()
         out = st.stats(self.handle)
         out["sampler"] = self.name
@@ -314,6 +315,10 @@ class PrioritizedSampler:
 
         self.flush()
         if release_store and self.handle is not None and self._created:
+            try:  # what stats() said last, for stats() after close
+                self._final_stats = {**self.stats(), "store_closed": True}
+            except Exception:  # noqa: BLE001 - a store already gone (Ray shut down)
+                self._final_stats = None
             st.kill_store(self.handle, snapshot=True)
             self.handle = None
             self._reporter = None

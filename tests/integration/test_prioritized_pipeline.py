@@ -157,6 +157,9 @@ def test_a_closed_pipeline_refuses_use_instead_of_starting_an_empty_store(manife
     store = pipe.store_name
     state = pipe.state_dict()
     pipe.close()
+    # stats() after close: the store's last figures, marked as such.
+    after = pipe.stats()["sampling"]
+    assert after["store_closed"] and after["updates_received"] == 4 and "ess_fraction" in after
     stores = lambda: [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)  # noqa: E731
                       if a["name"] == store]
     assert stores() == []

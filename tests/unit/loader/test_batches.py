@@ -193,3 +193,16 @@ def test_a_consumer_that_stops_early_does_not_wait_for_a_read_in_flight():
     assert next(it) == 0
     it.close()
     assert quick.wait(5) and done == [True]
+
+
+def test_a_device_torch_cannot_use_is_a_config_error_naming_the_fix():
+    import torch
+
+    from raying.loader.batches import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="is not a torch device"):
+        resolve_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="sees no CUDA device.*device='auto'"):
+            resolve_device("cuda")

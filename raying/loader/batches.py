@@ -93,6 +93,29 @@ def prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | 
     finally:
         if timed is not None:
             timed(time.perf_counter() - began)
+        release_freed_memory()
+
+
+_LIBC: list[Any] = []
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``), once per
+    iteration. Each iteration's prefetch thread allocates its batches (torch's included) in a
+    glibc arena of its own, and what those arenas keep free after the thread is gone
+    accumulated: a driver's RSS grew ~70 MB over 50 epochs of ``iter_torch_batches`` on 2
+    cores, flat with the trim. A no-op where there is no glibc."""
+    if not _LIBC:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.append(libc.malloc_trim)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    if _LIBC[0] is not None:
+        _LIBC[0](0)
 
 
 def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None,

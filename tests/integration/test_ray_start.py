@@ -50,18 +50,24 @@ def test_a_ray_raying_starts_preloads_the_read_path_in_its_workers(preload, expe
     assert blas in ("blas 1", "blas None"), out.stdout[-2000:]
 
 
+def _folder(root, per_class: int, side: int) -> str:
+    """Two class folders of small JPEGs for the scripts below."""
+    import numpy as np
+    from PIL import Image
+
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(np.full((side, side, 3), i, np.uint8)).save(root / c / f"{i}.jpg")
+    return str(root)
+
+
 TRAIN_STATE_API = """
-import logging, os, sys
-import numpy as np
-from PIL import Image
+import logging, sys
 import ray
 import raying, raying.train
 from raying.engine.ray_setup import ensure_ray
 root = sys.argv[1]
-for c in ("a", "b"):
-    os.makedirs(os.path.join(root, c), exist_ok=True)
-    for i in range(2):
-        Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(os.path.join(root, c, f"{i}.jpg"))
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
 if sys.argv[2] == "read-first":
     ensure_ray()  # a driver that read with raying before it built the trainer
@@ -85,7 +91,7 @@ def test_a_ray_raying_starts_for_ray_train_serves_the_state_api(tmp_path, first,
     # raying.train.datasets() runs the dashboard that serves it; one started earlier without
     # it gets raying's warning, once, saying how to start Ray instead.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", TRAIN_STATE_API, str(tmp_path), first],
+    out = subprocess.run([sys.executable, "-c", TRAIN_STATE_API, _folder(tmp_path, 2, 8), first],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"state api: {state_api}" in out.stdout, out.stdout[-2000:]
@@ -94,16 +100,10 @@ def test_a_ray_raying_starts_for_ray_train_serves_the_state_api(tmp_path, first,
 
 
 RESTART = """
-import os, sys
-import numpy as np
-from PIL import Image
+import sys
 import ray
 import raying
 root = sys.argv[1]
-for c in ("a", "b"):
-    os.makedirs(os.path.join(root, c), exist_ok=True)
-    for i in range(40):
-        Image.fromarray(np.full((24, 24, 3), i, np.uint8)).save(os.path.join(root, c, f"{i}.jpg"))
 make = lambda: raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16))
 pipe = make()
 print("epoch 0:", sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=0)))
@@ -128,7 +128,7 @@ def test_a_pipeline_whose_ray_was_shut_down_says_so_and_a_new_one_works(tmp_path
     # Iterating a pipeline over the object references of an ended Ray session aborted the
     # process in Ray's core (a C++ check: no Python error to catch).
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    out = subprocess.run([sys.executable, "-c", RESTART, str(tmp_path), restart],
+    out = subprocess.run([sys.executable, "-c", RESTART, _folder(tmp_path, 40, 24), restart],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
     since = "ray.shutdown() and ray.init() since" if restart == "again" else "ray.shutdown() since"

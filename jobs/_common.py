@@ -129,6 +129,24 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     return opts or None
 
 
+def train_storage(storage_path: str | None) -> str:
+    """Where Ray Train keeps the run's state and checkpoints: ``--storage-path``, else a local
+    folder, which only a one-node cluster can use. On several nodes Ray Train refuses a local
+    path at the first checkpoint of a worker on another node, after the epoch's work: say so
+    now, with the fix."""
+    import ray
+
+    if storage_path:
+        return storage_path
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) > 1:
+        msg = (f"this cluster has {len(nodes)} nodes, and Ray Train's checkpoints must go "
+               f"where every node reaches them: pass --storage-path (s3://bucket/runs, or a "
+               f"shared file system's path)")
+        raise SystemExit(msg)
+    return os.path.join(tempfile.gettempdir(), "raying-train")
+
+
 def credentials_source() -> str:
     """Where storage credentials come from on this node, by name only (never the values)."""
     env = [k for k in CREDENTIAL_ENV if os.environ.get(k)]

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -128,6 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, key) is None:
             setattr(args, key, value)
     ensure_ray()
+    # Ray Train keeps run state and checkpoints there; shared storage on multi-node.
+    storage_path = _common.train_storage(args.storage_path)
     t0 = time.perf_counter()
     m = _common.manifest(args)
     store_cfg = {"snapshot_uri": args.snapshot_uri} if args.snapshot_uri else None
@@ -139,7 +140,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            config=raying.PipelineConfig(block_rows=args.block_rows,
                                                         spread=True, name=args.name))
     ledger = _common.ledger_actor()
-    storage_path = args.storage_path or os.path.join(tempfile.gettempdir(), "raying-train")
     trainer = TensorflowTrainer(
         train_loop,
         train_loop_config={"epochs": args.epochs, "batch_size": args.batch_size,

@@ -29,7 +29,6 @@ import contextlib
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -180,6 +179,8 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
 
     args = resolve(args)
     ensure_ray()
+    # Ray Train keeps run state and checkpoints there; shared storage on multi-node.
+    storage_path = _common.train_storage(args.storage_path)
     t0 = time.perf_counter()
     m = _common.manifest(args)
     store_cfg = {"snapshot_uri": args.snapshot_uri} if args.snapshot_uri else None
@@ -202,8 +203,6 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
         resources[args.trainer_resource] = 1
     if args.use_gpu:
         resources["GPU"] = 1
-    # Ray Train keeps run state and checkpoints there; shared storage on multi-node.
-    storage_path = args.storage_path or os.path.join(tempfile.gettempdir(), "raying-train")
     trainer = TorchTrainer(
         train_loop,
         train_loop_config={"epochs": args.epochs, "batch_size": args.batch_size,

@@ -96,3 +96,12 @@ def test_train_job_on_three_nodes(three_nodes, tmp_path):
             time.sleep(0.5)
     assert len(st.priorities(handle)) == len(before)
     out["pipe"].close()
+
+
+def test_a_train_job_on_several_nodes_without_storage_path_stops_before_it_reads(three_nodes):
+    # Ray Train would refuse the local default at the first checkpoint of a worker on another
+    # node, after an epoch's work: the job says so at once, with the fix.
+    job = _load_job("train_torch")
+    args = job.build_parser().parse_args(["--smoke-test", "--trainer-resource", "trainer"])
+    with pytest.raises(SystemExit, match="3 nodes.*pass --storage-path"):
+        job.fit(args)

@@ -50,7 +50,17 @@ def ensure_ray(*, dashboard: bool = False) -> None:
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if address:
         check_ray_address(address)
-        ray.init(logging_level=logging.WARNING)
+        try:
+            ray.init(logging_level=logging.WARNING)
+        except ConnectionError as exc:
+            if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+                raise
+            # A head started with token auth (raying cluster start does) answers on its port
+            # but refuses a driver without the token, and Ray says only that it failed.
+            msg = (f"{exc} If the cluster runs with token authentication (`raying cluster "
+                   f"start` starts it so), set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the "
+                   f"token file, e.g. ~/.raying/cluster/auth_token> in this environment")
+            raise ConnectionError(msg) from exc
     else:
         ray.init(address="local", include_dashboard=dashboard, log_to_driver=True,
                  logging_level=logging.WARNING,

@@ -92,7 +92,8 @@ def refuse_outage(datas: Sequence[Any]) -> None:
     msg = (f"none of the {len(datas)} reads of this unit succeeded; the first failed with: "
            f"{str(first).splitlines()[0]}. The storage is unreachable or refusing access: "
            f"on_error='skip' sets bad files aside, not outages: check the endpoint and the "
-           f"credentials, then run the epoch again")
+           f"credentials, then run the epoch again (an outage longer than the retries' few "
+           f"seconds of backoff: raise RAYING_READ_RETRIES)")
     raise kind(msg)
 
 

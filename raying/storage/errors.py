@@ -105,9 +105,13 @@ def storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *,
         return NotFoundError(_missing_message(fs, scheme, path, uri, options))
     if kind == "credentials":
         if scheme == "s3":
-            msg = (f"access to {uri} was refused: {_s3.credentials_source(options)} "
-                   f"({detail}); fix: {_s3.FIX_CREDENTIALS}. S3 also answers 'access denied' "
-                   "for a missing key when the credentials may not list the bucket")
+            # S3's 403 often has no body (HeadObject): keys it does not know and keys that
+            # lack a permission look alike, so the message names both.
+            msg = (f"access to {uri} was refused: {_s3.credentials_source(options)}, or they "
+                   f"lack the permission to {action} it ({detail}); fix: "
+                   f"{_s3.FIX_CREDENTIALS}, or grant them s3:GetObject (and s3:ListBucket on "
+                   f"the bucket for listing). S3 also answers 'access denied' for a missing "
+                   f"key when the credentials may not list the bucket")
         elif scheme == "hdfs":
             msg = (f"HDFS refused access to {uri} ({detail}); check the HDFS user "
                    "(storage={'hdfs_user': ...} or HADOOP_USER_NAME) or the Kerberos ticket")

@@ -64,6 +64,8 @@ def cmd_scan(ns: argparse.Namespace) -> int:
            "bytes": int(sizes.sum()) if len(sizes) else 0,
            "median_sample_bytes": int(sorted(sizes)[len(sizes) // 2]) if len(sizes) else 0,
            "files": len(m.files) if m.format == "parquet" else len(m)}
+    if not m.classes:
+        out["labels"] = _label_values(m)
     if m.format == "parquet":
         out["row_groups"] = len(m.row_group_table()[0])
         out["decoded"] = m.meta.get("decoded")
@@ -71,6 +73,19 @@ def cmd_scan(ns: argparse.Namespace) -> int:
         out["manifest"] = ns.save
     _print(out, ns.json)
     return 0
+
+
+def _label_values(m) -> str:
+    """Without class names (integer labels of a Parquet column): how many distinct labels,
+    and their range."""
+    import numpy as np
+
+    labels = m.labels
+    labels = labels[labels >= 0] if labels is not None else np.zeros(0)
+    if not len(labels):
+        return "none"
+    return (f"{len(np.unique(labels))} distinct integer labels ({int(labels.min())} to "
+            f"{int(labels.max())}), no names")
 
 
 def cmd_pack(ns: argparse.Namespace) -> int:

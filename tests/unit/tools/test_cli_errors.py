@@ -116,3 +116,24 @@ def test_pack_takes_its_sizes_from_the_environment_unless_given(monkeypatch):
     assert (ns.shard_rows, ns.row_group_rows) == (None, None)  # pack() reads RAYING_PACK_*
     ns = parser.parse_args(["pack", "src", "dst", "--shard-rows", "50", "--row-group-rows", "10"])
     assert (ns.shard_rows, ns.row_group_rows) == (50, 10)
+
+
+def test_scan_of_parquet_with_integer_labels_says_how_many_labels(capsys, tmp_path):
+    # classes: 0 alone read as "no labels" for a Parquet column of integer labels.
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    images = []
+    for i in range(6):
+        buf = io.BytesIO()
+        Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(buf, "JPEG")
+        images.append(buf.getvalue())
+    pq.write_table(pa.table({"image": images, "label": [0, 1, 2, 5, 0, 1]}),
+                   tmp_path / "a.parquet")
+    assert cli.main(["scan", str(tmp_path), "--format", "parquet"]) == 0
+    out = capsys.readouterr().out
+    assert "classes: 0" in out and "labels: 4 distinct integer labels (0 to 5), no names" in out

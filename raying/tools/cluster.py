@@ -103,7 +103,13 @@ class LocalCluster:
     def submit_command(self, entrypoint: str = "python jobs/train_torch.py --smoke-test") -> str:
         """The exact shell command that submits ``entrypoint`` to this head."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.client_env().items())
-        return (f"{env} ray job submit --address {self.dashboard_url} --working-dir . "
+        # `ray` as the shell finds it, else the one beside this Python (a virtualenv's bin,
+        # not on PATH when raying runs as .venv/bin/raying).
+        ray_bin = "ray"
+        if shutil.which("ray") is None:
+            ray_bin = shlex.quote(shutil.which("ray", path=os.path.dirname(sys.executable))
+                                  or "ray")
+        return (f"{env} {ray_bin} job submit --address {self.dashboard_url} --working-dir . "
                 f"-- {entrypoint}")
 
 

@@ -333,10 +333,28 @@ def stop(cluster: LocalCluster | None = None, *,
     with contextlib.suppress(ChildProcessError):
         os.waitpid(cluster.pid, os.WNOHANG)  # reap it when this process started it
     _wait_gone(cluster.cluster_id, grace_s)
+    keep_logs(cluster)
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         _state_path(cluster.state_dir).unlink()
     return len(stragglers)
+
+
+def logs_kept(cluster: LocalCluster) -> Path:
+    """Where :func:`stop` keeps the last session's logs (Ray's, the jobs' drivers')."""
+    return Path(cluster.state_dir).expanduser() / "last-session-logs"
+
+
+def keep_logs(cluster: LocalCluster) -> None:
+    """Move the head's session logs out of its temp dir before it is removed, replacing the
+    ones kept before: a job that failed can still be looked into after the stop."""
+    logs = Path(cluster.temp_dir) / "session_latest" / "logs"
+    if not logs.is_dir():
+        return
+    kept = logs_kept(cluster)
+    shutil.rmtree(kept, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        shutil.move(str(logs.resolve()), str(kept))
 
 
 def status(state_dir: str | os.PathLike = DEFAULT_STATE_DIR) -> dict[str, Any]:

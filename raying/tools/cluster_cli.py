@@ -7,7 +7,15 @@ from pathlib import Path
 from typing import Any
 
 from raying.errors import ConfigError
-from raying.tools.cluster import DEFAULT_STATE_DIR, LocalCluster, load, start, status, stop
+from raying.tools.cluster import (
+    DEFAULT_STATE_DIR,
+    LocalCluster,
+    load,
+    logs_kept,
+    start,
+    status,
+    stop,
+)
 
 
 def _read_env_file(path: str) -> dict[str, str]:
@@ -77,6 +85,9 @@ def main(ns: Any) -> int:
         print(f"stopped the head at {cluster.address}"
               + (f" ({left} of its processes outlived `ray start` and were stopped)"
                  if left else ""))
+        kept = logs_kept(cluster)
+        if kept.is_dir():
+            print(f"its session's logs (Ray's, the jobs' drivers'): {kept}")
         return 0
     info = status(state_dir)
     for k, v in info.items():

@@ -50,6 +50,14 @@ def head(tmp_path_factory):
     finally:
         rc.stop(cluster)
         assert rc.marked_pids(cluster.cluster_id) == [], "processes of the head were left"
+        # The session's logs outlive the stop, for a look into a failed job; the secrets
+        # of the head's environment are in none of them.
+        kept = rc.logs_kept(cluster)
+        assert list(kept.glob("job-driver-*.log")), sorted(p.name for p in kept.iterdir())
+        assert not os.path.exists(cluster.temp_dir)
+        for path in kept.rglob("*"):
+            if path.is_file():
+                assert CANARY not in path.read_text(errors="replace"), path
 
 
 def _wait(client, job_id: str, timeout_s: float = JOB_TIMEOUT_S):

@@ -93,10 +93,17 @@ def _check_java(java_home: str | None) -> None:
         raise DependencyError(msg)
     if any(os.path.isfile(os.path.join(java_home, d, _LIBJVM)) for d in _LIBJVM_DIRS):
         return
-    if glob.glob(os.path.join(java_home, "**", _LIBJVM), recursive=True):
+    # Other CPU architectures' folders (lib/ppc64le/server, ...), at their fixed depth: a
+    # recursive search from a JAVA_HOME such as /usr (what `dirname $(dirname $(which
+    # java))` gives on Debian) never ends in symlink loops (/usr/bin/X11 -> .), and a
+    # libjvm found anywhere below is not one that libhdfs loads.
+    if any(glob.glob(os.path.join(java_home, *parts, _LIBJVM))
+           for parts in (("lib", "*", "server"), ("jre", "lib", "*", "server"))):
         return
-    msg = (f"HDFS needs Java, but JAVA_HOME={java_home!r} holds no {_LIBJVM} (looked in "
-           f"{', '.join(_LIBJVM_DIRS[:3])} and below); point JAVA_HOME at a full JDK")
+    msg = (f"HDFS needs Java, but JAVA_HOME={java_home!r} holds no {_LIBJVM} in "
+           f"{', '.join(_LIBJVM_DIRS[:4])} (where libhdfs looks); point JAVA_HOME at a full "
+           f"JDK, the folder above its bin/java: $(dirname $(dirname $(readlink -f $(which "
+           f"java))))")
     raise DependencyError(msg)
 
 

@@ -652,3 +652,22 @@ def test_a_failed_hdfs_read_is_a_network_failure_and_retried():
     assert _errors.classify(exc) == "network" and _errors.is_retryable(exc)
     # A Parquet file that does not parse is not the storage's failure.
     assert _errors.classify(ValueError("Parquet magic bytes not found in footer")) == "permanent"
+
+
+def test_a_java_home_with_a_symlink_loop_is_refused_at_once_not_searched_for_ever(hadoop,
+                                                                                   tmp_path):
+    # JAVA_HOME=/usr (what dirname $(dirname $(which java)) gives on Debian): a search of
+    # every folder below it followed /usr/bin/X11 -> . for ever. A libjvm.so elsewhere below
+    # is not one that libhdfs loads either.
+    usr = tmp_path / "usr"
+    (usr / "bin").mkdir(parents=True)
+    (usr / "bin" / "X11").symlink_to(".")
+    (usr / "share" / "deep" / "jdk").mkdir(parents=True)
+    (usr / "share" / "deep" / "jdk" / "libjvm.so").write_bytes(b"")
+    env = {**hadoop, "JAVA_HOME": str(usr)}
+    with pytest.raises(DependencyError, match=r"holds no libjvm.so in lib/server.*readlink"):
+        _hdfs.check_hdfs_environment(env)
+    # Another CPU architecture's folder is found where it lies.
+    (usr / "lib" / "ppc64le" / "server").mkdir(parents=True)
+    (usr / "lib" / "ppc64le" / "server" / "libjvm.so").write_bytes(b"")
+    _hdfs.check_hdfs_environment(env)

@@ -124,6 +124,8 @@ def storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *,
                "Check that the server is up and that storage={'endpoint_url': ...} or "
                "AWS_ENDPOINT_URL points to it")
         return StorageError(msg)
+    if scheme == "hdfs" and "working directory URI: file:" in detail:
+        return StorageError(f"cannot {action} {uri}{tries}: {detail}. {_DEFAULT_FS_HINT}")
     return StorageError(f"cannot {action} {uri}{tries}: {detail}")
 
 
@@ -164,7 +166,17 @@ def _missing_message(fs, scheme, path, uri, options) -> str:
             return (f"{uri} does not exist: bucket {bucket!r} does not exist at {endpoint}; "
                     "check the bucket name and the endpoint")
         return f"{uri} does not exist; check the key or prefix (the bucket exists)"
+    if scheme == "hdfs" and uri.startswith("hdfs:///"):
+        return f"{uri} does not exist; check the path. {_DEFAULT_FS_HINT}"
     return f"{uri} does not exist; check the path"
+
+
+# hdfs:///path takes the NameNode from fs.defaultFS, which the client reads from the
+# core-site.xml it finds on the class path; without it Hadoop falls back to file:///.
+_DEFAULT_FS_HINT = ("hdfs:///path uses fs.defaultFS from the core-site.xml that libhdfs finds "
+                    "on CLASSPATH: put the configuration folder (HADOOP_CONF_DIR, e.g. "
+                    "/etc/hadoop/conf) on CLASSPATH (exporting HADOOP_CONF_DIR alone is not "
+                    "enough), or name the NameNode: hdfs://host:8020/path")
 
 
 def _is_arrow_error(exc: BaseException) -> bool:

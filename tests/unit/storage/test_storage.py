@@ -671,3 +671,17 @@ def test_a_java_home_with_a_symlink_loop_is_refused_at_once_not_searched_for_eve
     (usr / "lib" / "ppc64le" / "server").mkdir(parents=True)
     (usr / "lib" / "ppc64le" / "server" / "libjvm.so").write_bytes(b"")
     _hdfs.check_hdfs_environment(env)
+
+
+def test_a_default_fs_uri_that_fell_back_to_file_names_the_configuration_folder():
+    from raying.storage.errors import storage_error
+
+    lost = storage_error(FileNotFoundError("no such file"), None, "/data/x",
+                         uri="hdfs:///data/x")
+    assert "core-site.xml that libhdfs finds on CLASSPATH" in str(lost)
+    odd = storage_error(OSError("Unexpected HDFS working directory URI: file:/home/a"), None,
+                        "/data/x", uri="hdfs:///data/x", probe=False)
+    assert "put the configuration folder (HADOOP_CONF_DIR" in str(odd)
+    named = storage_error(FileNotFoundError("no such file"), None, "/data/x",
+                          uri="hdfs://nn:8020/data/x")
+    assert "CLASSPATH" not in str(named)

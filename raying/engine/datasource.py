@@ -216,6 +216,12 @@ class DatasetReads:
         except Exception as exc:  # noqa: BLE001 - Ray gone (shut down): say so, keep the rest
             return {"error": f"{type(exc).__name__}: {exc}"}
 
+    def forget(self) -> None:
+        """Let go of the account actor of a Ray session that has ended (gone with it)."""
+        if self.accounts is not None:
+            self._final = {"error": "the Ray session of these reads ended before close()"}
+        self.accounts = None
+
     def release(self) -> None:
         """Stop the account actor, keeping its final account."""
         if self.accounts is None:

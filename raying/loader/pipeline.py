@@ -670,6 +670,9 @@ class Pipeline:
     def close(self, *, release_store: bool = True) -> None:
         """Cancel reads in flight, flush pending feedback and, with ``release_store``, stop the
         priority store this pipeline created (after a final snapshot, if it takes them)."""
+        if self._ray is not None and ray_session() != self._ray:
+            self._close_after_ray()
+            return
         stream, running = self._stream, []
         if stream is not None:
             running = stream.close()
@@ -687,6 +690,23 @@ class Pipeline:
                                "the decoded cache is released without them", self.name,
                                len(running), DEFAULT_CLOSE_WAIT_S)
             decoded.release_everywhere(self._cache_name)  # every node's copy
+        self._bound = False
+        self._closed = True
+
+    def _close_after_ray(self) -> None:
+        """close() once the Ray session this pipeline used has ended: its tasks, store and
+        objects went with it, and any Ray call now would start a new local Ray or fail on
+        the old handles. Only this node's decoded-cache files are left to remove."""
+        self._stream = None
+        if self._dataset_reads is not None:
+            self._dataset_reads.forget()
+        forget = getattr(self.sampler, "forget_store", None)
+        if forget is not None:
+            forget()
+        if self._spec_ready and self._spec.decoded_cache_bytes:
+            from raying.read import decoded_cache as decoded
+
+            decoded.release(self._cache_name)
         self._bound = False
         self._closed = True
 

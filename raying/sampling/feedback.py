@@ -64,6 +64,7 @@ class Reporter:
         self._lock = threading.Lock()
         self.sent = 0
         self.sends = 0
+        self.dropped = 0  # reports left when the store's Ray session ended
         self.rejected_length = 0
 
     def add(self, ids: Any, losses: Any) -> None:
@@ -119,7 +120,14 @@ class Reporter:
             timer.start()
 
     def flush(self) -> None:
-        """Send what is buffered now (still without waiting for the store)."""
+        """Send what is buffered now (still without waiting for the store).
+
+        Reports still buffered when Ray was shut down are dropped: the store went with the
+        session, and a call now (this flush also runs on a timer) would start a new local
+        Ray, or fail on the old handle after a new ``ray.init()``.
+        """
+        import ray
+
         from raying.sampling.store import update_async
 
         with self._lock:
@@ -128,7 +136,16 @@ class Reporter:
             ids = np.concatenate(self._ids)
             values = np.concatenate(self._values)
             self._ids, self._values, self._count, self._since = [], [], 0, None
-        update_async(self.handle, ids, values)
+        if not ray.is_initialized():
+            self.dropped += ids.size
+            return
+        try:
+            update_async(self.handle, ids, values)
+        except Exception as exc:
+            if "different cluster" not in str(exc) and "Can't find actor" not in str(exc):
+                raise
+            self.dropped += ids.size  # a handle of a session that ended: its store is gone
+            return
         self.sent += ids.size
         self.sends += 1
 

@@ -425,6 +425,12 @@ class InfoBatchSampler:
                             for e, s in state.get("plan_scores", {}).items()}
         self._set_aside = np.asarray(state.get("set_aside", []), dtype=np.int64)
 
+    def forget_store(self) -> None:
+        """Let go of the store of a Ray session that has ended (the store went with it):
+        buffered reports are dropped, nothing is sent."""
+        self.handle = None
+        self._reporter = None
+
     def close(self, *, release_store: bool = True) -> None:
         """Flush reports; with ``release_store``, stop the store this sampler created."""
         from raying.sampling import store as st

@@ -309,6 +309,12 @@ class PrioritizedSampler:
             ids = np.asarray(ids, dtype=np.int64)
             self._reporter.add(ids, np.zeros(ids.size))
 
+    def forget_store(self) -> None:
+        """Let go of the store of a Ray session that has ended (the store went with it):
+        buffered reports are dropped, nothing is sent."""
+        self.handle = None
+        self._reporter = None
+
     def close(self, *, release_store: bool = True) -> None:
         """Flush reports; with ``release_store``, stop the store this sampler created."""
         from raying.sampling import store as st

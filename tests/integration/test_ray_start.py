@@ -107,6 +107,10 @@ root = sys.argv[1]
 make = lambda: raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16))
 pipe = make()
 print("epoch 0:", sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=0)))
+prio = raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16),
+                       sampler=raying.PrioritizedSampler(seed=0))
+print("prioritized:", sum(len(b["id"]) for b in prio.iter_batches(batch_size=16, epoch=0)))
+prio.report([1, 2], [1.0, 2.0])  # buffered in its reporter
 ray.shutdown()  # the next epoch's first reads were already submitted (keep_warm)
 if sys.argv[2] == "again":
     ray.init(address="local", include_dashboard=False)
@@ -115,7 +119,8 @@ try:
 except raying.ConfigError as exc:
     print("refused:", exc)
 pipe.close()
-print("stats rows:", pipe.stats()["rows_delivered"])
+prio.close()  # its store went with the old session: nothing to flush or stop there
+print("stats rows:", pipe.stats()["rows_delivered"], "ray up:", ray.is_initialized())
 pipe = make()
 print("new pipeline:", sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=1)))
 pipe.close()
@@ -133,4 +138,7 @@ def test_a_pipeline_whose_ray_was_shut_down_says_so_and_a_new_one_works(tmp_path
     assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
     since = "ray.shutdown() and ray.init() since" if restart == "again" else "ray.shutdown() since"
     assert "refused: Pipeline" in out.stdout and since in out.stdout, out.stdout[-2000:]
-    assert "stats rows: 80" in out.stdout and "new pipeline: 80" in out.stdout, out.stdout
+    # Closing them started no Ray of its own (a Ray call after shutdown starts one).
+    up = "True" if restart == "again" else "False"
+    assert f"stats rows: 80 ray up: {up}" in out.stdout, out.stdout[-2000:]
+    assert "new pipeline: 80" in out.stdout, out.stdout[-2000:]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -151,7 +152,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **raying.train.datasets(pipe, epochs=args.epochs),
     )
     t_fit = time.perf_counter()
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        if not args.storage_path:  # a run under a random name nobody can resume: not kept
+            shutil.rmtree(os.path.join(storage_path, f"{pipe.name}-tf"), ignore_errors=True)
     fit_s = time.perf_counter() - t_fit
     records = ray.get(ledger.all.remote())
     epochs: dict[int, dict[str, Any]] = {}

@@ -176,3 +176,24 @@ def test_env_file_errors_never_echo_values(tmp_path):
     with pytest.raises(ConfigError, match="expected KEY=VALUE") as err:
         read_env_file(str(env))
     assert "s3cr3t" not in str(err.value)
+
+
+def test_the_tf_job_smoke_test_runs_every_worker_in_step_and_keeps_no_run_folder(tmp_path):
+    # jobs/train_tf.py is the guide's TensorflowTrainer loop: every worker runs the same
+    # steps (MultiWorkerMirroredStrategy's collectives need it), and its run, under a random
+    # name, is not kept in the default storage.
+    runs = Path(tempfile.gettempdir()) / "raying-train"
+    before = set(os.listdir(runs)) if runs.is_dir() else set()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "jobs/train_tf.py", "--smoke-test"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    summary = _common.find_summary(proc.stdout)
+    assert summary is not None and summary["job"] == "train_tf", proc.stdout[-2000:]
+    assert summary["epochs"], summary
+    for epoch, e in summary["epochs"].items():
+        steps = set(e["steps_by_rank"].values())
+        assert len(e["steps_by_rank"]) == summary["workers"] and len(steps) == 1, (epoch, e)
+        assert e["rows"] > 0 and e["loss"] > 0, (epoch, e)
+    after = set(os.listdir(runs)) if runs.is_dir() else set()
+    assert after <= before, sorted(after - before)

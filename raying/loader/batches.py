@@ -81,15 +81,19 @@ PREFETCH_STOP_WAIT_S = 0.25
 
 def prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None = None,
              stall: list[float] | None = None,
-             timed: Callable[[float], None] | None = None) -> Iterator[Any]:
+             timed: Callable[[float], None] | None = None,
+             left_running: list[threading.Thread] | None = None) -> Iterator[Any]:
     """Run ``source`` (and ``convert``) in a background thread, ``depth`` items ahead.
 
     Errors raised in the thread are re-raised in the consumer. ``stall`` (if given) accumulates
     the seconds the consumer waited for an item; ``timed`` receives the loop's wall seconds.
+    ``left_running`` receives the thread when the consumer stopped early and the thread was
+    still waiting on its source (a read in flight) ``PREFETCH_STOP_WAIT_S`` later: whoever
+    shuts the source's resources down (Ray) must wait for it first.
     """
     began = time.perf_counter()
     try:
-        yield from _prefetch(source, depth, convert, stall)
+        yield from _prefetch(source, depth, convert, stall, left_running)
     finally:
         if timed is not None:
             timed(time.perf_counter() - began)
@@ -119,7 +123,8 @@ def release_freed_memory() -> None:
 
 
 def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None,
-              stall: list[float] | None) -> Iterator[Any]:
+              stall: list[float] | None,
+              left_running: list[threading.Thread] | None = None) -> Iterator[Any]:
     if depth <= 0:
         while True:
             t0 = time.perf_counter()
@@ -179,6 +184,8 @@ def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] |
                 q.get(timeout=0.02)
             except queue.Empty:
                 pass
+        if thread.is_alive() and left_running is not None:
+            left_running[:] = [t for t in left_running if t.is_alive()] + [thread]
 
 
 class _Failure:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
@@ -116,6 +118,10 @@ class Pipeline:
         self._cursor: dict[str, Any] = {"epoch": 0, "units": [], "delivered": 0, "base": 0}
         self._resume: tuple[int, int, int, int] | None = None
         self._iterations = 0  # consumers' iterations started (the latest streams)
+        # Prefetch threads of iterations stopped early, still waiting on a read in flight:
+        # close() waits for them, since a thread inside Ray's core when Ray shuts down
+        # aborts the process.
+        self._left_running: list[threading.Thread] = []
         self._ray: str | None = None  # the Ray session the reads, store and refs belong to
         self._bound = False
         self._closed = False
@@ -445,7 +451,7 @@ class Pipeline:
 
         mine = self._begin_iteration()
         for batch in prefetch(batches(), depth, stall=self.account.stall,
-                              timed=self.account.iterated):
+                              timed=self.account.iterated, left_running=self._left_running):
             self._still_current(mine)
             self._cursor["delivered"] += len(batch["id"])
             self.account.delivered(len(batch["id"]))
@@ -485,7 +491,7 @@ class Pipeline:
 
         mine = self._begin_iteration()
         for batch in prefetch(batches(), depth, stall=self.account.stall,
-                              timed=self.account.iterated):
+                              timed=self.account.iterated, left_running=self._left_running):
             self._still_current(mine)
             n = int(batch["id"].shape[0])
             self._cursor["delivered"] += n
@@ -677,6 +683,14 @@ class Pipeline:
         if stream is not None:
             running = stream.close()
             self._stream = None
+        deadline = time.monotonic() + DEFAULT_CLOSE_WAIT_S
+        for thread in self._left_running:  # they stop at their read's end (superseded)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._left_running):
+            logger.warning("pipeline %s: a stopped iterator's read still ran %.0f s after "
+                           "close(); shutting Ray down now may abort the process", self.name,
+                           DEFAULT_CLOSE_WAIT_S)
+        self._left_running.clear()
         if self._dataset_reads is not None:
             self._dataset_reads.release()  # the dataset() reads' account actor; account kept
         self.sampler.close(release_store=release_store)

@@ -171,14 +171,19 @@ def test_a_consumer_that_stops_early_does_not_wait_for_a_read_in_flight():
         finally:
             closed.set()
 
-    it = prefetch(source(), 1)
+    left: list = []
+    it = prefetch(source(), 1, left_running=left)
     assert next(it) == 0
     t0 = time.perf_counter()
     it.close()
     assert time.perf_counter() - t0 < PREFETCH_STOP_WAIT_S + 1.0
     assert not closed.is_set()  # still in the read
+    # The thread is handed over, for whoever shuts the source's resources down to wait for.
+    assert len(left) == 1 and left[0].is_alive()
     release.set()
     assert closed.wait(5), "the source was not closed once its read returned"
+    left[0].join(5)
+    assert not left[0].is_alive()
     # A consumer that stops while the thread is quick closes the source before it returns.
     quick, done = threading.Event(), []
 

@@ -378,8 +378,9 @@ class Pipeline:
         tally = EpochTally(self._on_account)
         # The epoch's first block with rows, as empty columns of its dtypes and row shapes.
         keys: dict[str, np.ndarray] | None = None
-        for index, block, last in stream.iter_epoch(int(epoch), start_unit=start_unit,
-                                                    skip_rows=skip, on_account=tally.add):
+        for index, block, last in stream.iter_epoch(
+                int(epoch), start_unit=start_unit, skip_rows=skip, on_account=tally.add,
+                on_last_unit=lambda i: cursor.__setitem__("last_unit", i)):
             if len(block["id"]):
                 keys = self._same_columns(keys, block, int(epoch))
             begin = offset.get(index, 0)
@@ -641,9 +642,7 @@ class Pipeline:
         cur = self._cursor
         if self._resume is not None:
             epoch, unit, row, delivered = self._resume
-        elif cur.get("complete") or (  # delivered to its end: the next epoch, from its start
-                cur.get("blocks_done") and cur["delivered"] - cur["base"]
-                >= sum(end - begin for _, begin, end, _ in cur["units"])):
+        elif cur.get("complete") or _delivered_to_end(cur):  # the next epoch, from its start
             epoch, unit, row, delivered = cur["epoch"] + 1, 0, 0, 0
         else:
             epoch, delivered = cur["epoch"], cur["delivered"]
@@ -751,6 +750,19 @@ def _check_pickles(stage: UserStage) -> None:
                f"it closes over picklable (no open files, locks or clients; create those "
                f"inside the function)")
         raise ConfigError(msg) from None
+
+
+def _delivered_to_end(cur: dict[str, Any]) -> bool:
+    """Whether the iteration of ``cur`` (the pipeline's cursor) has received the last block of
+    its epoch's last unit and delivered every row received: its epoch is done, although the
+    iterator was never asked past its last batch (a loop of ``steps_per_epoch`` steps)."""
+    units = cur["units"]
+    received = sum(end - begin for _, begin, end, _ in units)
+    if cur["delivered"] - cur["base"] < received:
+        return False
+    if cur.get("blocks_done"):
+        return True
+    return bool(units) and units[-1][0] == cur.get("last_unit") and units[-1][3]
 
 
 def _position(units: list[tuple[int, int, int, bool]], delivered: int,

@@ -172,3 +172,19 @@ def test_a_superseded_iterator_yields_nothing_more_and_leaves_the_new_position_a
     assert sorted(np.concatenate([seen, rest]).tolist()) == list(range(60))
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("depth", [0, 4])
+def test_an_epoch_whose_last_batch_ends_a_block_moves_on_without_asking_past_it(manifest,
+                                                                              ray_local, depth):
+    # 60 rows in blocks of 16 and batches of 4: the last batch closes the last block, and a
+    # loop of exactly the epoch's steps never asks the iterator for more. Its state is the
+    # next epoch's start whatever the prefetch thread has reached.
+    make = _make(manifest)
+    a = make()
+    it = a.iter_batches(batch_size=4, epoch=2, prefetch_batches=depth)
+    assert sum(len(b["id"]) for b in itertools.islice(it, 15)) == 60
+    state = a.state_dict()
+    assert (state["epoch"], state["unit"], state["row"]) == (3, 0, 0)
+    it.close()
+    a.close()

@@ -68,15 +68,10 @@ def ensure_ray(*, dashboard: bool = False) -> None:
 
 
 def ray_session() -> str | None:
-    """This process's Ray connection, as ``<GCS address>/<job id>``; None without Ray. It
-    changes with ``ray.shutdown()`` and ``ray.init()`` (a new job even on the same cluster),
-    which take every object reference and actor handle of the old one with them."""
-    import ray
+    """This process's Ray connection (:func:`raying.sampling.store.ray_session`)."""
+    from raying.sampling.store import ray_session as session
 
-    if not ray.is_initialized():
-        return None
-    ctx = ray.get_runtime_context()
-    return f"{ctx.gcs_address}/{ctx.get_job_id()}"
+    return session()
 
 
 def warn_without_state_api() -> bool:

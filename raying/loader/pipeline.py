@@ -221,7 +221,6 @@ class Pipeline:
                    f"Pipeline (load_state_dict(...) of a state_dict() taken before close() "
                    f"continues where it stood)")
             raise ConfigError(msg)
-        self._same_ray()
         if not self._bound:
             if self.sampler.lazy or self.sampler.uses_store:
                 ensure_ray()
@@ -247,6 +246,7 @@ class Pipeline:
 
     def plan(self, epoch: int) -> EpochPlan:
         """The explicit plan of ``epoch`` (units of ids; prioritized units are drawn later)."""
+        self._same_ray()  # per epoch (and iteration, below), not per report
         self._bind()
         plan = self.sampler.plan(self.manifest, _epoch(epoch), block_rows=self.block_rows())
         if self.config.shard is None:

@@ -137,20 +137,28 @@ class Reporter:
             values = np.concatenate(self._values)
             self._ids, self._values, self._count, self._since = [], [], 0, None
         if not ray.is_initialized():
-            self.dropped += ids.size
+            self._drop(ids.size)
             return
         try:
             update_async(self.handle, ids, values)
         except Exception as exc:
             if "different cluster" not in str(exc) and "Can't find actor" not in str(exc):
                 raise
-            self.dropped += ids.size  # a handle of a session that ended: its store is gone
+            self._drop(ids.size)  # a handle of a session that ended: its store is gone
             return
         self.sent += ids.size
         self.sends += 1
 
 
-_reporters: dict[tuple[str, str | None], Reporter] = {}
+    def _drop(self, n: int) -> None:
+        if not self.dropped:
+            logger.warning("raying.report: %d reports to priority store %s were dropped: its "
+                           "Ray session ended (ray.shutdown) before they were sent", n,
+                           getattr(self.handle, "name", "?"))
+        self.dropped += n
+
+
+_reporters: dict[tuple[str, str | None, str | None], Reporter] = {}
 _registry_lock = threading.Lock()
 
 
@@ -169,7 +177,11 @@ def report(ids: Any, losses: Any, *, store: str, namespace: str | None = None) -
     if not isinstance(store, str) or not store:
         msg = f"report(..., store=...) needs the priority store's name, got {store!r}"
         raise ConfigError(msg)
-    key = (store, namespace)
+    from raying.sampling.store import ray_session
+
+    # Per Ray session too: a store of the same name after ray.shutdown() and ray.init() is
+    # another actor, and the old handle reaches nothing.
+    key = (store, namespace, ray_session())
     rep = _reporters.get(key)
     if rep is None:
         from raying.sampling.store import get_store

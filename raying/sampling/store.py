@@ -18,6 +18,17 @@ from raying.sampling.store_actor import StoreActor
 from raying.sampling.table import TableConfig
 from raying.sampling.weights import REJECT_REASONS, check_updates, importance_weights
 
+
+def ray_session() -> str | None:
+    """This process's Ray connection, as ``<GCS address>/<job id>``; None without Ray. It
+    changes with ``ray.shutdown()`` and ``ray.init()`` (a new job even on the same cluster),
+    which take every object reference and actor handle of the old one with them."""
+    if not ray.is_initialized():
+        return None
+    ctx = ray.get_runtime_context()
+    return f"{ctx.gcs_address}/{ctx.get_job_id()}"
+
+
 # How long a call that waits for the store (a plan, stats, a snapshot) may take.
 DEFAULT_STORE_CALL_TIMEOUT_S = 60.0
 # How long creating the actors (and restoring their snapshots) may take.

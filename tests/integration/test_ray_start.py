@@ -103,14 +103,18 @@ RESTART = """
 import sys
 import ray
 import raying
+import raying.sampling.feedback, raying.sampling.store
 root = sys.argv[1]
 make = lambda: raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16))
 pipe = make()
 print("epoch 0:", sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=0)))
-prio = raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16),
-                       sampler=raying.PrioritizedSampler(seed=0))
+prio_of = lambda: raying.Pipeline(
+    raying.Manifest.scan(root), transform=raying.ImageTransform(size=16),
+    sampler=raying.PrioritizedSampler(seed=0), config=raying.PipelineConfig(name="restarted"))
+prio = prio_of()
 print("prioritized:", sum(len(b["id"]) for b in prio.iter_batches(batch_size=16, epoch=0)))
 prio.report([1, 2], [1.0, 2.0])  # buffered in its reporter
+raying.report([3], [3.0], store=prio.store_name)  # a Train worker's way, by the store's name
 ray.shutdown()  # the next epoch's first reads were already submitted (keep_warm)
 if sys.argv[2] == "again":
     ray.init(address="local", include_dashboard=False)
@@ -124,6 +128,13 @@ print("stats rows:", pipe.stats()["rows_delivered"], "ray up:", ray.is_initializ
 pipe = make()
 print("new pipeline:", sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=1)))
 pipe.close()
+if sys.argv[2] == "again":  # a new store under the same name gets the reports sent by name
+    prio = prio_of()
+    raying.report([4, 5], [4.0, 5.0], store=prio.store_name)
+    raying.sampling.feedback.flush_all()
+    raying.sampling.store.flush(prio.sampler.handle)
+    print("new store received:", prio.stats()["sampling"]["updates_received"])
+    prio.close()
 ray.shutdown()
 """
 
@@ -142,3 +153,5 @@ def test_a_pipeline_whose_ray_was_shut_down_says_so_and_a_new_one_works(tmp_path
     up = "True" if restart == "again" else "False"
     assert f"stats rows: 80 ray up: {up}" in out.stdout, out.stdout[-2000:]
     assert "new pipeline: 80" in out.stdout, out.stdout[-2000:]
+    if restart == "again":
+        assert "new store received: 2" in out.stdout, out.stdout[-2000:]

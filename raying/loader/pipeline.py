@@ -104,13 +104,15 @@ class Pipeline:
                            "the pipeline's name, here the random %r: a resubmitted driver "
                            "finds them only under the same name; give PipelineConfig(name=...)",
                            snapshots, self.name)
-        # The decoded cache's directory: one per pipeline object, and per share of a sharded
-        # one (trainers of one run share the name, and the store, but each closes its own).
-        # Its own suffix: a closed pipeline leaves a tombstone under its directory's name for
-        # its late read tasks, which a new pipeline of the same name must not find.
+        # The decoded cache's directory. A pipeline's own: its name and a suffix of its own,
+        # since the read workers of this job keep a closed pipeline's cache open under its
+        # directory until they see its tombstone, and a new pipeline of the same name (a
+        # fixed PipelineConfig(name=...)) must find neither. A share of a sharded one (a Train
+        # worker's): the name and the share, so that a restarted trainer takes its share's
+        # directory up again, on every node, instead of leaving it behind until the job ends.
         shard = self.config.shard
-        part = "" if shard is None else f"-{shard[0]}of{shard[1]}"
-        self._cache_name = f"{self.name}{part}-{uuid.uuid4().hex[:8]}"
+        self._cache_name = (f"{self.name}-{uuid.uuid4().hex[:8]}" if shard is None
+                            else f"{self.name}-{shard[0]}of{shard[1]}")
         self.account = RunAccount(manifest)
         self._stream = None
         # Where the consumer stands: units seen so far as (index, first row, end row) and rows

@@ -32,6 +32,7 @@ one's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -275,7 +276,9 @@ def claim(pipeline_name: str, owner: str) -> None:
     of pixels)."""
     import atexit
 
-    on_every_node(_sweep_node, *_dead_jobs())
+    # A closed pipeline of the same name (a fixed PipelineConfig(name=...), run again) left a
+    # tombstone for its late read tasks: this pipeline's reads must not take it for theirs.
+    on_every_node(_sweep_node, *_dead_jobs(), pipeline_name)
     path = cache_dir(pipeline_name)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, _OWNER), "w") as fh:
@@ -288,7 +291,11 @@ def release_everywhere(pipeline_name: str) -> None:
     on_every_node(release, pipeline_name)
 
 
-def _sweep_node(dead_jobs: frozenset[str], gcs: str | None) -> list[str]:
+def _sweep_node(dead_jobs: frozenset[str], gcs: str | None,
+                revive: str | None = None) -> list[str]:
+    if revive is not None:  # a new pipeline of a closed one's name: its tombstone goes
+        with contextlib.suppress(OSError):
+            os.unlink(_tombstone(revive))
     return sweep(dead_jobs, gcs)
 
 

@@ -125,8 +125,8 @@ def _start_driver(cluster, roots, folder, name: str) -> subprocess.Popen:
 
 
 def _dirs(roots: dict[str, str], name: str) -> dict[str, bool]:
-    """Whether each node holds a decoded-cache directory of pipeline ``name`` (the name and
-    the pipeline object's own suffix)."""
+    """Whether each node holds a decoded-cache directory of pipeline ``name`` (its name and
+    the pipeline's own suffix)."""
     return {node: bool(glob.glob(os.path.join(root, f"{name}-" + "[0-9a-f]" * 8)))
             for node, root in roots.items()}
 

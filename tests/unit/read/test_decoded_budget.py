@@ -326,3 +326,17 @@ def test_a_closed_pipeline_s_cache_files_are_let_go_at_the_next_read(monkeypatch
     decoded_cache.release("open")
     assert decoded_cache.close_released() == 1
     assert _open_files_under(tmp_path) == []
+
+
+def test_a_claim_takes_up_a_closed_pipeline_s_name_again(monkeypatch, tmp_path):
+    # A Train worker's share directory keeps its name from run to run: the tombstone the last
+    # run's close left (for its late read tasks) must not turn the next run's cache off.
+    monkeypatch.setenv(decoded_cache.DECODED_CACHE_DIR_ENV, str(tmp_path / "node"))
+    name = "job-0of2"
+    decoded_cache.claim(name, decoded_cache.owner_id())
+    decoded_cache.release(name)
+    assert decoded_cache.released(decoded_cache.cache_dir(name))
+    decoded_cache.claim(name, decoded_cache.owner_id())
+    assert not decoded_cache.released(decoded_cache.cache_dir(name))
+    assert os.path.isdir(decoded_cache.cache_dir(name))
+    decoded_cache.release(name)

@@ -129,20 +129,33 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     return opts or None
 
 
-def train_storage(storage_path: str | None) -> str:
+def train_storage(storage_path: str | None, workers: dict[str, float] | None = None) -> str:
     """Where Ray Train keeps the run's state and checkpoints: ``--storage-path``, else a local
     folder, which only a one-node cluster can use. On several nodes Ray Train refuses a local
     path at the first checkpoint of a worker on another node, after the epoch's work: say so
-    now, with the fix."""
+    now, with the fix. ``workers``: what the Train workers need together; a driver's node
+    that lacks it (an autoscaling cluster whose trainer nodes are not up yet, a head with no
+    CPU or GPU) will see them run elsewhere."""
     import ray
 
     if storage_path:
         return storage_path
     nodes = [n for n in ray.nodes() if n.get("Alive")]
+    here = ray.get_runtime_context().get_node_id()
+    own = next((n.get("Resources", {}) for n in nodes if n.get("NodeID") == here), {})
+    short = sorted(k for k, v in (workers or {}).items() if v > own.get(k, 0.0))
+    fix = ("pass --storage-path (s3://bucket/runs, or a shared file system's path)")
     if len(nodes) > 1:
         msg = (f"this cluster has {len(nodes)} nodes, and Ray Train's checkpoints must go "
-               f"where every node reaches them: pass --storage-path (s3://bucket/runs, or a "
-               f"shared file system's path)")
+               f"where every node reaches them: {fix}")
+        raise SystemExit(msg)
+    if short:
+        need = ", ".join(f"{k} {workers[k]:g} (this node has {own.get(k, 0.0):g})"  # type: ignore[index]
+                         for k in short)
+        msg = (f"the Train workers need {need}: on an autoscaling cluster they will run on "
+               f"nodes yet to come, and Ray Train's checkpoints must go where every node "
+               f"reaches them: {fix}; on one machine, ask for less (--num-workers, "
+               f"--cpus-per-worker)")
         raise SystemExit(msg)
     return os.path.join(tempfile.gettempdir(), "raying-train")
 

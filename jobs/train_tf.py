@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             setattr(args, key, value)
     ensure_ray()
     # Ray Train keeps run state and checkpoints there; shared storage on multi-node.
-    storage_path = _common.train_storage(args.storage_path)
+    storage_path = _common.train_storage(
+        args.storage_path, {"CPU": args.cpus_per_worker * args.num_workers})
     t0 = time.perf_counter()
     m = _common.manifest(args)
     store_cfg = {"snapshot_uri": args.snapshot_uri} if args.snapshot_uri else None

@@ -180,7 +180,11 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     args = resolve(args)
     ensure_ray()
     # Ray Train keeps run state and checkpoints there; shared storage on multi-node.
-    storage_path = _common.train_storage(args.storage_path)
+    per_worker = {"CPU": args.cpus_per_worker, "GPU": 1.0 if args.use_gpu else 0.0}
+    if args.trainer_resource:
+        per_worker[args.trainer_resource] = 1.0
+    storage_path = _common.train_storage(
+        args.storage_path, {k: v * args.num_workers for k, v in per_worker.items() if v})
     t0 = time.perf_counter()
     m = _common.manifest(args)
     store_cfg = {"snapshot_uri": args.snapshot_uri} if args.snapshot_uri else None

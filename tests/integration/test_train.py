@@ -355,3 +355,15 @@ def test_a_tf_loop_of_steps_checkpointed_at_its_epoch_end_resumes_at_the_next_ep
     resumed.close()
     loader.close()
     pipe.close()
+
+
+def test_a_train_job_whose_workers_cannot_fit_this_node_asks_for_storage_path(ray_local):
+    # An autoscaling cluster whose trainer nodes are not up yet looks like one node: the
+    # workers will run elsewhere, and a local run folder would fail at the first checkpoint.
+    from tests.integration.test_multinode import _load_job
+
+    job = _load_job("train_torch")
+    args = job.build_parser().parse_args(["--smoke-test", "--num-workers", "16",
+                                          "--cpus-per-worker", "1"])
+    with pytest.raises(SystemExit, match=r"need CPU 16 \(this node has 2\).*--storage-path"):
+        job.fit(args)

@@ -72,6 +72,11 @@ def _start_ray(cores: int, object_store_bytes: int | None = None,
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=cores, include_dashboard=False,
              object_store_memory=object_store_bytes, resources=resources, **kwargs)
+    # Ray's first serialization in a process imports pydantic (~0.1 s): raying's own start
+    # does it then (ensure_ray); every Ray peer's driver gets it here alike, as Ray start-up.
+    from raying.engine.ray_setup import warm_serializer
+
+    warm_serializer()
     started = time.perf_counter() - t0
     # ray.init returns before the node has started its worker processes (and, with the
     # preload, their imports); a job builds its model meanwhile. Every Ray peer's node gets

@@ -65,6 +65,25 @@ def ensure_ray(*, dashboard: bool = False) -> None:
         ray.init(address="local", include_dashboard=dashboard, log_to_driver=True,
                  logging_level=logging.WARNING,
                  object_store_memory=default_object_store_bytes(), **preload_kwargs())
+    warm_serializer()
+
+
+def warm_serializer() -> bool:
+    """Make this process's Ray serialization context now, as part of starting Ray; True when
+    it was made (or was there).
+
+    Ray makes it at a process's first serialization (the first ``ray.put`` or task), and
+    making it imports pydantic: ~0.1 s here, which otherwise falls inside the first epoch's
+    first batch. A worker makes its own as it starts (:mod:`raying.engine.preload`).
+    """
+    try:
+        from ray._private.worker import global_worker
+
+        global_worker.get_serialization_context()
+    except Exception:  # noqa: BLE001 - a Ray without this private helper: made on first use
+        logging.getLogger(__name__).debug("no serialization context made ahead", exc_info=True)
+        return False
+    return True
 
 
 def ray_session() -> str | None:

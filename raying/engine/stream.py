@@ -113,10 +113,10 @@ class BlockStream:
         # A stage that draws random numbers keys its generator by a chunk's ids; chunks start
         # at multiples of DEFAULT_STAGE_ROWS of the unit, so a short first block gives the
         # same chunks as dataset(e)'s whole blocks when every block edge is such a multiple.
-        aligned = (DEFAULT_FIRST_BLOCK_ROWS % DEFAULT_STAGE_ROWS == 0
-                   and int(block_rows) % DEFAULT_STAGE_ROWS == 0)
         rng_stages = any(getattr(s, "with_rng", False) for s in spec.stages)
-        self._short_first = aligned or not rng_stages
+        self._short_first = not rng_stages or int(block_rows) % DEFAULT_STAGE_ROWS == 0
+        self._rng_stages = rng_stages
+        self._batch_rows: int | None = None  # the consumer's batch size, when it said
         self._make_plan = make_plan
         self._fill = fill
         self._window = max(1, int(window))
@@ -174,7 +174,7 @@ class BlockStream:
     def _submit(self, part: tuple[ReadUnit, list[str] | None, int]) -> None:
         unit, paths, k = part
         # The first window of an epoch yields a short first block (see __init__ for stages).
-        first = (DEFAULT_FIRST_BLOCK_ROWS
+        first = (first_block_rows(self._batch_rows, unit.num_rows, aligned=self._rng_stages)
                  if k == 0 and unit.index < self._window and self._short_first else None)
         ref = _remote().options(**self._options).remote(self._spec_ref, unit, paths,
                                                          self._block_rows, first)
@@ -245,6 +245,12 @@ class BlockStream:
         self._pending_epoch = epoch
         self._next_epoch_plan = plan
         return plan
+
+    def set_batch_rows(self, rows: int | None) -> None:
+        """The consumer's batch size: the short first blocks of the units submitted from now
+        on hold whole batches (see :func:`first_block_rows`)."""
+        with self._lock:
+            self._batch_rows = None if rows is None else max(1, int(rows))
 
     # -- consumption ---------------------------------------------------------------------------
     def iter_epoch(self, epoch: int, *, start_unit: int = 0, skip_rows: int = 0,
@@ -350,6 +356,26 @@ class BlockStream:
         except Exception:  # noqa: BLE001 - a task that failed has finished all the same
             return False
         return len(ready) == len(done)
+
+
+def first_block_rows(batch_rows: int | None, unit_rows: int, *, aligned: bool) -> int | None:
+    """Rows of the short first block of an epoch's first units, or None for none.
+
+    ``DEFAULT_FIRST_BLOCK_ROWS`` rounded up to whole batches of ``batch_rows``: a first block
+    that ends inside a batch makes that batch straddle two blocks, and a straddling batch is
+    copied. None when that is the whole unit (a batch of 256 waits for 256 decodes however
+    the unit is cut). ``aligned``: the block must end at a multiple of DEFAULT_STAGE_ROWS
+    (stages that draw random numbers key them by chunks of that many rows); a batch size
+    that does not allow it keeps DEFAULT_FIRST_BLOCK_ROWS.
+    """
+    rows = DEFAULT_FIRST_BLOCK_ROWS
+    if batch_rows:
+        whole = -(-rows // batch_rows) * batch_rows
+        if not aligned or whole % DEFAULT_STAGE_ROWS == 0:
+            rows = whole
+    if aligned and rows % DEFAULT_STAGE_ROWS:
+        return None
+    return rows if rows < unit_rows else None
 
 
 def _part_rows(budget: int | None, min_window: int, row_bytes: int, block_rows: int, *,

@@ -445,7 +445,8 @@ class Pipeline:
         epoch = _epoch(epoch)  # here, not in the prefetch thread
         assembler = BatchAssembler(batch_size, drop_last=drop_last)
         depth = self._depth(prefetch_batches)
-        self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
+        # Start Ray (if needed) here, not in the prefetch thread.
+        self._block_stream().set_batch_rows(batch_size)
 
         def batches():
             for block in self.iter_blocks(epoch):
@@ -483,7 +484,8 @@ class Pipeline:
         conv = TorchConverter(device, normalize=normalize,
                               mean=DEFAULT_MEAN if mean is None else mean,
                               std=DEFAULT_STD if std is None else std, pin_memory=pin_memory)
-        self._block_stream()  # start Ray (if needed) here, not in the prefetch thread
+        # Start Ray (if needed) here, not in the prefetch thread.
+        self._block_stream().set_batch_rows(batch_size)
 
         def batches():
             for block in self.iter_blocks(epoch):

@@ -39,7 +39,8 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     tf = _tf()
     BatchAssembler(batch_size, drop_last=drop_last)  # bad arguments fail here, before Ray starts
     pipe._depth(prefetch_batches)
-    pipe._block_stream()  # start Ray (if needed) in this thread, not in tf.data's
+    # Start Ray (if needed) in this thread, not in tf.data's.
+    pipe._block_stream().set_batch_rows(batch_size)
     size = pipe.transform.size
     counter = itertools.count(0 if epoch is None else int(epoch))
 

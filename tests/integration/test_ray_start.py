@@ -13,10 +13,14 @@ import sys, time
 from raying.engine.ray_setup import ensure_ray
 import ray
 ensure_ray()
+# Ray's serialization context made by the start, before this driver's first serialization.
+print("driver serializer", len(ray._private.worker.global_worker.serialization_context_map))
 @ray.remote
 def modules():
     import sys
-    return [m in sys.modules for m in ("raying.engine.preload", "raying.read.task", "pyarrow")]
+    preload = sys.modules.get("raying.engine.preload")
+    return [m in sys.modules for m in ("raying.engine.preload", "raying.read.task", "pyarrow")
+            ] + [getattr(preload, "SERIALIZER_READY", None)]
 @ray.remote
 def blas_threads():
     import ctypes, glob, os, numpy
@@ -32,7 +36,7 @@ ray.shutdown()
 """
 
 
-@pytest.mark.parametrize(("preload", "expected"), [("1", "[True, True, True]"),
+@pytest.mark.parametrize(("preload", "expected"), [("1", "[True, True, True, True]"),
                                                    ("0", "[False, False")])
 def test_a_ray_raying_starts_preloads_the_read_path_in_its_workers(preload, expected):
     env = {k: v for k, v in os.environ.items()
@@ -48,6 +52,9 @@ def test_a_ray_raying_starts_preloads_the_read_path_in_its_workers(preload, expe
     # node's workers would oversubscribe it), as when numpy is imported inside the task.
     blas = next(ln for ln in lines if ln.startswith("blas"))
     assert blas in ("blas 1", "blas None"), out.stdout[-2000:]
+    # The start made the driver's serialization context (a preloaded worker made its own as
+    # it started: SERIALIZER_READY above).
+    assert "driver serializer 1" in lines, out.stdout[-2000:]
 
 
 def _folder(root, per_class: int, side: int) -> str:

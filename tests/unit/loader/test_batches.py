@@ -211,3 +211,76 @@ def test_a_device_torch_cannot_use_is_a_config_error_naming_the_fix():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="sees no CUDA device.*device='auto'"):
             resolve_device("cuda")
+
+
+def _big_block(start: int, n: int, side: int = 128) -> dict[str, np.ndarray]:
+    """A block whose images are large enough (49 KB a row) for straddling batches to be
+    joined into reused arrays."""
+    ids = np.arange(start, start + n, dtype=np.int64)
+    image = np.empty((n, side, side, 3), np.uint8)
+    image[:] = (ids % 251).astype(np.uint8)[:, None, None, None]
+    return {"id": ids, "image": image}
+
+
+def _check_rows(batch: dict) -> None:
+    expected = (batch["id"] % 251).astype(np.uint8)
+    assert np.array_equal(batch["image"][:, -1, -1, -1], expected)
+    assert np.array_equal(batch["image"][:, 0, 0, 0], expected)
+
+
+def _straddling_batches(keep: list | None, hold=lambda b: b):
+    """30 blocks of 50 rows in batches of 32: most batches straddle two blocks."""
+    asm = BatchAssembler(32)
+    for k in range(30):
+        for batch in asm.push(_big_block(50 * k, 50)):
+            yield batch
+            if keep is not None:
+                keep.append(hold(batch))
+    yield from asm.finish()
+
+
+def test_straddling_batches_a_trainer_keeps_are_never_overwritten():
+    torch = pytest.importorskip("torch")
+    for hold in (lambda b: b, lambda b: b["image"][3:], lambda b: torch.from_numpy(b["image"]),
+                 lambda b: memoryview(b["image"])):
+        kept: list = []
+        ids = []
+        for batch in _straddling_batches(kept, hold):
+            ids.append(batch["id"])
+        assert np.concatenate(ids).tolist() == list(range(1500))
+        for batch_ids, held in zip(ids, kept):  # every kept batch still holds its own rows
+            image = np.asarray(held["image"] if isinstance(held, dict) else held)
+            expected = (batch_ids % 251).astype(np.uint8)
+            assert np.array_equal(image[:, 0, 0, 0], expected[len(expected) - len(image):])
+
+
+def test_straddling_batches_a_trainer_drops_reuse_a_few_arrays():
+    asm = BatchAssembler(32)
+    joined = set()
+    for k in range(30):
+        block = _big_block(50 * k, 50)
+        for batch in asm.push(block):
+            _check_rows(batch)
+            if not np.shares_memory(batch["image"], block["image"]):
+                joined.add(batch["image"].__array_interface__["data"][0])
+    # Most batches straddle two blocks (28 of the 46 here); each is dropped once the next
+    # is taken, so two joined arrays serve them all (the one held, the one being joined).
+    arrays = [a for entries in asm._reuse._arrays.values() for a, _ in entries]
+    assert len(arrays) == 2 and len(joined) == 2
+
+
+def test_the_first_block_holds_whole_batches_or_is_the_whole_unit():
+    from raying.engine.stream import DEFAULT_FIRST_BLOCK_ROWS, first_block_rows
+
+    assert first_block_rows(None, 256, aligned=False) == DEFAULT_FIRST_BLOCK_ROWS
+    assert first_block_rows(64, 256, aligned=True) == 64
+    assert first_block_rows(32, 256, aligned=True) == 64
+    assert first_block_rows(48, 256, aligned=True) == 96  # two batches of 48
+    assert first_block_rows(100, 256, aligned=False) == 100
+    # 100 is not a multiple of the stages' 16-row chunks: the default edge, which is
+    assert first_block_rows(100, 256, aligned=True) == DEFAULT_FIRST_BLOCK_ROWS
+    assert first_block_rows(128, 256, aligned=True) == 128
+    # A first batch of a whole unit waits for the whole unit: no short block.
+    assert first_block_rows(256, 256, aligned=True) is None
+    assert first_block_rows(512, 256, aligned=False) is None
+    assert first_block_rows(64, 40, aligned=False) is None

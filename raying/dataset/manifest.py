@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +54,7 @@ class Manifest:
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
-    def scan(cls, uri: str, format: str = "auto", label: LabelSpec = "folder",
+    def scan(cls, uri: str | os.PathLike, format: str = "auto", label: LabelSpec = "folder",
              storage: StorageOptions | dict | None = None, *,
              image_column: str | None = None,
              extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
@@ -62,8 +63,8 @@ class Manifest:
         """List a dataset once and give every sample an id.
 
         Args:
-            uri: a folder or file: plain path, ``file://``, ``s3://bucket/prefix`` or
-                ``hdfs://host:port/path``.
+            uri: a folder or file: plain path (a ``str`` or ``pathlib.Path``), ``file://``,
+                ``s3://bucket/prefix`` or ``hdfs://host:port/path``.
             format: ``"images"``, ``"parquet"`` or ``"auto"`` (Parquet when the folder holds
                 ``.parquet`` files, images otherwise; a folder holding both is refused,
                 asking which).
@@ -93,6 +94,9 @@ class Manifest:
             msg = f"format must be one of {_FORMATS}, got {format!r}"
             raise ConfigError(msg)
         opts = StorageOptions.coerce(storage)
+        from raying.storage.spec import uri_string
+
+        uri = uri_string(uri)
         if "://" not in uri or uri.lower().startswith("file:"):
             # One spelling per local folder (a relative root would also resolve against the
             # reader's working directory, and the fingerprint would differ per spelling).

@@ -137,11 +137,14 @@ def layout_mismatch(parts: list[dict[str, np.ndarray]]) -> tuple[int, str] | Non
     """``(index of the part, the problem)`` when a column of consecutive parts differs in
     dtype or in its shape past the rows (numpy would merge int64 into float64 silently, or
     fail with its own words), else None."""
-    first = {k: _layout(v) for k, v in parts[0].items()}
+    first = parts[0]
     for index, part in enumerate(parts[1:], 1):
         for key, value in part.items():
-            want, got = first.get(key), _layout(value)
-            if want is not None and got != want:
+            ref = first.get(key)
+            if ref is None or (value.dtype == ref.dtype and value.shape[1:] == ref.shape[1:]):
+                continue  # the common case, without formatting the dtypes
+            want, got = _layout(ref), _layout(value)
+            if got != want:
                 return index, (f"returned column {key!r} as {got[0]} of row shape {got[1]} "
                                f"for some rows and {want[0]} of row shape {want[1]} for "
                                f"others; return the same dtype and row shape for every batch")

@@ -26,6 +26,19 @@ _CACHE: dict[tuple, pafs.FileSystem] = {}
 _CACHE_LOCK = threading.Lock()
 
 
+def uri_string(uri: object) -> str:
+    """``uri`` as a string: a ``str`` or an ``os.PathLike`` (``pathlib.Path``) of a str.
+
+    Raises:
+        ConfigError: anything else (bytes paths included), or an empty path.
+    """
+    value = os.fspath(uri) if isinstance(uri, os.PathLike) else uri
+    if not isinstance(value, str) or not value:
+        msg = f"uri must be a non-empty path or URI string (or pathlib.Path), got {uri!r}"
+        raise ConfigError(msg)
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class StorageSpec:
     """A picklable, secret-safe description of one storage location, to send to Ray workers.
@@ -60,10 +73,7 @@ class StorageSpec:
         if slow is not None:
             _slow.coerce_tier(slow)  # fail here, on the driver, not in a worker
             slow = tuple(slow) if isinstance(slow, list) else slow  # hashable, for the cache
-        if not isinstance(uri, (str, os.PathLike)) or not os.fspath(uri):
-            msg = f"uri must be a non-empty path or URI string, got {uri!r}"
-            raise ConfigError(msg)
-        uri = os.fspath(uri)
+        uri = uri_string(uri)
         scheme, sep, rest = uri.partition("://")
         scheme = scheme.lower() if sep else ""
         if uri.lower().startswith("file:") or scheme == "":

@@ -522,3 +522,42 @@ def test_a_pipeline_built_again_under_a_closed_one_s_name_has_its_decoded_cache(
     # (Hits vary by a few between runs: the next epoch's first reads may start before the
     # last cache writes of the epoch before land.) The old tombstone gave 0.
     assert hits() >= first // 2
+
+
+def _stamp(batch):
+    """Writes each row's id into its red channel: a batch must still show its own ids after
+    later batches were joined (straddling batches reuse arrays nothing refers to)."""
+    image = batch["image"].copy()
+    image[..., 0] = (batch["id"] % 251).astype(np.uint8)[:, None, None]
+    batch["image"] = image
+    return batch
+
+
+def _stamped(image, ids) -> bool:
+    image = np.asarray(image)
+    return bool(np.all(image[..., 0] == (np.asarray(ids) % 251).astype(np.uint8)[:, None, None]))
+
+
+def test_straddling_batches_a_trainer_keeps_stay_its_own_in_numpy_torch_and_tf(image_folder,
+                                                                               ray_local):
+    # 224 px rows (150 KB) in batches of 12 across blocks of 10 rows: every batch straddles
+    # two blocks and is joined into a reused array (1.8 MB each).
+    pipe = raying.Pipeline(raying.Manifest.scan(image_folder),
+                           transform=raying.ImageTransform(size=224),
+                           config=raying.PipelineConfig(block_rows=10)).map_batches(_stamp)
+    try:
+        assert pipe.block_rows() == 10
+        kept = list(pipe.iter_batches(batch_size=12, epoch=0))
+        assert sorted(np.concatenate([b["id"] for b in kept]).tolist()) == list(range(60))
+        assert all(_stamped(b["image"], b["id"]) for b in kept)
+
+        held = [(b["image"], b["id"]) for b in pipe.iter_torch_batches(
+            batch_size=12, epoch=1, device="cpu", normalize=False)]
+        assert all(_stamped(image.numpy(), ids.numpy()) for image, ids in held)
+
+        ds = pipe.to_tf(batch_size=12, epoch=2).prefetch(8)
+        got = list(ds.as_numpy_iterator())
+        assert sum(len(b["id"]) for b in got) == 60
+        assert all(_stamped(b["image"], b["id"]) for b in got)
+    finally:
+        pipe.close()

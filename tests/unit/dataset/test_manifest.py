@@ -44,6 +44,17 @@ def test_scan_file_uri_and_no_label(folder):
     assert len(m) == 12 and (m.labels == -1).all() and m.classes is None
 
 
+def test_scan_save_and_load_take_a_pathlib_path(folder, tmp_path):
+    import pathlib
+
+    m = raying.Manifest.scan(pathlib.Path(folder))
+    assert len(m) == 12 and m.root == raying.Manifest.scan(str(folder)).root
+    m.save(tmp_path / "m.parquet")
+    assert len(raying.Manifest.load(tmp_path / "m.parquet")) == 12
+    with pytest.raises(raying.ConfigError, match="path or URI string"):
+        raying.Manifest.scan(str(folder).encode())
+
+
 def test_label_function(folder):
     m = raying.Manifest.scan(str(folder), label=lambda p: int(p.split("/")[1][:6]) % 2)
     assert set(m.labels.tolist()) == {0, 1}

@@ -225,10 +225,14 @@ class Pipeline:
             raise ConfigError(msg)
         if not self._bound:
             if self.sampler.lazy or self.sampler.uses_store:
-                ensure_ray()
-                self._ray = self._ray or ray_session()
+                self._start_ray()
             self.sampler.bind(self.manifest, name=self.name)
             self._bound = True
+
+    def _start_ray(self) -> None:
+        """Start (or attach to) Ray, and note the session this pipeline's reads belong to."""
+        ensure_ray()
+        self._ray = self._ray or ray_session()
 
     def _same_ray(self) -> None:
         """Refuse to go on after Ray was shut down (and maybe started again) under this
@@ -315,8 +319,7 @@ class Pipeline:
 
             from raying.engine.stream import BlockStream
 
-            ensure_ray()
-            self._ray = self._ray or ray_session()
+            self._start_ray()
             self._bind()
             resources = ray.cluster_resources()
             cpus = int(resources.get("CPU", 1))
@@ -535,8 +538,7 @@ class Pipeline:
         Use it where Ray Data is the interface, e.g. ``TorchTrainer(datasets={"train": ds})``
         and ``ray.train.get_dataset_shard("train").iter_torch_batches(...)`` in the workers.
         """
-        ensure_ray()
-        self._ray = self._ray or ray_session()
+        self._start_ray()
         self._bind()
         plan = self.plan(_epoch(epoch))
         if self._dataset_reads is None:

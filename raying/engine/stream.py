@@ -115,7 +115,9 @@ class BlockStream:
         # same chunks as dataset(e)'s whole blocks when every block edge is such a multiple.
         rng_stages = any(getattr(s, "with_rng", False) for s in spec.stages)
         self._short_first = not rng_stages or int(block_rows) % DEFAULT_STAGE_ROWS == 0
-        self._rng_stages = rng_stages
+        # Any stage sees the rows of its calls together (a stage may look across them), so
+        # a first block cut at whole batches still ends at a multiple of the chunk.
+        self._aligned = bool(spec.stages)
         self._batch_rows: int | None = None  # the consumer's batch size, when it said
         self._make_plan = make_plan
         self._fill = fill
@@ -174,7 +176,7 @@ class BlockStream:
     def _submit(self, part: tuple[ReadUnit, list[str] | None, int]) -> None:
         unit, paths, k = part
         # The first window of an epoch yields a short first block (see __init__ for stages).
-        first = (first_block_rows(self._batch_rows, unit.num_rows, aligned=self._rng_stages)
+        first = (first_block_rows(self._batch_rows, unit.num_rows, aligned=self._aligned)
                  if k == 0 and unit.index < self._window and self._short_first else None)
         ref = _remote().options(**self._options).remote(self._spec_ref, unit, paths,
                                                          self._block_rows, first)
@@ -365,7 +367,8 @@ def first_block_rows(batch_rows: int | None, unit_rows: int, *, aligned: bool) -
     that ends inside a batch makes that batch straddle two blocks, and a straddling batch is
     copied. None when that is the whole unit (a batch of 256 waits for 256 decodes however
     the unit is cut). ``aligned``: the block must end at a multiple of DEFAULT_STAGE_ROWS
-    (stages that draw random numbers key them by chunks of that many rows); a batch size
+    (user stages run on chunks of that many rows of the unit: a stage may look across a
+    call's rows, and one that draws random numbers keys them by the chunk); a batch size
     that does not allow it keeps DEFAULT_FIRST_BLOCK_ROWS.
     """
     rows = DEFAULT_FIRST_BLOCK_ROWS

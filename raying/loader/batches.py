@@ -51,13 +51,15 @@ class ReusableArrays:
 
     def __init__(self) -> None:
         # (array, the array its memory belongs to when it is a view, else None)
-        self._arrays: dict[tuple[tuple[int, ...], str],
+        # Keyed by the dtype itself: its .str would take structured dtypes of one size
+        # (fields named otherwise) for the same, and a join would cast between them.
+        self._arrays: dict[tuple[tuple[int, ...], np.dtype],
                            list[tuple[np.ndarray, np.ndarray | None]]] = {}
 
     def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An array of ``shape`` and ``dtype`` nothing else refers to (contents undefined)."""
         dtype = np.dtype(dtype)
-        arrays = self._arrays.setdefault((tuple(shape), dtype.str), [])
+        arrays = self._arrays.setdefault((tuple(shape), dtype), [])
         for entry in arrays:
             # Nobody else's: the tuple's reference and getrefcount's argument; a view of the
             # array refers to its memory's owner (numpy collapses view chains), so that

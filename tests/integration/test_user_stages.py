@@ -237,3 +237,37 @@ def test_a_stage_that_imports_torch_shows_in_the_workers_memory(parquet_set, ray
     assert after >= before + 50, (before, after)
     # every worker that ran the stage names torch as what it loaded
     assert frameworks and all("torch" in names for names in frameworks.values()), frameworks
+
+
+def _call_mean(batch):
+    """No rng, but looks across the rows of its call: each row's green channel becomes the
+    call's mean pixel, so rows grouped otherwise come out otherwise."""
+    image = batch["image"].copy()
+    image[..., 1] = int(batch["image"].mean())
+    batch["image"] = image
+    return batch
+
+
+def test_a_stage_sees_the_same_rows_together_whatever_the_batch_size(tmp_path, ray_local):
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path, n=640, classes=2, size=(24, 20), seed=3,
+                             formats=("jpg",))
+    # Units of 80 rows: the first block of each of the epoch's first units is cut short, at
+    # whole batches where the stages' 16-row chunks allow (64 rows for batches of 12, not 72,
+    # which would split the chunk of rows 64-80 between two calls).
+    pipe = raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=80)).map_batches(_call_mean)
+    try:
+        assert pipe.block_rows() == 80
+        ref = {int(i): im.copy() for b in pipe.dataset(0).iter_batches(
+            batch_size=64, batch_format="numpy") for i, im in zip(b["id"], b["image"],
+                                                                  strict=True)}
+        assert len(ref) == 640
+        for batch_size in (12, 100, 64):
+            got = {int(i): im.copy() for b in pipe.iter_batches(batch_size=batch_size, epoch=0)
+                   for i, im in zip(b["id"], b["image"], strict=True)}
+            differ = [i for i in ref if not np.array_equal(ref[i], got[i])]
+            assert not differ, (batch_size, len(differ))
+    finally:
+        pipe.close()

@@ -270,6 +270,23 @@ def test_straddling_batches_a_trainer_drops_reuse_a_few_arrays():
     assert len(arrays) == 2 and len(joined) == 2
 
 
+def test_joined_columns_of_one_size_but_other_dtypes_keep_their_own():
+    # Two structured dtypes of 128 bytes (fields named otherwise; 5 MB a batch, joined into
+    # reused arrays): a join must never cast one into an array of the other.
+    a = np.dtype([("lo", "<f8", (8,)), ("hi", "<f8", (8,))])
+    b = np.dtype([("x", "<f8", (8,)), ("y", "<f8", (8,))])
+    asm = BatchAssembler(40000)
+    blocks = [{"id": np.arange(k * 30000, (k + 1) * 30000), "a": np.zeros(30000, a),
+               "b": np.ones(30000, b)} for k in range(4)]
+    kept = []
+    for block in blocks:
+        for batch in asm.push(block):
+            assert batch["a"].dtype == a and batch["b"].dtype == b
+            kept.append(batch["a"])
+            del batch  # and with it "b": its array is free for the next join
+    assert len(kept) == 3 and all(k.dtype == a for k in kept)
+
+
 def test_the_first_block_holds_whole_batches_or_is_the_whole_unit():
     from raying.engine.stream import DEFAULT_FIRST_BLOCK_ROWS, first_block_rows
 

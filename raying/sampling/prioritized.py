@@ -57,7 +57,8 @@ class PrioritizedSampler:
         beta: importance-weight exponent (0 = all weights 1).
         uniform_mix: share ``eps`` of draws made uniformly.
         seed: seeds the store's generator and the augmentation.
-        systematic: low-variance (stratified) plans instead of i.i.d. draws.
+        systematic: low-variance (stratified) plans instead of i.i.d. draws (the driver's
+            plans; the read tasks of ``pipe.dataset(e)`` draw their units i.i.d.).
         samples_per_epoch: draws per epoch; default the dataset size.
         rows_per_group: Parquet rows drawn per chosen row group (1 = flat draws).
         guard: the noisy-label guard (off by default): a sample whose last ``guard_after``
@@ -225,7 +226,12 @@ class PrioritizedSampler:
             plan = st.sample_grouped_plan(self.handle, chunk, self._starts, self.rows_per_group)
             order = group_order(plan.ids, self.rows_per_group, self._shuffle)
         else:
-            plan = st.sample_plan(self.handle, chunk, systematic=self.systematic)
+            # A copy in a read task (pipe.dataset(e)) draws its own unit of ids, i.i.d.: a
+            # systematic plan of one unit's size lies on a few evenly spaced patterns (under
+            # flat priorities, 1,000 ids in units of 128: about 8), so two tasks would read
+            # the very same ids. The driver's plans are stratified over plan_chunk_ids.
+            plan = st.sample_plan(self.handle, chunk,
+                                  systematic=self.systematic and not self._copy)
             # A systematic plan comes sorted by id; shuffle it so each unit is a random part.
             # Fresh entropy: copies in read tasks must not share a shuffle (or their ids).
             order = self._shuffle.permutation(chunk)

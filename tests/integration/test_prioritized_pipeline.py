@@ -223,3 +223,28 @@ def test_prioritized_parquet_epochs_draw_from_the_whole_dataset(tmp_path, ray_lo
         chi2 = float(sum((g - 20.0) ** 2 / 20.0 for g in groups))
         assert chi2 < 13.82, (epoch, groups)  # p = 0.001 with 2 degrees of freedom
     pipe.close()
+
+
+def test_read_tasks_of_the_ray_data_path_never_share_their_draws(manifest, ray_local):
+    # pipe.dataset(e) draws each unit's ids in its own read task. Flat priorities, units of
+    # 128 draws over 60 ids: a plan stratified within one unit would fall on a handful of
+    # evenly spaced patterns, and tasks would read the very same ids.
+    s = raying.PrioritizedSampler(alpha=1.0, beta=1.0, uniform_mix=0.1, seed=5,
+                                  samples_per_epoch=1024)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
+                           config=raying.PipelineConfig(block_rows=128))
+    try:
+        units, counts = [], np.zeros(60)
+        for epoch in range(3):
+            blocks = [b["id"] for b in pipe.dataset(epoch).iter_batches(batch_size=None)]
+            assert sum(len(b) for b in blocks) == 1024
+            units.extend(tuple(sorted(b.tolist())) for b in blocks)
+            counts += np.bincount(np.concatenate(blocks), minlength=60)
+        assert len(set(units)) == len(units), "two read tasks drew the very same ids"
+        # Each id's count over 3 epochs of 1,024 draws: i.i.d. uniform draws spread them as a
+        # multinomial (chi-square with 59 degrees of freedom: mean 59, sd 10.9).
+        expected = 3 * 1024 / 60
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert 59 - 4 * 10.9 < chi2 < 59 + 4 * 10.9, chi2
+    finally:
+        pipe.close()

@@ -66,6 +66,7 @@ class ReusableArrays:
             # one's count (the tuple, the array's own base, the argument) is checked too.
             if sys.getrefcount(entry[0]) <= 2 and (
                     entry[1] is None or sys.getrefcount(entry[1]) <= 3):
+                entry[0].flags.writeable = True  # handed out read-only (BatchAssembler)
                 return entry[0]
         if dtype == np.uint8:
             # On base-size pages: numpy asks for transparent huge pages on large arrays,
@@ -81,7 +82,12 @@ class ReusableArrays:
 
 
 class BatchAssembler:
-    """Cut a stream of blocks into batches of ``batch_size`` rows (the last may be short)."""
+    """Cut a stream of blocks into batches of ``batch_size`` rows (the last may be short).
+
+    A batch inside one block is a view of it (read-only: blocks are the object store's); a
+    batch that straddles blocks is joined into an array handed out read-only too, so that
+    every batch behaves alike whatever the batch size.
+    """
 
     def __init__(self, batch_size: int, *, drop_last: bool = False) -> None:
         if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -137,6 +143,9 @@ class BatchAssembler:
                     (rows, *first.shape[1:]), first.dtype))
             else:  # small columns, and numpy's own promotion where the pieces differ
                 out[k] = np.concatenate(pieces)
+            # Read-only, as a batch inside one block is (a view of the object store): every
+            # batch alike, whatever the batch size; copy a column to write into it.
+            out[k].flags.writeable = False
         return out
 
 

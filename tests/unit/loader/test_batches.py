@@ -239,6 +239,7 @@ def _straddling_batches(keep: list | None, hold=lambda b: b):
     yield from asm.finish()
 
 
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 def test_straddling_batches_a_trainer_keeps_are_never_overwritten():
     torch = pytest.importorskip("torch")
     for hold in (lambda b: b, lambda b: b["image"][3:], lambda b: torch.from_numpy(b["image"]),
@@ -302,3 +303,20 @@ def test_the_first_block_holds_whole_batches_or_is_the_whole_unit():
     assert first_block_rows(256, 256, aligned=True) is None
     assert first_block_rows(512, 256, aligned=False) is None
     assert first_block_rows(64, 40, aligned=False) is None
+
+
+def test_every_batch_is_read_only_whatever_the_batch_size():
+    def readonly_block(start, n):
+        block = _big_block(start, n, side=64)
+        for v in block.values():
+            v.flags.writeable = False  # as blocks from the object store are
+        return block
+
+    for batch_size in (7, 64, 100):
+        asm = BatchAssembler(batch_size)
+        batches = [b for k in range(6) for b in asm.push(readonly_block(50 * k, 50))]
+        batches += list(asm.finish())
+        for b in batches:
+            assert not b["image"].flags.writeable and not b["id"].flags.writeable
+            with pytest.raises(ValueError, match="read-only"):
+                b["image"][0, 0, 0, 0] = 1

@@ -90,7 +90,8 @@ class BatchAssembler:
     """
 
     def __init__(self, batch_size: int, *, drop_last: bool = False) -> None:
-        if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        if (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                or batch_size < 1):
             msg = f"batch_size must be a positive int, got {batch_size!r}"
             raise ConfigError(msg)
         if not isinstance(drop_last, (bool, np.bool_)):
@@ -100,6 +101,7 @@ class BatchAssembler:
         self.drop_last = drop_last
         self._parts: list[dict[str, np.ndarray]] = []
         self._rows = 0
+        self._yielded = 0  # batches handed out (a drop_last epoch that gave none warns)
         self._reuse = ReusableArrays()
 
     def push(self, block: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
@@ -113,8 +115,10 @@ class BatchAssembler:
             self._rows += take
             start = take
             if self._rows == self.batch_size:
+                self._yielded += 1
                 yield self._flush()
         while n - start >= self.batch_size:
+            self._yielded += 1
             yield {k: v[start:start + self.batch_size] for k, v in block.items()}
             start += self.batch_size
         if start < n:
@@ -124,7 +128,13 @@ class BatchAssembler:
     def finish(self) -> Iterator[dict[str, np.ndarray]]:
         if self._rows and not self.drop_last:
             yield self._flush()
-        self._parts, self._rows = [], 0
+        elif self._rows and not self._yielded:
+            warnings.warn(
+                f"drop_last=True dropped every row of this epoch: its {self._rows} rows are "
+                f"fewer than batch_size={self.batch_size} (a Ray Train worker reads its share "
+                f"of the epoch; samples_per_epoch may also be smaller than the dataset). Pass a "
+                f"smaller batch_size, or drop_last=False", UserWarning, stacklevel=2)
+        self._parts, self._rows, self._yielded = [], 0, 0
 
     def _flush(self) -> dict[str, np.ndarray]:
         parts, self._parts, self._rows = self._parts, [], 0
@@ -278,6 +288,13 @@ def _channel_stats(name: str, values: Any) -> tuple[float, float, float]:
         msg = (f"{name} must be 3 finite numbers, one per RGB channel on the 0-1 scale "
                f"(e.g. ImageNet's {name} {DEFAULT_MEAN if name == 'mean' else DEFAULT_STD}), "
                f"got {values!r}")
+        raise ConfigError(msg)
+    if all(abs(v) > 1 for v in out):
+        # Images are scaled to 0-1 before (x - mean) / std: figures on the 0-255 scale would
+        # leave every pixel near -2 (mean) or squeeze them into a sliver (std), silently.
+        scaled = tuple(round(v / 255, 4) for v in out)
+        msg = (f"{name}={values!r} looks like the 0-255 scale; raying normalizes images "
+               f"scaled to 0-1, so pass {name} on that scale: {scaled}")
         raise ConfigError(msg)
     return out  # type: ignore[return-value]
 

@@ -198,6 +198,7 @@ class Pipeline:
             msg = ("fn_kwargs has 'rng', which with_rng=True passes itself; drop it from "
                    "fn_kwargs or pass with_rng=False")
             raise ConfigError(msg)
+        _check_call(fn, with_rng, kwargs)
         stage = UserStage(fn, with_rng=with_rng, fn_kwargs=tuple(kwargs.items()))
         _check_pickles(stage)
         # The same name: a prioritized sampler, shared, binds both to one priority store.
@@ -738,6 +739,31 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline({self.manifest!r}, sampler={type(self.sampler).__name__}, "
                 f"transform={self.transform!r}, on_error={self.on_error!r})")
+
+
+def _check_call(fn: Callable[..., Any], with_rng: bool, kwargs: dict[str, Any]) -> None:
+    """Refuse, before any read, a stage its read tasks could not call: ``fn(batch,
+    rng=..., **fn_kwargs)`` must bind to its signature (one it does not show, e.g. a
+    builtin's, is taken as it is)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    call = {**kwargs, **({"rng": None} if with_rng else {})}
+    try:
+        sig.bind(None, **call)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        how = "fn(batch" + "".join(f", {k}=..." for k in call) + ")"
+        hint = ""
+        if "'rng'" in str(exc):
+            hint = (" (with_rng=True passes rng=: add an rng parameter, or pass "
+                    "with_rng=False)" if with_rng else " (pass with_rng=True to get rng=)")
+        msg = (f"map_batches: the read tasks call {how}, which {name}{sig} does not take: "
+               f"{exc}{hint}")
+        raise ConfigError(msg) from None
 
 
 def _check_pickles(stage: UserStage) -> None:

@@ -36,6 +36,19 @@ def test_batches_keep_every_row_in_order(sizes, batch_size, drop_last):
         assert np.array_equal(b["image"][:, 0, 0, 0], (b["id"] % 251).astype(np.uint8))
 
 
+def test_an_epoch_drop_last_empties_says_so():
+    asm = BatchAssembler(64, drop_last=True)
+    with pytest.warns(UserWarning, match=r"dropped every row of this epoch: its 50 rows.*"
+                                         r"batch_size=64"):
+        assert list(asm.push(_block(0, 50))) + list(asm.finish()) == []
+    # An epoch that gave a batch before its short remainder says nothing.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert len(list(asm.push(_block(0, 70))) + list(asm.finish())) == 1
+
+
 def test_a_batch_inside_one_block_is_a_view_not_a_copy():
     block = _block(0, 8)
     (first, second) = list(BatchAssembler(4).push(block))
@@ -43,7 +56,7 @@ def test_a_batch_inside_one_block_is_a_view_not_a_copy():
     assert np.shares_memory(second["id"], block["id"])
 
 
-@pytest.mark.parametrize("bad", [0, -1, 2.5, "4"])
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4", True])
 def test_batch_size_must_be_a_positive_int(bad):
     with pytest.raises(ConfigError, match="batch_size must be a positive int"):
         BatchAssembler(bad)
@@ -143,6 +156,11 @@ def test_torch_mean_and_std_take_any_three_numbers_and_refuse_empty_ones(tmp_pat
         next(pipe.iter_torch_batches(std=[], device="cpu"))
     from raying.loader.batches import TorchConverter
 
+    # Figures on the 0-255 scale are refused, with the 0-1 ones to pass instead.
+    with pytest.raises(ConfigError, match=r"0-255 scale.*\(0\.502, 0\.502, 0\.502\)"):
+        TorchConverter("cpu", normalize=True, mean=(128, 128, 128))
+    with pytest.raises(ConfigError, match=r"std=.*0-255 scale"):
+        TorchConverter("cpu", normalize=True, std=(58.4, 57.1, 57.4))
     for mean, std in ((np.array([0.5, 0.5, 0.5]), torch.tensor([0.25, 0.25, 0.25])),
                       ((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))):
         conv = TorchConverter("cpu", normalize=True, mean=mean, std=std)

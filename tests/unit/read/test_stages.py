@@ -320,6 +320,18 @@ def test_map_batches_refuses_what_it_cannot_run(parquet_set):
         pipe.map_batches(lambda b: b if lock else b)
     with pytest.raises(raying.ConfigError, match=r"fn_kwargs has 'rng'"):
         pipe.map_batches(jitter, with_rng=True, fn_kwargs={"rng": 1})
+    # A call the read tasks would make and the function does not take fails here, before
+    # any read: rng= where there is no rng parameter, none where one is required, a missing
+    # or unknown fn_kwargs key.
+    with pytest.raises(raying.ConfigError, match=r"call fn\(batch, rng=...\), which "
+                                                 r"invert\(batch\) does not take.*add an "
+                                                 r"rng parameter"):
+        pipe.map_batches(invert, with_rng=True)
+    with pytest.raises(raying.ConfigError, match=r"pass with_rng=True to get rng="):
+        pipe.map_batches(jitter)
+    with pytest.raises(raying.ConfigError, match=r"unexpected keyword argument 'scale'"):
+        pipe.map_batches(invert, fn_kwargs={"scale": 2})
+    pipe.map_batches(lambda batch, **kw: batch, with_rng=True, fn_kwargs={"scale": 2})
     pipe.plan(0)  # started: binding the sampler twice would be ambiguous
     with pytest.raises(raying.ConfigError, match=r"map_batches on Pipeline .* after it started"):
         pipe.map_batches(invert)

@@ -39,7 +39,7 @@ from raying.options import (
 from raying.read.account import UnitAccount
 from raying.read.memory import Footprint, dir_bytes, own_kib
 from raying.read.spec import ReadSpec, dataset_key
-from raying.read.stages import UserStage, layout_mismatch, shown_ids
+from raying.read.stages import UserStage, check_stage, layout_mismatch, shown_ids
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
 from raying.sampling.protocol import Sampler
 from raying.sampling.uniform import UniformSampler
@@ -198,9 +198,8 @@ class Pipeline:
             msg = ("fn_kwargs has 'rng', which with_rng=True passes itself; drop it from "
                    "fn_kwargs or pass with_rng=False")
             raise ConfigError(msg)
-        _check_call(fn, with_rng, kwargs)
         stage = UserStage(fn, with_rng=with_rng, fn_kwargs=tuple(kwargs.items()))
-        _check_pickles(stage)
+        check_stage(stage)
         # The same name: a prioritized sampler, shared, binds both to one priority store.
         out = Pipeline(self.manifest, transform=self.transform, sampler=self.sampler,
                        on_error=self.on_error,
@@ -739,49 +738,6 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline({self.manifest!r}, sampler={type(self.sampler).__name__}, "
                 f"transform={self.transform!r}, on_error={self.on_error!r})")
-
-
-def _check_call(fn: Callable[..., Any], with_rng: bool, kwargs: dict[str, Any]) -> None:
-    """Refuse, before any read, a stage its read tasks could not call: ``fn(batch,
-    rng=..., **fn_kwargs)`` must bind to its signature (one it does not show, e.g. a
-    builtin's, is taken as it is)."""
-    import inspect
-
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return
-    call = {**kwargs, **({"rng": None} if with_rng else {})}
-    try:
-        sig.bind(None, **call)
-    except TypeError as exc:
-        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-        how = "fn(batch" + "".join(f", {k}=..." for k in call) + ")"
-        hint = ""
-        if "'rng'" in str(exc):
-            hint = (" (with_rng=True passes rng=: add an rng parameter, or pass "
-                    "with_rng=False)" if with_rng else " (pass with_rng=True to get rng=)")
-        msg = (f"map_batches: the read tasks call {how}, which {name}{sig} does not take: "
-               f"{exc}{hint}")
-        raise ConfigError(msg) from None
-
-
-def _check_pickles(stage: UserStage) -> None:
-    """Refuse, now and by name, a stage Ray could not ship to the read workers."""
-    import pickle
-
-    try:
-        from ray import cloudpickle
-    except ImportError:  # pragma: no cover - Ray is a dependency
-        import pickle as cloudpickle  # type: ignore[no-redef]
-    try:
-        cloudpickle.dumps(stage)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        msg = (f"map_batches function {stage.name} (or its fn_kwargs) cannot be pickled "
-               f"({type(exc).__name__}: {exc}); Ray ships it to the read workers: keep what "
-               f"it closes over picklable (no open files, locks or clients; create those "
-               f"inside the function)")
-        raise ConfigError(msg) from None
 
 
 def _delivered_to_end(cur: dict[str, Any]) -> bool:

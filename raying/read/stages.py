@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from raying.errors import IDS_SHOWN, UserFunctionError
+from raying.errors import IDS_SHOWN, ConfigError, UserFunctionError
 from raying.image.rng import epoch_key
 
 # Random streams of user stages start here, away from the built-in transform's streams.
@@ -242,3 +242,57 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
 def shown_ids(ids: np.ndarray) -> list[int]:
     """The ids a UserFunctionError names: every id of a chunk (a call sees one or part of one)."""
     return [int(i) for i in ids[:IDS_SHOWN]]
+
+
+def check_stage(stage: UserStage) -> None:
+    """Refuse, at ``map_batches`` and before any read, a stage the read tasks could not run:
+    a call its signature does not take, or a function Ray cannot ship.
+
+    Raises:
+        ConfigError: naming the function and the fix.
+    """
+    _check_call(stage.fn, stage.with_rng, dict(stage.fn_kwargs))
+    _check_pickles(stage)
+
+
+def _check_call(fn: Callable[..., Any], with_rng: bool, kwargs: dict[str, Any]) -> None:
+    """Refuse, before any read, a stage its read tasks could not call: ``fn(batch,
+    rng=..., **fn_kwargs)`` must bind to its signature (one it does not show, e.g. a
+    builtin's, is taken as it is)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    call = {**kwargs, **({"rng": None} if with_rng else {})}
+    try:
+        sig.bind(None, **call)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        how = "fn(batch" + "".join(f", {k}=..." for k in call) + ")"
+        hint = ""
+        if "'rng'" in str(exc):
+            hint = (" (with_rng=True passes rng=: add an rng parameter, or pass "
+                    "with_rng=False)" if with_rng else " (pass with_rng=True to get rng=)")
+        msg = (f"map_batches: the read tasks call {how}, which {name}{sig} does not take: "
+               f"{exc}{hint}")
+        raise ConfigError(msg) from None
+
+
+def _check_pickles(stage: UserStage) -> None:
+    """Refuse, now and by name, a stage Ray could not ship to the read workers."""
+    import pickle
+
+    try:
+        from ray import cloudpickle
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        import pickle as cloudpickle  # type: ignore[no-redef]
+    try:
+        cloudpickle.dumps(stage)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        msg = (f"map_batches function {stage.name} (or its fn_kwargs) cannot be pickled "
+               f"({type(exc).__name__}: {exc}); Ray ships it to the read workers: keep what "
+               f"it closes over picklable (no open files, locks or clients; create those "
+               f"inside the function)")
+        raise ConfigError(msg) from None

@@ -119,7 +119,7 @@ class BatchAssembler:
                 yield self._flush()
         while n - start >= self.batch_size:
             self._yielded += 1
-            yield {k: v[start:start + self.batch_size] for k, v in block.items()}
+            yield _read_only({k: v[start:start + self.batch_size] for k, v in block.items()})
             start += self.batch_size
         if start < n:
             self._parts.append({k: v[start:] for k, v in block.items()})
@@ -139,7 +139,7 @@ class BatchAssembler:
     def _flush(self) -> dict[str, np.ndarray]:
         parts, self._parts, self._rows = self._parts, [], 0
         if len(parts) == 1:
-            return parts[0]
+            return _read_only(parts[0])
         out = {}
         for k in parts[0]:
             pieces = [p[k] for p in parts]
@@ -157,6 +157,14 @@ class BatchAssembler:
             # batch alike, whatever the batch size; copy a column to write into it.
             out[k].flags.writeable = False
         return out
+
+
+def _read_only(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``batch`` with every column read-only: views of a block are so already when the block
+    lies in the object store, but a small block Ray passed inline comes back writable."""
+    for v in batch.values():
+        v.flags.writeable = False
+    return batch
 
 
 # Seconds a consumer that stops early waits for its prefetch thread before leaving it to end

@@ -323,16 +323,18 @@ def test_the_first_block_holds_whole_batches_or_is_the_whole_unit():
     assert first_block_rows(64, 40, aligned=False) is None
 
 
-def test_every_batch_is_read_only_whatever_the_batch_size():
-    def readonly_block(start, n):
+@pytest.mark.parametrize("block_read_only", [True, False])
+def test_every_batch_is_read_only_whatever_the_batch_size(block_read_only):
+    def block_of(start, n):
         block = _big_block(start, n, side=64)
         for v in block.values():
-            v.flags.writeable = False  # as blocks from the object store are
+            # As blocks in the object store are; a small block Ray passes inline is not.
+            v.flags.writeable = not block_read_only
         return block
 
     for batch_size in (7, 64, 100):
         asm = BatchAssembler(batch_size)
-        batches = [b for k in range(6) for b in asm.push(readonly_block(50 * k, 50))]
+        batches = [b for k in range(6) for b in asm.push(block_of(50 * k, 50))]
         batches += list(asm.finish())
         for b in batches:
             assert not b["image"].flags.writeable and not b["id"].flags.writeable

@@ -6,7 +6,7 @@ first batch), then leave the node ``RAY_SETTLE_S`` idle to start its worker proc
 job's model building does. Ray Data gets Ray's default object store (30% of memory) and
 workers that import what its first tasks need; raying gets the Ray ``raying.ensure_ray``
 starts (and ``raying cluster start``, cluster.yaml): its object store
-(``default_object_store_bytes``: 256 MB per CPU, at least 512 MB) and workers that import its
+(``default_object_store_bytes``: 128 MB per CPU, at least 256 MB) and workers that import its
 read path as they start (``raying.engine.preload``).
 
 Ray Data (Ray 2.60 APIs):

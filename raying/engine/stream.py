@@ -289,7 +289,10 @@ class BlockStream:
                     except ray.exceptions.RayTaskError as exc:
                         with self._lock:
                             if self._generation == mine:
+                                others = [r for r in (*self._inflight.values(),
+                                                      *self._reading.values()) if r is not ref]
                                 self.cancel()
+                                _drain_quietly(others)
                         cause = getattr(exc, "cause", None)
                         if isinstance(cause, RayingError):
                             raise cause from None
@@ -358,6 +361,33 @@ class BlockStream:
         except Exception:  # noqa: BLE001 - a task that failed has finished all the same
             return False
         return len(ready) == len(done)
+
+
+def _drain_quietly(tasks: list[Any]) -> None:
+    """Read the dropped ``tasks`` to their end in a daemon thread, after a read error stopped
+    the epoch: a task that fails too then has its error read (logged as a warning naming its
+    file, not as Ray's "Unhandled error" traceback when its result is freed unread), and the
+    blocks of the others are freed as they come."""
+    if not tasks:
+        return
+
+    def drain() -> None:
+        import ray
+
+        for task in tasks:
+            try:
+                for part in task:
+                    try:
+                        ray.get(part)
+                    except ray.exceptions.RayTaskError as exc:
+                        cause = getattr(exc, "cause", None) or exc
+                        logger.warning("another read task of the stopped epoch failed too: %s",
+                                       cause)
+            except Exception:  # noqa: BLE001 - Ray shut down meanwhile: nothing left to read
+                logger.debug("dropped read tasks not drained", exc_info=True)
+                return
+
+    threading.Thread(target=drain, name="raying-drain", daemon=True).start()
 
 
 def first_block_rows(batch_rows: int | None, unit_rows: int, *, aligned: bool) -> int | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
 import threading
 import time
 import uuid
@@ -535,8 +536,14 @@ class Pipeline:
     def dataset(self, epoch: int = 0):
         """A ``ray.data.Dataset`` of this epoch (read + decode + augment fused in its reads).
 
-        Use it where Ray Data is the interface, e.g. ``TorchTrainer(datasets={"train": ds})``
-        and ``ray.train.get_dataset_shard("train").iter_torch_batches(...)`` in the workers.
+        Use it where Ray Data is the interface. Under Ray Train prefer
+        :func:`raying.train.datasets` with :func:`raying.train.loader` in the workers
+        (docs/guide-ray-train.md): every id reaches one worker once per epoch. Passed as
+        ``TorchTrainer(datasets={"train": ds})`` and read with
+        ``ray.train.get_dataset_shard("train")``, this dataset goes through Ray Train's default
+        split, ``streaming_split(n, equal=True)``, which drops up to ``n - 1`` rows of every
+        epoch whose rows do not divide by the ``n`` workers; ``ds.streaming_split(n,
+        equal=False)`` keeps them all.
         """
         self._start_ray()
         self._bind()
@@ -619,7 +626,7 @@ class Pipeline:
             "driver_mb": round(driver, 1),
             "read_workers": len(pss),
             "read_worker_mb_max": pss[-1] if pss else None,
-            "read_worker_mb_median": pss[len(pss) // 2] if pss else None,
+            "read_worker_mb_median": round(statistics.median(pss), 1) if pss else None,
             "read_workers_mb": round(sum(pss), 1),
             # worker -> the heavy frameworks (torch, tensorflow, pandas, ...) it had imported:
             # raying's read path imports none, so any here came with a user stage

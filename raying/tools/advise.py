@@ -127,9 +127,15 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
         decoded_bytes = DECODED_SIDE * DECODED_SIDE * 3
         need_bw = demand * decoded_bytes
         m = (f"decode + crop {d_ms:.2f} ms/image/core x {cores} cores = "
-             f"{decode_rate:,.0f} img/s; demand {demand:,.0f} img/s"
-             f"{' (' + str(mach['gpus']) + ' GPU)' if mach['gpus'] else ''}")
-        if demand > decode_rate and (fast or bw >= need_bw):
+             f"{decode_rate:,.0f} img/s; " + (
+                 f"demand {demand:,.0f} img/s ({mach['gpus']} GPU)" if mach["gpus"]
+                 else "no GPU found"))
+        if not mach["gpus"]:
+            line("pre_decode", "no",
+                 "no GPU found on this node: a trainer on these CPUs shares their time with "
+                 "the decode, and pre-decoded pixels lift only a decode that cannot keep up "
+                 "with GPUs; run raying advise on a GPU node to size it against them", m)
+        elif demand > decode_rate and (fast or bw >= need_bw):
             line("pre_decode", f"yes: raying pack --decode-size {DECODED_SIDE}",
                  f"the CPUs decode fewer images than the GPUs consume, and storage carries "
                  f"{_mb(decoded_bytes)} of pixels per image at {need_bw / 1e6:,.0f} MB/s", m)

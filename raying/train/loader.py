@@ -302,15 +302,34 @@ def _without_tables(sampler_state: dict[str, Any]) -> dict[str, Any]:
 
 def _check_room_for_reads(task_cpus: float) -> None:
     """Warn when the cluster has no CPU left for read tasks: Train workers that take every
-    CPU leave the reads waiting forever."""
+    CPU leave the reads waiting forever.
+
+    What is left for reads is the cluster's CPUs less those its placement groups reserve
+    (Ray Train's workers hold theirs in one), not ``ray.available_resources()``: read tasks
+    running at that instant (another worker's) hold CPUs that are free for reads.
+    """
     import logging
 
-    import ray
-
-    free = ray.available_resources().get("CPU", 0.0)
+    free = _cpus_outside_placement_groups()
     if free < task_cpus:
         logging.getLogger("raying").warning(
-            "raying.train: %.2f CPU free in the cluster, and each read task needs %s: the "
-            "Train workers may hold every CPU, and the reads then wait for ever. Give the "
-            "workers fewer, e.g. ScalingConfig(resources_per_worker={'CPU': 0.5}), or the "
-            "reads less, PipelineConfig(task_num_cpus=0.5)", free, task_cpus)
+            "raying.train: %.2f CPU left in the cluster beside what its placement groups "
+            "(the Train workers') reserve, and each read task needs %s: the reads then wait "
+            "for ever. Give the workers fewer, e.g. ScalingConfig(resources_per_worker="
+            "{'CPU': 0.5}), or the reads less, PipelineConfig(task_num_cpus=0.5)",
+            free, task_cpus)
+
+
+def _cpus_outside_placement_groups() -> float:
+    """The cluster's CPUs less those reserved by its placement groups (created or being
+    rescheduled); Ray's available CPUs where the table cannot be read."""
+    import ray
+
+    try:
+        table = ray.util.placement_group_table()
+    except Exception:  # noqa: BLE001 - a Ray without the table: what is free right now
+        return float(ray.available_resources().get("CPU", 0.0))
+    held = sum(float(bundle.get("CPU", 0.0))
+               for pg in table.values() if pg.get("state") in ("CREATED", "RESCHEDULING")
+               for bundle in pg.get("bundles", {}).values())
+    return float(ray.cluster_resources().get("CPU", 0.0)) - held

@@ -138,3 +138,32 @@ def test_an_epoch_where_every_sample_is_bad_is_an_error_not_an_empty_epoch(tmp_p
         pipe.dataset(1).count()
     assert pipe.stats()["skipped_count"] == 10
     pipe.close()
+
+
+def test_raise_reads_the_other_failing_tasks_errors_instead_of_leaving_them_unhandled(
+        corpus, ray_local, caplog, capfd):
+    # Read tasks in flight beside the one that raised fail too (the corpus has a bad file in
+    # most units): their errors are read and logged by file, not left for Ray to print as an
+    # "Unhandled error" traceback when it frees them.
+    import logging
+    import time
+
+    m = raying.Manifest.scan(str(corpus.root))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=32), on_error="raise",
+                           config=raying.PipelineConfig(block_rows=4))
+    with caplog.at_level(logging.WARNING, logger="raying"), pytest.raises(raying.DecodeError):
+        for _ in pipe.iter_batches(batch_size=4, epoch=0):
+            pass
+    deadline = time.monotonic() + 30
+    others: list[str] = []
+    while time.monotonic() < deadline and not others:
+        time.sleep(0.2)
+        others = [r.getMessage() for r in caplog.records if "failed too" in r.getMessage()]
+    assert others, "no other read task failed: the corpus no longer has a bad file per unit"
+    assert any(c.path in others[0] for c in corpus.bad), others[0]
+    import gc
+
+    gc.collect()
+    time.sleep(1.0)
+    assert "Unhandled error" not in capfd.readouterr().err
+    pipe.close()

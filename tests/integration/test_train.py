@@ -367,3 +367,36 @@ def test_a_train_job_whose_workers_cannot_fit_this_node_asks_for_storage_path(ra
                                           "--cpus-per-worker", "1"])
     with pytest.raises(SystemExit, match=r"need CPU 16 \(this node has 2\).*--storage-path"):
         job.fit(args)
+
+
+def test_the_room_for_reads_counts_what_placement_groups_reserve_not_what_runs_now(
+        ray_local, caplog):
+    # Train workers of half a CPU each leave a CPU for the reads even while a read task
+    # (here a sleeping task of one CPU) holds it; workers of one CPU each leave none.
+    import logging
+    import time
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from raying.train.loader import _check_room_for_reads
+
+    @ray_local.remote(num_cpus=1)
+    def busy(seconds):
+        time.sleep(seconds)
+
+    for cpus, warned in ((0.5, False), (1.0, True)):
+        pg = placement_group([{"CPU": cpus}, {"CPU": cpus}])
+        ray_local.get(pg.ready(), timeout=60)
+        running = busy.remote(3.0) if not warned else None
+        if running is not None:  # the busy task holds the CPU left over: none is available
+            deadline = time.monotonic() + 30
+            while ray_local.available_resources().get("CPU", 0.0) >= 1.0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="raying"):
+            _check_room_for_reads(1.0)
+        assert any("reads then wait" in r.getMessage() for r in caplog.records) is warned
+        if running is not None:
+            ray_local.get(running)
+        remove_placement_group(pg)

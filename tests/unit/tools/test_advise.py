@@ -126,3 +126,11 @@ def test_an_unreadable_parquet_footer_is_a_data_error_naming_the_file(tmp_path):
     (tmp_path / "b.parquet").write_bytes(b"")
     with pytest.raises(DataError, match=r"b\.parquet is not a readable Parquet file.*remove it"):
         measure_dataset(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path))
+
+
+def test_a_node_without_gpus_is_not_told_its_demand_equals_its_decode_rate():
+    a, _ = _advice(_data(), _store(), _machine(gpus=0, cores=2))
+    assert a["pre_decode"]["value"] == "no"
+    assert "no GPU found" in a["pre_decode"]["reason"]
+    assert "no GPU found" in a["pre_decode"]["measured"]
+    assert "demand" not in a["pre_decode"]["measured"]

@@ -35,6 +35,8 @@ def _account_actor_cls():
             self.store = store
             # Per epoch: units whose last block came in, rows read and delivered, first skips.
             self.epochs: dict[int, dict[str, Any]] = {}
+            # Per epoch: the columns of the first block with rows (see same_columns).
+            self.columns: dict[int, dict[str, Any]] = {}
 
         def add(self, account: UnitAccount, units: int = 0, samples: int = 0,
                 root: str = "") -> str | None:
@@ -65,6 +67,15 @@ def _account_actor_cls():
                     update_async(self.store, np.asarray(fresh, dtype=np.int64),
                                  np.zeros(len(fresh)))
                     flush(self.store)  # landed before the read task yields its block
+
+        def same_columns(self, epoch: int, template: dict[str, Any]) -> str | None:
+            """Check a block's columns (user stages') against the first block of ``epoch``
+            any read task brought: how they differ, or None. The iterator path checks its
+            blocks as it joins them; Ray Data would merge them (nulls, unified dtypes)."""
+            from raying.read.stages import columns_problem
+
+            first = self.columns.setdefault(epoch, template)
+            return None if first is template else columns_problem(first, template)
 
         def summary(self) -> dict[str, Any]:
             return self.account.summary()
@@ -112,8 +123,40 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
             if yielded or not account.final:
                 continue  # a task yields its empty blocks only when it has nothing else
             block = empty_block(spec.transform.size, spec.columns)
+        elif spec.stages:
+            _check_stage_columns(spec, block, unit.epoch, accounts)
         yielded = True
         yield BlockAccessor.batch_to_block(_arrow_lists(block, spec.columns))
+
+
+def _check_stage_columns(spec: ReadSpec, block: dict[str, Any], epoch: int,
+                         accounts: Any) -> None:
+    """Refuse, as the iterator path does, a block whose stage output Ray Data would change
+    without a word: columns that differ from the epoch's first block's (Ray Data fills a
+    missing one with nulls and unifies dtypes), a column holding None (it comes back NaN) or
+    complex numbers (no Arrow type: they come back as Python objects)."""
+    import ray
+
+    from raying.errors import UserFunctionError
+    from raying.read.stages import column_template, shown_ids, stage_names
+
+    def refuse(problem: str) -> UserFunctionError:
+        return UserFunctionError(stage_names(spec.stages), epoch, shown_ids(block["id"]),
+                                 problem)
+
+    for name, value in block.items():
+        if value.dtype.kind == "c":
+            raise refuse(f"returned column {name!r} as {value.dtype}, which pipe.dataset(e) "
+                         f"(Ray Data's Arrow blocks) cannot carry as numbers; return the real "
+                         f"and imaginary parts as two float columns")
+        if value.dtype == object and any(v is None for v in value):
+            raise refuse(f"returned column {name!r} with None in it, which pipe.dataset(e) "
+                         f"(Ray Data's Arrow blocks) turns into NaN or drops; return numbers "
+                         f"(NaN for a missing value) and, if it matters, a mask column")
+    if accounts is not None:
+        problem = ray.get(accounts.same_columns.remote(epoch, column_template(block)))
+        if problem is not None:
+            raise refuse(problem)
 
 
 def _arrow_lists(block: dict[str, Any],

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,14 @@ from raying.options import (
 from raying.read.account import UnitAccount
 from raying.read.memory import Footprint, dir_bytes, own_kib
 from raying.read.spec import ReadSpec, dataset_key
-from raying.read.stages import UserStage, check_stage, layout_mismatch, shown_ids
+from raying.read.stages import (
+    UserStage,
+    check_stage,
+    column_template,
+    columns_problem,
+    shown_ids,
+    stage_names,
+)
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
 from raying.sampling.protocol import Sampler
 from raying.sampling.uniform import UniformSampler
@@ -190,6 +197,10 @@ class Pipeline:
             raise ConfigError(msg)
         if not isinstance(with_rng, bool):
             msg = f"with_rng must be True or False, got {with_rng!r}"
+            raise ConfigError(msg)
+        if fn_kwargs is not None and not isinstance(fn_kwargs, Mapping):
+            msg = (f"fn_kwargs must be a dict of keyword arguments for fn, got "
+                   f"{type(fn_kwargs).__name__} {fn_kwargs!r}")
             raise ConfigError(msg)
         kwargs = dict(fn_kwargs or {})
         if not all(isinstance(k, str) for k in kwargs):
@@ -412,22 +423,13 @@ class Pipeline:
     def _same_columns(self, keys: dict[str, np.ndarray] | None, block: dict[str, np.ndarray],
                       epoch: int) -> dict[str, np.ndarray]:
         """The block's columns (empty, of its dtypes and row shapes), checked against the
-        epoch's first block's: a batch that spans two blocks joins them (numpy would merge
-        an int64 column into float64 silently, or fail in its own words), and a trainer
-        expects the same keys, dtypes and shapes in every batch."""
-        got = sorted(block)
-        names = " then ".join(s.name for s in self._spec.stages) or "(none)"
-        ids = shown_ids(block["id"])
+        epoch's first block's (:func:`raying.read.stages.columns_problem`)."""
         if keys is None:
-            return {k: np.empty((0, *v.shape[1:]), v.dtype) for k, v in block.items()}
-        if got != sorted(keys):
-            raise UserFunctionError(names, epoch, ids,
-                                    f"returned columns {got} for some blocks and "
-                                    f"{sorted(keys)} for others; return the same columns for "
-                                    f"every batch")
-        bad = layout_mismatch([keys, block])
-        if bad is not None:
-            raise UserFunctionError(names, epoch, ids, bad[1])
+            return column_template(block)
+        problem = columns_problem(keys, block)
+        if problem is not None:
+            raise UserFunctionError(stage_names(self._spec.stages), epoch,
+                                    shown_ids(block["id"]), problem)
         return keys
 
     def _begin_iteration(self) -> int:

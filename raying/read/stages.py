@@ -24,6 +24,7 @@ a retried or resumed read task, which reads the same block, draws the same numbe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import traceback
 from collections.abc import Callable, Mapping
@@ -59,6 +60,8 @@ class UserStage:
     def name(self) -> str:
         """The function's qualified name (and module), for error messages."""
         fn = self.fn
+        if isinstance(fn, functools.partial):  # the function it wraps names it
+            return f"functools.partial({UserStage(fn.func).name})"
         qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
         module = getattr(fn, "__module__", None)
         return f"{module}.{qual}" if module and module not in ("__main__", "builtins") else qual
@@ -149,6 +152,32 @@ def layout_mismatch(parts: list[dict[str, np.ndarray]]) -> tuple[int, str] | Non
                                f"for some rows and {want[0]} of row shape {want[1]} for "
                                f"others; return the same dtype and row shape for every batch")
     return None
+
+
+def column_template(block: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A block's columns as empty arrays of their dtypes and row shapes: what
+    :func:`columns_problem` compares (small enough to send to an actor)."""
+    return {k: np.empty((0, *v.shape[1:]), v.dtype) for k, v in block.items()}
+
+
+def columns_problem(first: Mapping[str, np.ndarray],
+                    block: Mapping[str, np.ndarray]) -> str | None:
+    """How ``block``'s columns differ from those of an epoch's ``first`` block (its
+    :func:`column_template` will do), or None: other names, or a column of another dtype or
+    row shape. A trainer expects the same keys, dtypes and shapes in every batch, and a batch
+    that spans two blocks joins them (numpy would merge int64 into float64 silently; Ray Data
+    fills a missing column with nulls and unifies dtypes)."""
+    got, want = sorted(block), sorted(first)
+    if got != want:
+        return (f"returned columns {got} for some blocks and {want} for others; return the "
+                f"same columns for every batch")
+    bad = layout_mismatch([dict(first), dict(block)])
+    return None if bad is None else bad[1]
+
+
+def stage_names(stages: tuple[UserStage, ...]) -> str:
+    """The stages' names in order, as a UserFunctionError names them."""
+    return " then ".join(s.name for s in stages) or "(none)"
 
 
 def chunk_rngs(stages: tuple[UserStage, ...], seed: int, epoch: int,

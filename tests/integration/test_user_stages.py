@@ -212,6 +212,46 @@ def test_a_raising_stage_stops_both_paths_naming_itself_epoch_and_ids(parquet_se
     pipe.close()
 
 
+def test_stage_output_ray_data_would_change_is_refused_on_the_dataset_path_too(parquet_set,
+                                                                               ray_local):
+    # Ray Data merges the blocks of its read tasks: a column missing from some is filled
+    # with nulls, dtypes are unified, None turns into NaN, complex into Python objects.
+    # Every path stops such output with the same error instead.
+    def retype(batch):  # the dtype of "score" depends on which rows a call got
+        low = int(batch["id"].min()) < len(batch["id"]) * 2
+        batch["score"] = np.zeros(len(batch["id"]), np.int64 if low else np.float32)
+        return batch
+
+    def sometimes(batch):  # a column only some calls return
+        if int(batch["id"].min()) % 2 == 0:
+            batch["extra"] = np.ones(len(batch["id"]), np.float32)
+        return batch
+
+    def nones(batch):
+        batch["maybe"] = np.array([None] * len(batch["id"]), dtype=object)
+        return batch
+
+    def complexes(batch):
+        batch["z"] = np.ones(len(batch["id"]), np.complex64)
+        return batch
+
+    m = raying.Manifest.scan(str(parquet_set), columns=COLUMNS)
+    cases = ((retype, r"returned column 'score' as \w+ of row shape \(\) for some rows and "),
+             (sometimes, r"returned columns \[.*\] for some blocks and \[.*\] for others"),
+             (nones, r"returned column 'maybe' with None in it"),
+             (complexes, r"returned column 'z' as complex64"))
+    for fn, problem in cases:
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                               config=raying.PipelineConfig(block_rows=8)).map_batches(fn)
+        pattern = rf"map_batches function .*{fn.__name__} {problem}"
+        if fn in (retype, sometimes):  # the iterator path refuses these as it joins blocks
+            with pytest.raises(raying.UserFunctionError, match=pattern):
+                list(pipe.iter_batches(batch_size=8, epoch=0))
+        with pytest.raises(raying.UserFunctionError, match=pattern):
+            list(pipe.dataset(0).iter_batches(batch_size=8))
+        pipe.close()
+
+
 def test_a_stage_that_imports_torch_shows_in_the_workers_memory(parquet_set, ray_local):
     """Read workers import what a stage needs; the cost shows in pipe.stats()["memory"]."""
     def plain(batch):

@@ -310,6 +310,28 @@ def test_layouts_of_joined_parts_differ_only_in_rows_or_string_width():
     assert layout_mismatch([a, {**b, "s": np.array([b"x"])}]) is not None
 
 
+def test_blocks_columns_are_compared_by_name_dtype_and_row_shape():
+    from raying.read.stages import column_template, columns_problem
+
+    first = column_template({"id": np.arange(3), "s": np.array(["a", "bb", "c"]),
+                             "x": np.zeros((3, 2), np.float32)})
+    assert all(len(v) == 0 for v in first.values())
+    same = {"id": np.arange(2), "s": np.array(["ccc", "d"]), "x": np.ones((2, 2), np.float32)}
+    assert columns_problem(first, same) is None
+    assert "for some blocks and" in columns_problem(first, {**same, "y": np.arange(2)})
+    assert "'x' as float64" in columns_problem(first, {**same, "x": np.ones((2, 2))})
+    assert "row shape (3,)" in columns_problem(first, {**same, "x": np.ones((2, 3), np.float32)})
+
+
+def test_a_partial_is_named_by_the_function_it_wraps():
+    import functools
+
+    from raying.read.stages import UserStage
+
+    name = UserStage(functools.partial(invert)).name
+    assert name.startswith("functools.partial(") and "invert" in name
+
+
 def test_map_batches_refuses_what_it_cannot_run(parquet_set):
     m = raying.Manifest.scan(str(parquet_set))
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE))
@@ -331,6 +353,8 @@ def test_map_batches_refuses_what_it_cannot_run(parquet_set):
         pipe.map_batches(jitter)
     with pytest.raises(raying.ConfigError, match=r"unexpected keyword argument 'scale'"):
         pipe.map_batches(invert, fn_kwargs={"scale": 2})
+    with pytest.raises(raying.ConfigError, match=r"fn_kwargs must be a dict .* got list \[1\]"):
+        pipe.map_batches(invert, fn_kwargs=[1])
     pipe.map_batches(lambda batch, **kw: batch, with_rng=True, fn_kwargs={"scale": 2})
     pipe.plan(0)  # started: binding the sampler twice would be ambiguous
     with pytest.raises(raying.ConfigError, match=r"map_batches on Pipeline .* after it started"):

@@ -116,8 +116,14 @@ def _batch_spec(tf: Any, name: str, value: np.ndarray, n: int | None):
             return tf.TensorSpec((n,), tf.string), None
         if isinstance(row, np.ndarray) and row.ndim == 1 and row.dtype.kind in "biuf":
             return tf.RaggedTensorSpec((n, None), tf.as_dtype(row.dtype), ragged_rank=1), row.dtype
-        msg = (f"to_tf: column {name!r} holds {type(row).__name__} rows, which tf.data has no "
-               f"type for; return numbers, strings, bytes or 1-D numeric arrays per row")
+        if isinstance(row, (int, float, bool, np.number, np.bool_)):
+            msg = (f"to_tf: column {name!r} is an object array of {type(row).__name__} "
+                   f"numbers, which tf.data cannot type row by row; return it as a numeric "
+                   f"array, e.g. np.asarray(list(values), dtype=np.float32)")
+        else:
+            msg = (f"to_tf: column {name!r} holds {type(row).__name__} rows, which tf.data "
+                   f"has no type for; return numbers, strings, bytes or 1-D numeric arrays "
+                   f"per row")
         raise ConfigError(msg)
     try:
         dtype = tf.as_dtype(value.dtype)

@@ -429,10 +429,15 @@ def _read_labels(fs, infos, uris, col: str, workers: int) -> tuple[np.ndarray, l
                        f"values (first at row {int(np.flatnonzero(bad)[0])}); fix the labels")
                 raise DataError(msg)
             if (values != np.round(values)).any():
+                from raying.dataset.columns import RESERVED
+
+                how = (f"rename it in the files (e.g. to 'target': {col!r} is a name raying "
+                       f"keeps for its own column) and scan with label=None, "
+                       f"columns=['target']" if col in RESERVED else
+                       f"scan with label=None, columns=[{col!r}]")
                 msg = (f"{uris[k]}: label column {col!r} holds non-integer values; expected "
-                       f"class ids. For other targets (regression values, soft labels) scan "
-                       f"with label=None, columns=[{col!r}]: the column then reaches every "
-                       f"batch as it is")
+                       f"class ids. For other targets (regression values, soft labels) {how}: "
+                       f"the column then reaches every batch as it is")
                 raise DataError(msg)
         values = values.astype(np.int64)
         if len(values) and (values == -1).all():

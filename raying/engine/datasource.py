@@ -68,19 +68,37 @@ def _account_actor_cls():
                                  np.zeros(len(fresh)))
                     flush(self.store)  # landed before the read task yields its block
 
-        def same_columns(self, epoch: int, template: dict[str, Any]) -> str | None:
+        def same_columns(self, epoch: int, template: dict[str, Any],
+                         rows: dict[str, str]) -> str | None:
             """Check a block's columns (user stages') against the first block of ``epoch``
             any read task brought: how they differ, or None. The iterator path checks its
-            blocks as it joins them; Ray Data would merge them (nulls, unified dtypes)."""
+            blocks as it joins them; Ray Data would merge them (nulls, unified dtypes).
+            ``rows``: what the rows of each object column are (see ``_object_rows``)."""
             from raying.read.stages import columns_problem
 
-            first = self.columns.setdefault(epoch, template)
-            return None if first is template else columns_problem(first, template)
+            first = self.columns.setdefault(epoch, (template, rows))
+            if first[0] is template:
+                return None
+            problem = columns_problem(first[0], template)
+            if problem is not None:
+                return problem
+            for name, kind in rows.items():
+                if first[1].get(name) != kind:
+                    return (f"returned column {name!r} with rows of {kind} for some blocks and "
+                            f"of {first[1].get(name)} for others; return rows of one dtype "
+                            f"in every batch (Ray Data would unify them)")
+            return None
 
         def summary(self) -> dict[str, Any]:
             return self.account.summary()
 
     return _Accounts
+
+
+def _closed(exc: BaseException) -> ConfigError:
+    return ConfigError(f"this dataset's pipeline was closed (its account and priority store "
+                       f"are gone: {type(exc).__name__}); iterate pipe.dataset(e) before "
+                       f"pipe.close(), or build the pipeline again")
 
 
 def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts: Any,
@@ -98,16 +116,11 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
     spec: ReadSpec = ray.get(spec_ref) if isinstance(spec_ref, ray.ObjectRef) else spec_ref
     use(spec.settings)  # before a lazy unit is drawn: the driver's plan chunk and retries
 
-    def closed(exc: BaseException) -> ConfigError:
-        return ConfigError(f"this dataset's pipeline was closed (its account and priority "
-                           f"store are gone: {type(exc).__name__}); iterate pipe.dataset(e) "
-                           f"before pipe.close(), or build the pipeline again")
-
     if unit.ids is None:  # prioritized: draw now, so losses reported so far shape this read
         try:
             unit = sampler.fill(unit)
         except RayActorError as exc:
-            raise closed(exc) from None
+            raise _closed(exc) from None
     lookup: ManifestLookup = ray.get(lookup_ref)
     unit, paths = lookup.complete(unit)
     yielded = False
@@ -116,7 +129,7 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
             try:
                 refused = ray.get(accounts.add.remote(account, epoch_units, samples, root))
             except RayActorError as exc:
-                raise closed(exc) from None
+                raise _closed(exc) from None
             if refused:
                 raise DataError(refused)
         if len(block["id"]) == 0:
@@ -136,6 +149,7 @@ def _check_stage_columns(spec: ReadSpec, block: dict[str, Any], epoch: int,
     missing one with nulls and unifies dtypes), a column holding None (it comes back NaN) or
     complex numbers (no Arrow type: they come back as Python objects)."""
     import ray
+    from ray.exceptions import RayActorError
 
     from raying.errors import UserFunctionError
     from raying.read.stages import column_template, shown_ids, stage_names
@@ -154,9 +168,27 @@ def _check_stage_columns(spec: ReadSpec, block: dict[str, Any], epoch: int,
                          f"(Ray Data's Arrow blocks) turns into NaN or drops; return numbers "
                          f"(NaN for a missing value) and, if it matters, a mask column")
     if accounts is not None:
-        problem = ray.get(accounts.same_columns.remote(epoch, column_template(block)))
+        try:
+            problem = ray.get(accounts.same_columns.remote(epoch, column_template(block),
+                                                           _object_rows(block)))
+        except RayActorError as exc:
+            raise _closed(exc) from None
         if problem is not None:
             raise refuse(problem)
+
+
+def _object_rows(block: dict[str, Any]) -> dict[str, str]:
+    """What the rows of each object column are, as ``_arrow_lists`` will carry them: 1-D
+    arrays of one numeric dtype become a list column of it, anything else stays Python
+    objects (a block of float32 rows and one of float64 rows would be unified by Ray Data)."""
+    out = {}
+    for name, value in block.items():
+        if isinstance(value, np.ndarray) and value.dtype == object and len(value):
+            kinds = {str(r.dtype) if isinstance(r, np.ndarray) and r.ndim == 1
+                     and r.dtype.kind in "biuf" else None for r in value}
+            one = kinds.pop() if len(kinds) == 1 else None
+            out[name] = f"1-D {one} arrays" if one is not None else "Python objects"
+    return out
 
 
 def _arrow_lists(block: dict[str, Any],

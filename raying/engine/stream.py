@@ -34,6 +34,8 @@ from raying.sampling.plan import EpochPlan, ReadUnit
 
 logger = logging.getLogger(__name__)
 
+# Seconds a read error waits for the other read tasks in flight, to read their errors too.
+DEFAULT_READ_OUT_S = 5.0
 # Task retries when a worker process or node dies under a read task.
 DEFAULT_TASK_MAX_RETRIES = 8
 # Rows of the first block of an epoch's first window of units: the trainer's first batch
@@ -292,7 +294,9 @@ class BlockStream:
                                 others = [r for r in (*self._inflight.values(),
                                                       *self._reading.values()) if r is not ref]
                                 self.cancel()
-                                _drain_quietly(others)
+                            else:
+                                others = []
+                        _read_out_failures(others, DEFAULT_READ_OUT_S)
                         cause = getattr(exc, "cause", None)
                         if isinstance(cause, RayingError):
                             raise cause from None
@@ -363,31 +367,38 @@ class BlockStream:
         return len(ready) == len(done)
 
 
-def _drain_quietly(tasks: list[Any]) -> None:
-    """Read the dropped ``tasks`` to their end in a daemon thread, after a read error stopped
-    the epoch: a task that fails too then has its error read (logged as a warning naming its
-    file, not as Ray's "Unhandled error" traceback when its result is freed unread), and the
-    blocks of the others are freed as they come."""
+def _read_out_failures(tasks: list[Any], timeout_s: float) -> None:
+    """After a read error stopped the epoch: wait up to ``timeout_s`` for the other dropped
+    ``tasks`` (at most a window of units) and read each one's parts, logging, by file, the
+    errors of those that failed too. Read, their errors are handled; freed unread, Ray would
+    print each as an "Unhandled error" traceback. Tasks still running after ``timeout_s``
+    are dropped unread. Done before the first error is raised, in this thread, so nothing
+    outlives the pipeline or races Ray's shutdown."""
+    import ray
+
     if not tasks:
         return
-
-    def drain() -> None:
-        import ray
-
-        for task in tasks:
-            try:
-                for part in task:
-                    try:
-                        ray.get(part)
-                    except ray.exceptions.RayTaskError as exc:
-                        cause = getattr(exc, "cause", None) or exc
-                        logger.warning("another read task of the stopped epoch failed too: %s",
-                                       cause)
-            except Exception:  # noqa: BLE001 - Ray shut down meanwhile: nothing left to read
-                logger.debug("dropped read tasks not drained", exc_info=True)
+    try:
+        done, _ = ray.wait([t.completed() for t in tasks], num_returns=len(tasks),
+                           timeout=timeout_s)
+    except ray.exceptions.RayError:
+        return  # a task lost with its worker: nothing more to read here
+    finished = {d.hex() for d in done}
+    for task in tasks:
+        try:
+            if task.completed().hex() not in finished:
+                continue
+            for part in task:  # a finished task's parts are all there: no wait
+                try:
+                    ray.get(part)
+                except ray.exceptions.RayError as exc:
+                    cause = getattr(exc, "cause", None) or exc
+                    logger.warning("another read task of the stopped epoch failed too: %s",
+                                   cause)
+        except Exception:  # noqa: BLE001 - Ray itself gone: nothing left to read
+            logger.debug("a dropped read task not read out", exc_info=True)
+            if not ray.is_initialized():
                 return
-
-    threading.Thread(target=drain, name="raying-drain", daemon=True).start()
 
 
 def first_block_rows(batch_rows: int | None, unit_rows: int, *, aligned: bool) -> int | None:

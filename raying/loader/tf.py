@@ -119,11 +119,11 @@ def _batch_spec(tf: Any, name: str, value: np.ndarray, n: int | None):
         if isinstance(row, (int, float, bool, np.number, np.bool_)):
             msg = (f"to_tf: column {name!r} is an object array of {type(row).__name__} "
                    f"numbers, which tf.data cannot type row by row; return it as a numeric "
-                   f"array, e.g. np.asarray(list(values), dtype=np.float32)")
+                   f"array, e.g. np.asarray(list(values)) (its rows' dtype)")
         else:
             msg = (f"to_tf: column {name!r} holds {type(row).__name__} rows, which tf.data "
-                   f"has no type for; return numbers, strings, bytes or 1-D numeric arrays "
-                   f"per row")
+                   f"has no type for; return a numeric array, or rows of strings, bytes or "
+                   f"1-D numeric arrays")
         raise ConfigError(msg)
     try:
         dtype = tf.as_dtype(value.dtype)

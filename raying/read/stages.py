@@ -298,7 +298,8 @@ def _check_call(fn: Callable[..., Any], with_rng: bool, kwargs: dict[str, Any]) 
     try:
         sig.bind(None, **call)
     except TypeError as exc:
-        name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+        name = (UserStage(fn).name if isinstance(fn, functools.partial)
+                else getattr(fn, "__qualname__", None) or type(fn).__qualname__)
         how = "fn(batch" + "".join(f", {k}=..." for k in call) + ")"
         hint = ""
         if "'rng'" in str(exc):

@@ -386,17 +386,19 @@ def test_the_room_for_reads_counts_what_placement_groups_reserve_not_what_runs_n
 
     for cpus, warned in ((0.5, False), (1.0, True)):
         pg = placement_group([{"CPU": cpus}, {"CPU": cpus}])
-        ray_local.get(pg.ready(), timeout=60)
-        running = busy.remote(3.0) if not warned else None
-        if running is not None:  # the busy task holds the CPU left over: none is available
-            deadline = time.monotonic() + 30
-            while ray_local.available_resources().get("CPU", 0.0) >= 1.0:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="raying"):
-            _check_room_for_reads(1.0)
-        assert any("reads then wait" in r.getMessage() for r in caplog.records) is warned
-        if running is not None:
-            ray_local.get(running)
-        remove_placement_group(pg)
+        try:
+            ray_local.get(pg.ready(), timeout=60)
+            running = busy.remote(3.0) if not warned else None
+            if running is not None:  # the busy task holds the CPU left over: none is free
+                deadline = time.monotonic() + 30
+                while ray_local.available_resources().get("CPU", 0.0) >= 1.0:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="raying"):
+                _check_room_for_reads(1.0)
+            assert any("reads then wait" in r.getMessage() for r in caplog.records) is warned
+            if running is not None:
+                ray_local.get(running)
+        finally:
+            remove_placement_group(pg)

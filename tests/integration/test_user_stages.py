@@ -235,11 +235,21 @@ def test_stage_output_ray_data_would_change_is_refused_on_the_dataset_path_too(p
         batch["z"] = np.ones(len(batch["id"]), np.complex64)
         return batch
 
+    def row_dtypes(batch):  # per-row arrays of float32 for some calls, float64 for others
+        low = int(batch["id"].min()) < len(batch["id"]) * 2
+        rows = np.empty(len(batch["id"]), dtype=object)
+        for i in range(len(rows)):
+            rows[i] = np.zeros(i % 3 + 1, np.float32 if low else np.float64)
+        batch["rows"] = rows
+        return batch
+
     m = raying.Manifest.scan(str(parquet_set), columns=COLUMNS)
     cases = ((retype, r"returned column 'score' as \w+ of row shape \(\) for some rows and "),
              (sometimes, r"returned columns \[.*\] for some blocks and \[.*\] for others"),
              (nones, r"returned column 'maybe' with None in it"),
-             (complexes, r"returned column 'z' as complex64"))
+             (complexes, r"returned column 'z' as complex64"),
+             (row_dtypes, r"returned column 'rows' with rows of 1-D float\d\d arrays for some "
+                          r"blocks and of 1-D float\d\d arrays for others"))
     for fn, problem in cases:
         pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
                                config=raying.PipelineConfig(block_rows=8)).map_batches(fn)

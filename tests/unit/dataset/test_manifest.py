@@ -120,12 +120,22 @@ def test_parquet_missing_label_column_is_named(tmp_path):
     (pa.array([0.0, float("nan"), 1.0, 2.0]), r"a.parquet: label column 'label' has 1 NaN"),
     (pa.array([0, None, 1, 2], pa.int64()), r"a.parquet: label column 'label' has 1 null"),
     (pa.array([0, -3, 1, 2]), r"a.parquet: label column 'label' has negative labels"),
-    (pa.array([0.5, 1.0, 1.0, 2.0]), r"non-integer"),
+    # 'label' is a reserved name: the hint renames it rather than carrying it as a column.
+    (pa.array([0.5, 1.0, 1.0, 2.0]), r"non-integer values.* rename it in the files .*"
+                                     r"label=None, columns=\['target'\]"),
 ])
 def test_parquet_bad_labels_are_never_silent(tmp_path, labels, pattern):
     _parquet(tmp_path / "a.parquet", 4, label=labels)
     with pytest.raises(raying.DataError, match=pattern):
         raying.Manifest.scan(str(tmp_path), label="label")
+
+
+def test_a_float_target_column_is_pointed_to_columns(tmp_path):
+    _parquet(tmp_path / "a.parquet", 4, y=pa.array([0.5, 1.0, 1.5, 2.0]))
+    with pytest.raises(raying.DataError, match=r"scan with label=None, columns=\['y'\]"):
+        raying.Manifest.scan(str(tmp_path), label="y")
+    m = raying.Manifest.scan(str(tmp_path), label=None, columns=["y"])
+    assert len(m) == 4
 
 
 def test_corrupt_parquet_names_the_file(tmp_path):

@@ -133,13 +133,46 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
             if refused:
                 raise DataError(refused)
         if len(block["id"]) == 0:
-            if yielded or not account.final:
-                continue  # a task yields its empty blocks only when it has nothing else
-            block = empty_block(spec.transform.size, spec.columns)
-        elif spec.stages:
+            if yielded or not account.final or spec.stages:
+                # A task yields an empty block only when it has nothing else, and not with
+                # user stages, whose columns it cannot know without rows (Ray Data is content
+                # with a read task that yields no block).
+                continue
+            yielded = True
+            yield empty_arrow_block(spec.transform.size, spec.columns)
+            continue
+        if spec.stages:
             _check_stage_columns(spec, block, unit.epoch, accounts)
         yielded = True
         yield BlockAccessor.batch_to_block(_arrow_lists(block, spec.columns))
+
+
+def empty_arrow_block(size: int, columns: tuple[tuple[str, Any], ...] = ()):
+    """A block of no rows whose Arrow types are those of the blocks with rows. Ray Data makes
+    a zero-row column of images, fixed-width arrays or strings one of pickled Python objects
+    (and logs that it did); each such column is cut from a one-row column instead."""
+    import pyarrow as pa
+    from ray.data.block import BlockAccessor
+
+    block = _arrow_lists(empty_block(size, columns), columns)
+    block["image"] = block.pop("image")  # last, as in the read task's blocks
+    kinds = {name: desc["kind"] for name, desc in columns}
+    fields = []
+    for name, value in block.items():
+        if isinstance(value, np.ndarray) and (value.ndim > 1 or value.dtype == object):
+            kind = kinds.get(name)
+            if kind == "string":
+                fields.append((name, pa.array([], type=pa.string())))
+                continue
+            if kind == "bytes":
+                fields.append((name, pa.array([], type=pa.binary())))
+                continue
+            one = np.zeros((1, *value.shape[1:]), dtype=value.dtype)
+            col = BlockAccessor.batch_to_block({name: one}).column(name)
+            fields.append((name, col.slice(0, 0)))
+        else:
+            fields.append((name, value))
+    return pa.table({name: value for name, value in fields})
 
 
 def _check_stage_columns(spec: ReadSpec, block: dict[str, Any], epoch: int,

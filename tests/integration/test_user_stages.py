@@ -212,6 +212,36 @@ def test_a_raising_stage_stops_both_paths_naming_itself_epoch_and_ids(parquet_se
     pipe.close()
 
 
+def test_read_tasks_whose_rows_were_all_set_aside_keep_the_stage_columns(tmp_path, ray_local):
+    """On the dataset path, a read task with no good row yields no block (a stage's columns
+    are unknown without rows): every batch carries the column the stage adds, and every good
+    row arrives."""
+    import pathlib
+
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path, n=48, classes=2, size=(24, 20), seed=3,
+                             formats=("jpg",))
+    files = sorted(pathlib.Path(root).rglob("*.jpg"))
+    for f in files[:40]:  # blocks of 4 rows: most read tasks have no good row
+        f.write_bytes(b"not a jpeg")
+
+    def tag(batch):
+        batch["extra"] = batch["label"].astype(np.float32) + 0.5
+        return batch
+
+    pipe = raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=SIZE),
+                           on_error="skip",
+                           config=raying.PipelineConfig(block_rows=4)).map_batches(tag)
+    try:
+        got = list(pipe.dataset(0).iter_batches(batch_size=3, batch_format="numpy"))
+        assert sum(len(b["id"]) for b in got) == 8
+        for b in got:
+            np.testing.assert_array_equal(b["extra"], b["label"] + 0.5)
+    finally:
+        pipe.close()
+
+
 def test_stage_output_ray_data_would_change_is_refused_on_the_dataset_path_too(parquet_set,
                                                                                ray_local):
     # Ray Data merges the blocks of its read tasks: a column missing from some is filled

@@ -1,0 +1,62 @@
+"""The Arrow blocks ``pipe.dataset(e)``'s read tasks hand Ray Data (no cluster needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import raying
+from raying.engine.datasource import _arrow_lists, empty_arrow_block
+from raying.read.task import iter_unit
+from tests.unit.read.test_stages import write_parquet_set
+
+SIZE = 16
+
+
+def first_block(pipe):
+    from ray.data.block import BlockAccessor
+
+    unit, paths = pipe._fill(pipe.plan(0).units[0])
+    block, _ = next(iter(iter_unit(pipe._spec, unit, paths, block_rows=8)))
+    assert len(block["id"])
+    return BlockAccessor.batch_to_block(_arrow_lists(block, pipe._spec.columns))
+
+
+def with_fixed_width_and_bytes(root):
+    """A Parquet file with a fixed-width float array and a binary column beside the image."""
+    from raying.tools.datagen import encode, synth_image
+
+    rng = np.random.default_rng(1)
+    pq.write_table(pa.table({
+        "image": pa.array([encode(synth_image(rng, i % 2, 2, 24, 32), "jpg") for i in range(12)],
+                          pa.binary()),
+        "label": pa.array([i % 2 for i in range(12)], pa.int64()),
+        "emb": pa.array([[float(i)] * 4 for i in range(12)], pa.list_(pa.float32(), 4)),
+        "raw": pa.array([bytes([i]) * 3 for i in range(12)], pa.binary()),
+    }), f"{root}/part-0.parquet", row_group_size=6)
+    return root
+
+
+@pytest.mark.parametrize("kind", ["folder", "columns", "fixed_width_and_bytes"])
+def test_an_empty_block_has_the_arrow_types_of_blocks_with_rows(tmp_path, kind):
+    """A read task whose every row was set aside yields a block of no rows: Ray Data would
+    make its image column (and fixed-width or string columns) pickled Python objects, unlike
+    every other block's, and log a conversion warning."""
+    if kind == "folder":
+        from raying.tools.datagen import make_image_folder
+
+        m = raying.Manifest.scan(make_image_folder(tmp_path, n=12, classes=2, size=(24, 20),
+                                                   seed=3, formats=("jpg",)))
+    elif kind == "columns":
+        m = raying.Manifest.scan(str(write_parquet_set(tmp_path)),
+                                 columns=["caption", "n", "boxes"])
+    else:
+        m = raying.Manifest.scan(str(with_fixed_width_and_bytes(tmp_path)),
+                                 columns=["emb", "raw"])
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE))
+    real = first_block(pipe)
+    empty = empty_arrow_block(SIZE, pipe._spec.columns)
+    assert empty.num_rows == 0
+    assert empty.schema.equals(real.schema, check_metadata=True), (empty.schema, real.schema)

@@ -9,10 +9,11 @@ from typing import Any
 import numpy as np
 
 from raying.engine.metrics import RunAccount, all_bad_message
-from raying.errors import ConfigError, DataError
+from raying.errors import ConfigError, DataError, UserFunctionError
 from raying.options import use
 from raying.read.account import UnitAccount
 from raying.read.spec import ReadSpec
+from raying.read.stages import column_template, shown_ids, stage_names
 from raying.read.task import empty_block, iter_unit
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
 from raying.sampling.protocol import Sampler
@@ -35,14 +36,22 @@ def _account_actor_cls():
             self.store = store
             # Per epoch: units whose last block came in, rows read and delivered, first skips.
             self.epochs: dict[int, dict[str, Any]] = {}
-            # Per epoch: the columns of the first block with rows (see same_columns).
+            # Per epoch: the columns of the first block with rows (see _same_columns).
             self.columns: dict[int, dict[str, Any]] = {}
 
         def add(self, account: UnitAccount, units: int = 0, samples: int = 0,
-                root: str = "") -> str | None:
-            """Take one block's account; returns the error for an epoch of ``units`` units
-            whose every sample read was bad, once its last unit is in (else None)."""
+                root: str = "", columns: tuple[dict[str, Any], dict[str, str]] | None = None
+                ) -> tuple[str | None, str | None]:
+            """Take one block's account and check its ``columns`` (user stages' output: a
+            ``column_template`` and ``_object_rows``), in one call. Returns (the error for an
+            epoch of ``units`` units whose every sample read was bad, once its last unit is
+            in; how the columns differ from the epoch's first block's), each None if none."""
             self._record(account)
+            problem = None if columns is None else self._same_columns(account.epoch, *columns)
+            return self._all_bad(account, units, samples, root), problem
+
+        def _all_bad(self, account: UnitAccount, units: int, samples: int,
+                     root: str) -> str | None:
             ep = self.epochs.setdefault(account.epoch, {"done": set(), "rows_in": 0,
                                                         "rows_out": 0, "skips": []})
             ep["rows_in"] += account.rows_in
@@ -68,8 +77,8 @@ def _account_actor_cls():
                                  np.zeros(len(fresh)))
                     flush(self.store)  # landed before the read task yields its block
 
-        def same_columns(self, epoch: int, template: dict[str, Any],
-                         rows: dict[str, str]) -> str | None:
+        def _same_columns(self, epoch: int, template: dict[str, Any],
+                          rows: dict[str, str]) -> str | None:
             """Check a block's columns (user stages') against the first block of ``epoch``
             any read task brought: how they differ, or None. The iterator path checks its
             blocks as it joins them; Ray Data would merge them (nulls, unified dtypes).
@@ -125,13 +134,20 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
     unit, paths = lookup.complete(unit)
     yielded = False
     for block, account in iter_unit(spec, unit, paths, block_rows=block_rows):
+        staged = bool(spec.stages) and len(block["id"]) > 0
+        if staged:
+            _refuse_unarrowable(spec, block, unit.epoch)
         if accounts is not None:  # landed before the block is seen: stats() are complete
+            columns = (column_template(block), _object_rows(block)) if staged else None
             try:
-                refused = ray.get(accounts.add.remote(account, epoch_units, samples, root))
+                refused, problem = ray.get(accounts.add.remote(account, epoch_units, samples,
+                                                               root, columns))
             except RayActorError as exc:
                 raise _closed(exc) from None
             if refused:
                 raise DataError(refused)
+            if problem is not None:
+                raise _stage_refusal(spec, block, unit.epoch, problem)
         if len(block["id"]) == 0:
             if yielded or not account.final or spec.stages:
                 # A task yields an empty block only when it has nothing else, and not with
@@ -141,8 +157,6 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
             yielded = True
             yield empty_arrow_block(spec.transform.size, spec.columns)
             continue
-        if spec.stages:
-            _check_stage_columns(spec, block, unit.epoch, accounts)
         yielded = True
         yield BlockAccessor.batch_to_block(_arrow_lists(block, spec.columns))
 
@@ -175,39 +189,29 @@ def empty_arrow_block(size: int, columns: tuple[tuple[str, Any], ...] = ()):
     return pa.table({name: value for name, value in fields})
 
 
-def _check_stage_columns(spec: ReadSpec, block: dict[str, Any], epoch: int,
-                         accounts: Any) -> None:
-    """Refuse, as the iterator path does, a block whose stage output Ray Data would change
-    without a word: columns that differ from the epoch's first block's (Ray Data fills a
-    missing one with nulls and unifies dtypes), a column holding None (it comes back NaN) or
-    complex numbers (no Arrow type: they come back as Python objects)."""
-    import ray
-    from ray.exceptions import RayActorError
+def _stage_refusal(spec: ReadSpec, block: dict[str, Any], epoch: int,
+                   problem: str) -> UserFunctionError:
+    return UserFunctionError(stage_names(spec.stages), epoch, shown_ids(block["id"]), problem)
 
-    from raying.errors import UserFunctionError
-    from raying.read.stages import column_template, shown_ids, stage_names
 
-    def refuse(problem: str) -> UserFunctionError:
-        return UserFunctionError(stage_names(spec.stages), epoch, shown_ids(block["id"]),
-                                 problem)
-
+def _refuse_unarrowable(spec: ReadSpec, block: dict[str, Any], epoch: int) -> None:
+    """Refuse, as the iterator path does, stage output Ray Data would change without a word:
+    a column holding None (it comes back NaN) or complex numbers (no Arrow type: they come
+    back as Python objects). Columns that differ from the epoch's first block's (Ray Data
+    fills a missing one with nulls and unifies dtypes) are checked by the account actor."""
     for name, value in block.items():
         if value.dtype.kind == "c":
-            raise refuse(f"returned column {name!r} as {value.dtype}, which pipe.dataset(e) "
-                         f"(Ray Data's Arrow blocks) cannot carry as numbers; return the real "
-                         f"and imaginary parts as two float columns")
+            raise _stage_refusal(
+                spec, block, epoch,
+                f"returned column {name!r} as {value.dtype}, which pipe.dataset(e) (Ray Data's "
+                f"Arrow blocks) cannot carry as numbers; return the real and imaginary parts "
+                f"as two float columns")
         if value.dtype == object and any(v is None for v in value):
-            raise refuse(f"returned column {name!r} with None in it, which pipe.dataset(e) "
-                         f"(Ray Data's Arrow blocks) turns into NaN or drops; return numbers "
-                         f"(NaN for a missing value) and, if it matters, a mask column")
-    if accounts is not None:
-        try:
-            problem = ray.get(accounts.same_columns.remote(epoch, column_template(block),
-                                                           _object_rows(block)))
-        except RayActorError as exc:
-            raise _closed(exc) from None
-        if problem is not None:
-            raise refuse(problem)
+            raise _stage_refusal(
+                spec, block, epoch,
+                f"returned column {name!r} with None in it, which pipe.dataset(e) (Ray Data's "
+                f"Arrow blocks) turns into NaN or drops; return numbers (NaN for a missing "
+                f"value) and, if it matters, a mask column")
 
 
 def _object_rows(block: dict[str, Any]) -> dict[str, str]:

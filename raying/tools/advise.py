@@ -253,7 +253,14 @@ def format_report(report: dict[str, Any]) -> str:
              f"  machine  {m['cores']} cores, {_mb(m['memory_bytes'])} memory "
              f"({_mb(m['memory_available_bytes'])} available), GPU: "
              f"{(str(m['gpus']) + 'x ' + str(m['gpu_name'])) if m['gpus'] else 'none'}, "
-             f"decode {_ms(m['decode_ms_per_image'])} ms/image/core", "recommended:"]
+             f"decode {_ms(m['decode_ms_per_image'])} ms/image/core"]
+    if m.get("decode_failed"):
+        over = ("the decode time is over the rest" if m["decode_ms_per_image"] is not None
+                else "the decode time is unknown")
+        lines.append(f"  sample   {m['decode_failed']} of {m['decode_sampled']} sampled images "
+                     f"could not be read or decoded ({over}): "
+                     + "; ".join(m.get("decode_failures", [])))
+    lines.append("recommended:")
     for a in report["advice"]:
         lines.append(f"  {a['setting']:<17} {a['value']}")
         lines.append(f"  {'':<17}   because {a['reason']}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -11,10 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raying.dataset.manifest import IMAGE_EXTENSIONS, PARQUET_EXTENSIONS
+from raying.errors import StorageError
 from raying.options import DEFAULT_MEMORY_CACHE_DIR
 from raying.storage import files as _storage
 from raying.storage.slow import SlowFileSystemHandler
@@ -26,6 +29,18 @@ PROBE_PARALLEL_THREADS = 16
 PROBE_LONG_READ_BYTES = 8 * 1024**2
 PROBE_DECODE_IMAGES = 8
 PROBE_FOOTERS = 32
+# Images the report names when some of the decode sample could not be read or decoded.
+SHOWN_FAILURES = 3
+
+
+@dataclasses.dataclass
+class ImageSample:
+    """Encoded images for the decode timing, where each came from, and what could not be read
+    ("name: reason")."""
+
+    images: list[Any]
+    names: list[str]
+    unreadable: list[str] = dataclasses.field(default_factory=list)
 
 
 def measure_dataset(fs: pafs.FileSystem, path: str, uri: str) -> dict[str, Any]:
@@ -181,12 +196,15 @@ def _kind(fs: pafs.FileSystem) -> str:
     return type(fs).__name__.replace("FileSystem", "").lower() or "other"
 
 
-def measure_machine(sample: list[Any] | None = None, *, pre_decoded: bool = False
-                    ) -> dict[str, Any]:
+def measure_machine(sample: ImageSample | list[Any] | None = None, *,
+                    pre_decoded: bool = False) -> dict[str, Any]:
     """Cores, memory, tmpfs and local disk space, GPUs (torch.cuda if importable), decode cost.
 
     Args:
-        sample: a few encoded images (bytes) to time decode + random crop 224 on one core.
+        sample: a few encoded images (an :class:`ImageSample`, or bytes) to time decode +
+            random crop 224 on one core; those that could not be read or decoded are counted
+            (``decode_sampled``, ``decode_failed``) and named (``decode_failures``, the first
+            few), and the timing is over the rest.
         pre_decoded: the data is stored as pixels; decode costs nothing.
     """
     try:
@@ -207,22 +225,36 @@ def measure_machine(sample: list[Any] | None = None, *, pre_decoded: bool = Fals
             out["gpu_name"] = torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001 - no torch, or a broken CUDA install: no GPU then
         pass
-    out["decode_ms_per_image"] = 0.0 if pre_decoded else _decode_ms(sample or [])
+    if pre_decoded:
+        out["decode_ms_per_image"] = 0.0
+        return out
+    if not isinstance(sample, ImageSample):
+        images = list(sample or [])
+        sample = ImageSample(images, [f"sample {i}" for i in range(len(images))])
+    ms, failures = _decode_ms(sample)
+    out.update(decode_ms_per_image=ms, decode_sampled=len(sample.images) + len(sample.unreadable),
+               decode_failed=len(failures), decode_failures=failures[:SHOWN_FAILURES])
     return out
 
 
-def _decode_ms(sample: list[Any]) -> float | None:
-    if not sample:
-        return None
+def _decode_ms(sample: ImageSample) -> tuple[float | None, list[str]]:
+    """Milliseconds per image of decode + random crop 224 over the sample's good images (None
+    when none decoded), and "name: reason" of each image that could not be read or decoded."""
+    failures = list(sample.unreadable)
+    if not sample.images:
+        return None, failures
     from raying.image.transform import ImageTransform
 
     tf = ImageTransform(size=224)
-    ids = np.arange(len(sample), dtype=np.int64)
-    tf.apply_encoded(sample[:1], ids[:1], seed=0, epoch=0)  # warm up
+    ids = np.arange(len(sample.images), dtype=np.int64)
+    tf.apply_encoded(sample.images[:1], ids[:1], seed=0, epoch=0)  # warm up
     t0 = time.perf_counter()
-    res = tf.apply_encoded(sample, ids, seed=0, epoch=0)
-    ok = max(int(np.sum(res.ok)), 1)
-    return 1000 * (time.perf_counter() - t0) / ok
+    res = tf.apply_encoded(sample.images, ids, seed=0, epoch=0)
+    took = time.perf_counter() - t0
+    failures += [f"{sample.names[int(e.sample_id)]}: {e.reason}"
+                 + (f" ({e.detail})" if e.detail else "") for e in res.errors]
+    ok = int(np.sum(res.ok))
+    return (1000 * took / ok if ok else None), failures
 
 
 def _memory() -> tuple[int, int]:
@@ -243,14 +275,40 @@ def _free(path: str) -> int:
 
 
 def sample_images(fs: pafs.FileSystem, data: dict[str, Any], n: int = PROBE_DECODE_IMAGES
-                  ) -> list[Any]:
-    """A few encoded images of the dataset, for the decode timing."""
+                  ) -> ImageSample:
+    """A few encoded images of the dataset, for the decode timing; files that cannot be read
+    are set aside in ``unreadable`` (a probe does not stop at one bad file)."""
+    out = ImageSample([], [])
     if data["format"] == "images":
-        paths = data["paths"][:: max(1, len(data["paths"]) // n)][:n]
-        return [_storage.read_bytes(fs, p) for p in paths]
+        for p in data["paths"][:: max(1, len(data["paths"]) // n)][:n]:
+            try:
+                out.images.append(_storage.read_bytes(fs, p))
+                out.names.append(p)
+            except (StorageError, OSError) as exc:
+                out.unreadable.append(f"{p}: {_first_line(exc)}")
+        return out
     if data.get("pre_decoded") or not data.get("image_column"):
-        return []
-    with _storage.open_input(fs, data["paths"][0]) as fh:
-        pf = pq.ParquetFile(fh)
-        col = pf.read_row_group(0, columns=[data["image_column"]]).column(0)
-    return [v.as_py() for v in col[:n]]
+        return out
+    path = data["paths"][0]
+    try:
+        with _storage.open_input(fs, path) as fh:
+            pf = pq.ParquetFile(fh)
+            col = pf.read_row_group(0, columns=[data["image_column"]]).column(0)
+    except (StorageError, OSError, pa.ArrowException) as exc:
+        out.unreadable.append(f"{path} (row group 0): {_first_line(exc)}")
+        return out
+    for row, v in enumerate(col[:n]):
+        value = v.as_py()
+        if isinstance(value, dict):  # {bytes, path}: Hugging Face Image
+            value = value.get("bytes")
+        if value is None:
+            out.unreadable.append(f"{path} row {row}: null image")
+            continue
+        out.images.append(value)
+        out.names.append(f"{path} row {row}")
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

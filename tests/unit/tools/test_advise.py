@@ -134,3 +134,38 @@ def test_a_node_without_gpus_is_not_told_its_demand_equals_its_decode_rate():
     assert "no GPU found" in a["pre_decode"]["reason"]
     assert "no GPU found" in a["pre_decode"]["measured"]
     assert "demand" not in a["pre_decode"]["measured"]
+
+
+def test_sampled_images_that_cannot_be_read_or_decoded_are_counted_and_named(tmp_path):
+    """The decode probe sets aside a file gone since the listing and a corrupt one, times the
+    rest, and the report says how many of the sample failed and which."""
+    from pathlib import Path
+
+    import pyarrow.fs as pafs
+
+    from raying.tools import advise_measure as m
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path, n=8, classes=2, size=(40, 32), seed=1, formats=("jpg",))
+    fs = pafs.LocalFileSystem()
+    data = m.measure_dataset(fs, str(root), str(root))
+    paths = sorted(data["paths"])
+    Path(paths[1]).write_bytes(b"not a jpeg")
+    Path(paths[5]).unlink()
+    sample = m.sample_images(fs, {**data, "paths": paths}, n=8)
+    assert len(sample.images) == 7 and len(sample.unreadable) == 1
+    assert paths[5] in sample.unreadable[0]
+    mach = m.measure_machine(sample)
+    assert (mach["decode_sampled"], mach["decode_failed"]) == (8, 2)
+    assert mach["decode_ms_per_image"] > 0  # over the six good images
+    named = " ".join(mach["decode_failures"])
+    assert paths[1] in named and paths[5] in named
+    report = {"uri": str(root), "measured": {"dataset": _data(), "storage": _store(),
+                                             "machine": mach},
+              "advice": [], "config": {"block_rows": 64, "window": 4, "prefetch_batches": 2,
+                                       "io": {"concurrency": 8, "cache": None}}}
+    text = format_report(report)
+    assert "2 of 8 sampled images could not be read or decoded (the decode time is over the " \
+           "rest)" in text
+    bad = m.measure_machine(m.ImageSample([b"junk"], ["x.jpg"]))
+    assert bad["decode_ms_per_image"] is None and bad["decode_failures"][0].startswith("x.jpg: ")

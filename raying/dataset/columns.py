@@ -15,7 +15,8 @@ fixed_size_list of numbers      ``array``    2-D array ``(n, width)`` of ``dtype
 ==============================  ===========  =============================================
 
 Dictionary-encoded columns count as their value type. Nulls are not carried: a null in an
-extra column stops the read with an error naming the file and the column.
+extra column stops the scan (numbers, strings and bytes, whose nulls the files' footers
+count) or else the read, with an error naming the file and the column.
 """
 
 from __future__ import annotations

@@ -248,6 +248,12 @@ def _extra_columns(columns: list[str], footers: list[pq.FileMetaData], uris: lis
                        f"batches; expected numbers, strings, bytes, or (fixed-size) lists of "
                        f"numbers: convert it, or drop it from columns=")
                 raise DataError(msg)
+            nulls = _footer_nulls(fm, name) if desc["kind"] in _FLAT_KINDS else 0
+            if nulls:
+                msg = (f"{u}: extra column {name!r} has {nulls} null values; raying carries no "
+                       f"nulls in extra columns: fill them (e.g. '' or -1, or NaN for floats) "
+                       f"in the data, or scan without columns=[{name!r}]")
+                raise DataError(msg)
             if first is None:
                 first = desc
             elif desc != first:
@@ -257,6 +263,26 @@ def _extra_columns(columns: list[str], footers: list[pq.FileMetaData], uris: lis
                 raise DataError(msg)
         out[name] = first or {}
     return out
+
+
+# Kinds of extra column whose nulls a Parquet footer counts exactly. A list column's count
+# is its leaf's, where writers count an empty list as a null too: those are found at read.
+_FLAT_KINDS = ("number", "string", "bytes")
+
+
+def _footer_nulls(fm: pq.FileMetaData, name: str) -> int:
+    """Nulls of the flat column ``name`` that the footer's statistics count (0 where a row
+    group has no statistics: the read still finds them)."""
+    total = 0
+    for g in range(fm.num_row_groups):
+        rg = fm.row_group(g)
+        for j in range(rg.num_columns):
+            col = rg.column(j)
+            if col.path_in_schema == name:
+                st = col.statistics
+                if st is not None and st.has_null_count:
+                    total += int(st.null_count)
+    return total
 
 
 def _hive_values(rels: list[str], key: str) -> list[str] | None:

@@ -125,15 +125,24 @@ def test_extra_columns_arrive_aligned_with_ids(parquet_set):
     pipe.close()
 
 
-def test_extra_column_nulls_stop_the_read_naming_the_column(tmp_path):
-    write_parquet_set(tmp_path, files=((0, 6),))
-    t = pq.read_table(tmp_path / "part-0.parquet")
+@pytest.mark.parametrize("statistics", [True, False])
+def test_extra_column_nulls_stop_the_scan_or_the_read_naming_file_and_column(tmp_path,
+                                                                             statistics):
+    """Nulls in a flat extra column stop the scan where the footer counts them, else the
+    read (a file written without statistics)."""
+    write_parquet_set(tmp_path, files=((0, 6), (6, 12)))
+    t = pq.read_table(tmp_path / "part-1.parquet")
     t = t.set_column(t.schema.get_field_index("caption"), "caption",
                      pa.array(["a", None, "c", "d", "e", "f"]))
-    pq.write_table(t, tmp_path / "part-0.parquet")
+    pq.write_table(t, tmp_path / "part-1.parquet", write_statistics=statistics)
+    error = r"part-1\.parquet: extra column 'caption' has 1 null values.*fill them"
+    if statistics:
+        with pytest.raises(raying.DataError, match=error):
+            raying.Manifest.scan(str(tmp_path), columns=["caption"])
+        return
     pipe = raying.Pipeline(raying.Manifest.scan(str(tmp_path), columns=["caption"]),
                            transform=raying.ImageTransform(size=SIZE))
-    with pytest.raises(raying.DataError, match=r"extra column 'caption' has 1 null values"):
+    with pytest.raises(raying.DataError, match=error):
         read_epoch(pipe, 0)
 
 
@@ -166,6 +175,34 @@ def test_extra_column_stored_as_int32_in_one_file_and_int64_in_another(tmp_path)
     assert sorted(got["id"].tolist()) == list(range(20))
     assert got["n"].dtype == np.int64 and (got["n"] == got["id"] * 10).all()
     assert got["caption"].tolist() == [f"sample {i}" for i in got["id"]]
+    pipe.close()
+
+
+@pytest.mark.parametrize(("types", "ok"), [
+    ((pa.float16(), pa.float32()), True),
+    ((pa.float32(), pa.float64()), False),
+    ((pa.list_(pa.float32()), pa.list_(pa.float64())), False),
+])
+def test_extra_column_float_widths_across_files(tmp_path, types, ok):
+    """float16 and float32 are carried alike (float32); float32 beside float64 (or lists of
+    them) is a schema mismatch naming both files, as the docs say."""
+    write_parquet_set(tmp_path, files=((0, 6), (6, 12)))
+    for f, typ in enumerate(types):
+        t = pq.read_table(tmp_path / f"part-{f}.parquet")
+        col = t.column("boxes") if pa.types.is_list(typ) else pa.array(
+            [i + 0.5 for i in range(6 * f, 6 * f + 6)])
+        t = t.append_column("x", col.cast(typ))
+        pq.write_table(t, tmp_path / f"part-{f}.parquet")
+    if not ok:
+        with pytest.raises(raying.DataError, match=r"schema mismatch in column 'x': "
+                                                   r".*part-1\.parquet.*part-0\.parquet"):
+            raying.Manifest.scan(str(tmp_path), columns=["x"])
+        return
+    pipe = raying.Pipeline(raying.Manifest.scan(str(tmp_path), columns=["x"]),
+                           transform=raying.ImageTransform(size=SIZE))
+    got = read_epoch(pipe, 0)
+    assert got["x"].dtype == np.float32
+    np.testing.assert_array_equal(got["x"], got["id"] + 0.5)
     pipe.close()
 
 

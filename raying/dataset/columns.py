@@ -56,6 +56,22 @@ def describe(t: pa.DataType) -> dict[str, Any] | None:
     return None
 
 
+def arrow_type(desc: dict[str, Any]) -> pa.DataType:
+    """The one Arrow type a column of description ``desc`` is carried as (files may store it
+    as several: int32 and int64, string and large_string, a dictionary of either)."""
+    kind = desc["kind"]
+    if kind == "string":
+        return pa.string()
+    if kind == "bytes":
+        return pa.binary()
+    value = pa.from_numpy_dtype(np.dtype(desc["dtype"]))
+    if kind == "number":
+        return value
+    if kind == "array":
+        return pa.list_(value, int(desc["width"]))
+    return pa.list_(value)
+
+
 def _number_dtype(t: pa.DataType) -> str | None:
     if pa.types.is_boolean(t):
         return "bool"

@@ -18,6 +18,8 @@ from raying.options import (
 from raying.storage import files as _storage
 
 SHARD_NAME = "part-{:05d}.parquet"
+# Columns a packed shard has beside the image and label (the last three when pre-decoded).
+PACK_COLUMNS = ("id", "path", "height", "width", "channels")
 
 
 @dataclasses.dataclass
@@ -38,13 +40,14 @@ class PackResult:
 
 
 def _schema(decoded: tuple[int, int, int] | None, classes: list[str] | None,
-            source: str) -> pa.Schema:
+            source: str, extra: dict[str, pa.DataType] | None = None) -> pa.Schema:
     image_type = pa.binary(int(np.prod(decoded))) if decoded else pa.binary()
     fields = [pa.field("id", pa.int64()), pa.field("label", pa.int64()),
               pa.field("image", image_type), pa.field("path", pa.string())]
     if decoded:
         fields += [pa.field("height", pa.int32()), pa.field("width", pa.int32()),
                    pa.field("channels", pa.int32())]
+    fields += [pa.field(name, t) for name, t in (extra or {}).items()]
     meta = {b"raying.source": source.encode()}
     if classes is not None:
         meta[b"raying.classes"] = json.dumps(classes).encode()
@@ -60,14 +63,20 @@ def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: Storag
     from raying.image.transform import ImageTransform
 
     fs, root = _storage.resolve(src.root, src.storage)
-    paths = [str(p) for p in src.column("path")[ids]]
-    datas = _storage.read_many(fs, [f"{root.rstrip('/')}/{p}" for p in paths])
+    extra: dict[str, pa.ChunkedArray] = {}
+    if src.format == "parquet":
+        datas, paths, extra = parquet_values(src, fs, root, ids)
+    else:
+        paths = [str(p) for p in src.column("path")[ids]]
+        datas = _storage.read_many(fs, [f"{root.rstrip('/')}/{p}" for p in paths])
     skipped: list[dict[str, Any]] = []
     keep = np.ones(len(ids), dtype=bool)
     for k, d in enumerate(datas):
         reason = detail = None
         if isinstance(d, BaseException):
             reason, detail = "read_error", str(d).splitlines()[0][:200] if str(d) else ""
+        elif d is None:
+            reason, detail = "null_image", "the image column is null in this row"
         elif not decode_size:
             try:
                 if verify:
@@ -113,7 +122,11 @@ def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: Storag
     if decoded_shape:
         for name, v in zip(("height", "width", "channels"), decoded_shape, strict=True):
             cols[name] = pa.array(np.full(len(kept), v, dtype=np.int32))
-    schema = _schema(decoded_shape, src.classes, src.root)
+    kept_pos = pa.array(np.flatnonzero(keep), pa.int64())
+    for name, values in extra.items():
+        cols[name] = values.take(kept_pos)
+    schema = _schema(decoded_shape, src.classes, src.root,
+                     {name: values.type for name, values in extra.items()})
     table = pa.table(cols, schema=schema)
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, row_group_size=row_group_rows, compression="none",
@@ -122,3 +135,60 @@ def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: Storag
     out_fs, out_root = _storage.resolve(dst_uri, dst_storage)
     _storage.write_bytes_atomic(out_fs, f"{out_root.rstrip('/')}/{shard_name}", data.to_pybytes())
     return {"shard": shard_name, "rows": len(kept), "bytes": data.size, "skipped": skipped}
+
+
+def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
+                   ) -> tuple[list[Any], list[str], dict[str, pa.ChunkedArray]]:
+    """The rows ``ids`` of a Parquet manifest: each one's encoded image (bytes; None where
+    the value is null; the exception where its file could not be read), its location
+    (``file#rgG/rowR``), and the manifest's extra columns in ``ids`` order, each of the one
+    Arrow type raying carries it as (``columns.arrow_type``). Each file's row groups are read
+    once, the image column and the extra columns only."""
+    from raying.dataset.columns import arrow_type
+
+    image_col = src.meta.get("image_column") or "image"
+    descs: dict[str, dict[str, Any]] = dict(src.meta.get("columns") or {})
+    f = src.column("file")[ids].astype(np.int64)
+    g = src.column("row_group")[ids].astype(np.int64)
+    r = src.column("row")[ids].astype(np.int64)
+    datas: list[Any] = [None] * len(ids)
+    parts: dict[str, list[tuple[np.ndarray, pa.Array]]] = {name: [] for name in descs}
+    failed: list[np.ndarray] = []
+    for fi in np.unique(f):
+        sel = np.flatnonzero(f == fi)
+        groups = sorted({int(x) for x in g[sel]})
+        path = f"{root.rstrip('/')}/{src.files[int(fi)]}"
+        try:
+            with _storage.open_input(fs, path) as fh:
+                pf = pq.ParquetFile(fh)
+                table = pf.read_row_groups(groups, columns=[image_col, *descs])
+                sizes = [pf.metadata.row_group(k).num_rows for k in groups]
+        except (OSError, pa.ArrowException) as exc:
+            err = exc if isinstance(exc, OSError) else OSError(str(exc))
+            for k in sel:
+                datas[k] = err
+            failed.append(sel)
+            continue
+        # read_row_groups returns the groups in the order asked: each one's first row.
+        first = dict(zip(groups, np.cumsum([0, *sizes[:-1]]).tolist(), strict=True))
+        starts = np.array([first[int(x)] for x in g[sel]], dtype=np.int64)
+        rows = pa.array(starts + r[sel], pa.int64())
+        images = table.column(image_col).take(rows).combine_chunks()
+        if pa.types.is_struct(images.type):  # {bytes, path}: Hugging Face Image
+            images = images.field(images.type.get_field_index("bytes"))
+        for k, value in zip(sel, images.to_pylist(), strict=True):
+            datas[k] = value
+        for name in descs:
+            col = table.column(name).take(rows)
+            parts[name].append((sel, col.cast(arrow_type(descs[name])).combine_chunks()))
+    for name, desc in descs.items():
+        for sel in failed:  # rows of unreadable files: nulls of the type, never kept
+            parts[name].append((sel, pa.nulls(len(sel), arrow_type(desc))))
+    extra: dict[str, pa.ChunkedArray] = {}
+    for name, got in parts.items():
+        order = np.concatenate([sel for sel, _ in got]) if got else np.zeros(0, np.int64)
+        values = pa.chunked_array([a for _, a in got], type=arrow_type(descs[name]))
+        inverse = np.empty(len(order), np.int64)
+        inverse[order] = np.arange(len(order))
+        extra[name] = values.take(pa.array(inverse, pa.int64()))
+    return datas, src.path_of(ids), extra

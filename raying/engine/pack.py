@@ -1,4 +1,4 @@
-"""Packing an image folder into Parquet shards on Ray, one task per shard (`raying pack`)."""
+"""Packing an image dataset into Parquet shards on Ray, one task per shard (`raying pack`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from raying.dataset.manifest import Manifest
-from raying.dataset.pack import SHARD_NAME, PackResult, pack_shard
+from raying.dataset.pack import PACK_COLUMNS, SHARD_NAME, PackResult, pack_shard
 from raying.errors import ConfigError
 from raying.options import StorageOptions, settings
 from raying.storage import files as _storage
@@ -23,8 +23,10 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
          storage: StorageOptions | dict | None = None,
          dst_storage: StorageOptions | dict | None = None, on_error: str = "skip",
          verify: bool = False, progress: bool = True, label: str | None = "folder",
-         overwrite: bool = False, shuffle: bool = True, seed: int = 0) -> PackResult:
-    """Write an image dataset as Parquet shards, one Ray task per shard.
+         overwrite: bool = False, shuffle: bool = True, seed: int = 0,
+         columns: list[str] | tuple[str, ...] | None = None) -> PackResult:
+    """Write an image dataset (an image folder, or Parquet of encoded images) as Parquet
+    shards, one Ray task per shard.
 
     Columns: ``id``, ``label``, ``image`` (the encoded file bytes as ``binary``) and ``path``;
     with ``decode_size=S`` the image is decoded, resized (shorter side) and center-cropped to
@@ -38,6 +40,14 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     flat, unlabelled folder (label -1). A destination that already holds Parquet files is
     refused (their rows would be read with the new shards'); ``overwrite=True`` deletes them
     first.
+
+    Parquet input (``src`` a folder of Parquet files, or a Parquet ``Manifest``) is read as
+    :meth:`Manifest.scan` reads it: ``label`` names the label column (``"folder"`` reads
+    ``label``), and ``columns=[...]`` carries extra columns (captions, boxes, metadata) into
+    the shards under their own names and types, e.g. to pre-decode a captioned set with its
+    captions. Each row's ``id`` is its row number in the source (files, row groups, rows in
+    order) and ``path`` its location there (``file#rgG/rowR``). Pixels already stored
+    pre-decoded are refused: there is nothing to decode.
 
     ``shuffle=True`` (the default) writes the rows in a random order drawn from ``seed``:
     readers of Parquet read whole row groups and shuffle rows within a window of a few of
@@ -62,10 +72,24 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
         msg = f"decode_size must be a positive number of pixels, got {decode_size!r}"
         raise ConfigError(msg)
     t0 = time.perf_counter()
-    manifest = src if isinstance(src, Manifest) else Manifest.scan(
-        src, format="images", label=label, storage=storage)
-    if manifest.format != "images":
-        msg = f"pack reads image folders; {manifest.root} is {manifest.format}"
+    if isinstance(src, Manifest):
+        if columns:
+            msg = ("pack(columns=...) is for a folder it scans; a Manifest carries the "
+                   "columns it was scanned with: Manifest.scan(src, columns=[...])")
+            raise ConfigError(msg)
+        manifest = src
+    else:
+        manifest = Manifest.scan(src, format="auto", label=label, storage=storage,
+                                 columns=columns)
+    taken = [c for c in (manifest.meta.get("columns") or {}) if c in PACK_COLUMNS]
+    if taken:
+        msg = (f"columns {taken} would overwrite columns pack writes itself {PACK_COLUMNS}; "
+               f"rename them in the source, or leave them out of columns=")
+        raise ConfigError(msg)
+    if manifest.format == "parquet" and manifest.meta.get("decoded"):
+        msg = (f"{manifest.root} stores pre-decoded pixels (fixed-size binary of "
+               f"{'x'.join(map(str, manifest.meta['decoded']))}); pack reads encoded images "
+               f"(an image folder, or Parquet of JPEG/PNG bytes), so there is nothing to pack")
         raise ConfigError(msg)
     out_opts = StorageOptions.coerce(dst_storage if dst_storage is not None else storage)
     out_fs, out_root = _storage.resolve(dst, out_opts)

@@ -17,7 +17,8 @@ EXAMPLES = {
     "scan": "raying scan ./images/\n  raying scan s3://bucket/train --endpoint-url "
             "http://127.0.0.1:9000 --json",
     "pack": "raying pack ./images/ ./packed/\n  raying pack ./images/ ./packed-224/ "
-            "--decode-size 224",
+            "--decode-size 224\n  raying pack ./captioned-parquet/ ./packed-256/ "
+            "--decode-size 256 --columns caption",
     "bench": "raying bench --quick\n  raying bench --images 10000 --rounds 3 --out bench-results/",
     "advise": "raying advise ./images/\n  raying advise s3://bucket/train --json",
     "cluster": "raying cluster start   # a local head with token auth\n"
@@ -94,8 +95,9 @@ def cmd_pack(ns: argparse.Namespace) -> int:
     res = pack(ns.src, ns.dst, decode_size=ns.decode_size, shard_rows=ns.shard_rows,
                row_group_rows=ns.row_group_rows, storage=_storage(ns),
                on_error=ns.on_error, verify=ns.verify, progress=not ns.json,
-               label=None if ns.label == "none" else "folder", overwrite=ns.overwrite,
-               shuffle=not ns.no_shuffle, seed=ns.seed)
+               label=None if ns.label == "none" else ns.label, overwrite=ns.overwrite,
+               shuffle=not ns.no_shuffle, seed=ns.seed,
+               columns=[c for c in ns.columns.split(",") if c] if ns.columns else None)
     out = res.summary()
     _print(out, ns.json)
     for s in res.skipped[:20]:
@@ -135,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     _storage_args(s)
     s.set_defaults(func=cmd_scan)
 
-    k = add("pack", "Pack an image folder into Parquet shards (Ray tasks, with progress).")
-    k.add_argument("src", help="image folder")
+    k = add("pack", "Pack an image folder (or Parquet of encoded images) into Parquet shards "
+                    "(Ray tasks, with progress).")
+    k.add_argument("src", help="image folder, or folder of Parquet files of encoded images")
     k.add_argument("dst", help="output folder")
     k.add_argument("--decode-size", type=int, default=None,
                    help="store pre-decoded uint8 SxS pixels (fixed_size_binary)")
@@ -146,8 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per row group (default: RAYING_PACK_ROW_GROUP_ROWS, 256)")
     k.add_argument("--on-error", default="skip", choices=["skip", "raise"])
     k.add_argument("--verify", action="store_true", help="fully decode every image first")
-    k.add_argument("--label", default="folder", choices=["folder", "none"],
-                   help="'folder' (class subfolders) or 'none' (a flat, unlabelled folder)")
+    k.add_argument("--label", default="folder",
+                   help="'folder' (class subfolders; for Parquet the 'label' column), a "
+                        "Parquet label column's name, or 'none' (unlabelled)")
+    k.add_argument("--columns", default=None, metavar="A,B",
+                   help="Parquet input: extra columns to carry into the shards (comma list)")
     k.add_argument("--overwrite", action="store_true",
                    help="delete Parquet files already in DST first (else they are refused)")
     k.add_argument("--no-shuffle", action="store_true",

@@ -65,6 +65,38 @@ def test_pack_a_flat_unlabelled_folder(image_folder, tmp_path, ray_local):
     assert len(back) == 10 and set(back.labels.tolist()) == {-1}
 
 
+def test_pack_parquet_with_captions_pre_decoded_then_read_with_them(tmp_path, ray_local):
+    """A captioned Parquet set packed pre-decoded with its extra columns: the packed set
+    scans with them, and every batch's caption, number and boxes belong to its image's
+    source row; a pre-decoded source and a column named like pack's own are refused."""
+    from tests.unit.dataset.test_pack import _captioned
+
+    src = _captioned(tmp_path / "src")
+    res = raying.pack(str(src), str(tmp_path / "out"), decode_size=16, shard_rows=10,
+                      row_group_rows=4, progress=False, columns=["caption", "n", "boxes"])
+    assert res.rows == 35 and [s["id"] for s in res.skipped] == [7]  # the null image
+    m = raying.Manifest.scan(str(tmp_path / "out"), columns=["caption", "n", "boxes"])
+    assert tuple(m.meta["decoded"]) == (16, 16, 3)
+    source = _source_ids(m)
+    assert sorted(source.tolist()) == [i for i in range(36) if i != 7]
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16))
+    seen = 0
+    for b in pipe.iter_batches(batch_size=8, epoch=0):
+        for i, caption, n, boxes in zip(b["id"], b["caption"], b["n"], b["boxes"],
+                                        strict=True):
+            s = int(source[int(i)])
+            assert caption == f"sample {s}" and n == s * 10
+            np.testing.assert_array_equal(boxes, np.full(s % 4, s + 0.5, np.float32))
+            seen += 1
+    assert seen == 35
+    pipe.close()
+    with pytest.raises(raying.ConfigError, match="pre-decoded pixels.*nothing to pack"):
+        raying.pack(str(tmp_path / "out"), str(tmp_path / "again"), progress=False)
+    with pytest.raises(raying.ConfigError, match=r"columns \['path'\] would overwrite"):
+        raying.pack(str(tmp_path / "out"), str(tmp_path / "again"), progress=False,
+                    columns=["path"])
+
+
 def test_folder_epoch_every_id_once_with_label(image_folder, ray_local):
     m = raying.Manifest.scan(str(image_folder))
     assert len(m) == 60 and m.classes == ["class_00", "class_01", "class_02"]

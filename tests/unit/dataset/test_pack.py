@@ -31,3 +31,81 @@ def test_a_shard_whose_every_image_is_bad_is_packed_empty_and_lists_them(tmp_pat
                       decode_size=decode_size, row_group_rows=8, on_error="skip",
                       verify=True)
     assert good["rows"] == 2 and not good["skipped"]
+
+
+def _captioned(root):
+    """write_parquet_set's two files, with the image of id 7 null and the caption column
+    stored as large_string in the second file."""
+    import pyarrow as pa
+
+    from tests.unit.read.test_stages import write_parquet_set
+
+    root.mkdir()
+    write_parquet_set(root, files=((0, 20), (20, 36)))
+    t = pq.read_table(root / "part-0.parquet")
+    images = t.column("image").to_pylist()
+    images[7] = None
+    t = t.set_column(t.schema.get_field_index("image"), "image", pa.array(images, pa.binary()))
+    pq.write_table(t, root / "part-0.parquet", row_group_size=6)
+    t = pq.read_table(root / "part-1.parquet")
+    t = t.set_column(t.schema.get_field_index("caption"), "caption",
+                     t.column("caption").cast(pa.large_string()))
+    pq.write_table(t, root / "part-1.parquet", row_group_size=6)
+    return root
+
+
+@pytest.mark.parametrize("decode_size", [None, 16])
+def test_a_shard_of_parquet_rows_carries_their_extra_columns_by_id(tmp_path, decode_size):
+    """Rows of several files and row groups, in a shuffled order: each packed row keeps its
+    source id, label, location and extra columns (one type across files); a null image is
+    set aside and listed."""
+    import pyarrow as pa
+
+    src = _captioned(tmp_path / "src")
+    m = raying.Manifest.scan(str(src), columns=["caption", "n", "boxes"])
+    ids = np.random.default_rng(0).permutation(len(m))[:24]
+    out = tmp_path / "out"
+    out.mkdir()
+    res = pack_shard(m, ids, str(out), StorageOptions(), "part-00000.parquet",
+                     decode_size=decode_size, row_group_rows=8, on_error="skip", verify=True)
+    kept = [int(i) for i in ids if i != 7]
+    assert res["rows"] == len(kept)
+    assert [(s["id"], s["reason"]) for s in res["skipped"]] == ([(7, "null_image")]
+                                                                if 7 in ids else [])
+    t = pq.read_table(out / "part-00000.parquet")
+    assert t.column("id").to_pylist() == kept
+    assert t.column("label").to_pylist() == [i % 3 for i in kept]
+    assert t.schema.field("caption").type == pa.string()
+    assert t.column("caption").to_pylist() == [f"sample {i}" for i in kept]
+    assert t.column("n").to_pylist() == [i * 10 for i in kept]
+    assert t.column("boxes").to_pylist() == [[i + 0.5] * (i % 4) for i in kept]
+    assert t.column("path").to_pylist() == m.path_of(np.array(kept))
+    if decode_size:
+        assert t.schema.field("image").type == pa.binary(decode_size * decode_size * 3)
+    else:
+        source = {}
+        for f in ("part-0", "part-1"):
+            s = pq.read_table(src / f"{f}.parquet")
+            base = 0 if f == "part-0" else 20
+            source.update({base + k: v for k, v in enumerate(s.column("image").to_pylist())})
+        assert t.column("image").to_pylist() == [source[i] for i in kept]
+
+
+def test_rows_of_an_unreadable_parquet_file_are_set_aside_as_read_errors(tmp_path):
+    src = _captioned(tmp_path / "src")
+    m = raying.Manifest.scan(str(src), columns=["caption"])
+    (src / "part-1.parquet").write_bytes(b"PAR1 not parquet any more PAR1")
+    out = tmp_path / "out"
+    out.mkdir()
+    ids = np.array([3, 25, 4, 30])
+    res = pack_shard(m, ids, str(out), StorageOptions(), "part-00000.parquet",
+                     decode_size=None, row_group_rows=8, on_error="skip", verify=False)
+    assert res["rows"] == 2
+    assert sorted((s["id"], s["reason"]) for s in res["skipped"]) == [(25, "read_error"),
+                                                                     (30, "read_error")]
+    t = pq.read_table(out / "part-00000.parquet")
+    assert t.column("id").to_pylist() == [3, 4]
+    assert t.column("caption").to_pylist() == ["sample 3", "sample 4"]
+    with pytest.raises(raying.DataError, match=r"part-1\.parquet#rg0/row5: read_error"):
+        pack_shard(m, ids, str(out), StorageOptions(), "part-00001.parquet",
+                   decode_size=None, row_group_rows=8, on_error="raise", verify=False)

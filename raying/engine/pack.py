@@ -53,7 +53,10 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     readers of Parquet read whole row groups and shuffle rows within a window of a few of
     them, so rows in folder order would fill each row group with one class, and every batch
     with a few (on a 10-class folder, 4 classes per batch of 64 on average). Each row keeps
-    its source ``id`` and ``path``; ``shuffle=False`` keeps the folder's order.
+    its source ``id`` and ``path``; ``shuffle=False`` keeps the folder's order. From Parquet
+    input the order is random across whole source row groups and within each shard (each
+    shard task reads only its own row groups, not the whole dataset): a shard mixes the
+    rows of the ``shard_rows / rows per group`` source groups it takes.
     """
     import ray
 
@@ -99,8 +102,13 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     task: Any = ray.remote(num_cpus=1, max_retries=3)(pack_shard)  # type: ignore[arg-type]
     src_ref = ray.put(manifest)
     n = len(manifest)
-    order = (np.random.default_rng([int(seed), _PACK_STREAM]).permutation(n) if shuffle
-             else np.arange(n)).astype(np.int64)
+    rng = np.random.default_rng([int(seed), _PACK_STREAM])
+    if not shuffle:
+        order = np.arange(n, dtype=np.int64)
+    elif manifest.format == "parquet":
+        order = _local_shuffle(manifest, shard_rows, rng)
+    else:
+        order = rng.permutation(n).astype(np.int64)
     refs = []
     for k, start in enumerate(range(0, n, shard_rows)):
         ids = order[start:start + shard_rows]
@@ -114,6 +122,22 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
                       rows=sum(r["rows"] for r in results),
                       bytes_written=sum(r["bytes"] for r in results), skipped=skipped,
                       seconds=time.perf_counter() - t0)
+
+
+def _local_shuffle(manifest: Manifest, shard_rows: int, rng: np.random.Generator
+                   ) -> np.ndarray:
+    """A random order of a Parquet manifest's ids in which each shard's rows come from a few
+    whole source row groups: the row groups in a random order, cut into shards, and the
+    rows shuffled within each shard. A shard task then reads only its own row groups (a fully
+    random order would have every task read every row group of the dataset); rows mix
+    across the ``shard_rows / rows per group`` groups a shard takes."""
+    _, _, start, rows = manifest.row_group_table()
+    perm = rng.permutation(len(start))
+    order = np.concatenate([np.arange(start[k], start[k] + rows[k], dtype=np.int64)
+                            for k in perm])
+    for a in range(0, len(order), shard_rows):
+        order[a:a + shard_rows] = rng.permutation(order[a:a + shard_rows])
+    return order
 
 
 def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None:

@@ -109,3 +109,30 @@ def test_rows_of_an_unreadable_parquet_file_are_set_aside_as_read_errors(tmp_pat
     with pytest.raises(raying.DataError, match=r"part-1\.parquet#rg0/row5: read_error"):
         pack_shard(m, ids, str(out), StorageOptions(), "part-00001.parquet",
                    decode_size=None, row_group_rows=8, on_error="raise", verify=False)
+
+
+def test_parquet_input_is_shuffled_so_each_shard_reads_only_a_few_row_groups(tmp_path):
+    """pack's order for Parquet input: every id once, random, and each shard's ids within the
+    few source row groups it takes (with a fully random order every shard task would read
+    every row group of the dataset)."""
+    from raying.engine.pack import _local_shuffle
+
+    src = _captioned(tmp_path / "src")  # 36 rows in 7 row groups (6, 6, 6, 2 and 6, 6, 4)
+    m = raying.Manifest.scan(str(src))
+    groups = {}
+    f, g, start, rows = m.row_group_table()
+    for k, (a, r) in enumerate(zip(start, rows, strict=True)):
+        groups.update({int(i): k for i in range(a, a + r)})
+    order = _local_shuffle(m, 12, np.random.default_rng(0))
+    assert sorted(order.tolist()) == list(range(36)) and order.tolist() != list(range(36))
+    touched = []
+    for a in range(0, 36, 12):
+        shard = order[a:a + 12]
+        touched.append({groups[int(i)] for i in shard})
+        assert shard.tolist() != sorted(shard.tolist())  # shuffled within the shard
+    # Runs of whole groups: only a shard boundary splits a group, so the shards touch at
+    # most 7 + 2 groups in all (a random order: about 3 x 6).
+    assert sum(len(t) for t in touched) <= len(start) + 2, touched
+    again = _local_shuffle(m, 12, np.random.default_rng(0))
+    other = _local_shuffle(m, 12, np.random.default_rng(1))
+    assert np.array_equal(order, again) and not np.array_equal(order, other)

@@ -214,6 +214,11 @@ def _uri(scheme: str, path: str) -> str:
 def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
     """Run ``call()``; on a transient failure wait (exponential backoff, jitter) and run it again.
 
+    A call without ``on_retry`` (one made where no account counts the retries: a scan, a
+    listing, advise) logs its first retry as a warning, so a run waiting on storage that does
+    not answer says so before its attempts run out (each may take the SDK's own retries and
+    timeouts: a minute or more against an endpoint that accepts and never answers).
+
     Raises:
         the raying error of the last failure, after ``attempts`` tries or at the first failure
         that another try cannot fix (missing, refused).
@@ -232,8 +237,10 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
                 raise error from None
             delay = min(backoff * 2 ** (attempt - 1), DEFAULT_READ_RETRY_MAX_BACKOFF_S)
             delay *= 0.5 + random.random() / 2
-            logger.debug("retrying in %.2fs (attempt %d of %d): %s", delay, attempt + 1,
-                         attempts, error)
+            loud = on_retry is None and attempt == 1
+            logger.log(logging.WARNING if loud else logging.DEBUG,
+                       "retrying in %.2fs (attempt %d of %d): %s", delay, attempt + 1,
+                       attempts, error)
             if on_retry is not None:
                 on_retry(path, attempt, error)
             time.sleep(delay)

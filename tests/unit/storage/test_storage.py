@@ -685,3 +685,29 @@ def test_a_default_fs_uri_that_fell_back_to_file_names_the_configuration_folder(
     named = storage_error(FileNotFoundError("no such file"), None, "/data/x",
                           uri="hdfs://nn:8020/data/x")
     assert "CLASSPATH" not in str(named)
+
+
+def test_a_retried_call_without_an_account_warns_once_then_succeeds(caplog, tmp_path):
+    """A scan-side call (no on_retry) says it is waiting on storage at its first retry, once;
+    a read task's call (its retries counted by on_retry) stays at debug."""
+    fails = [ConnectionResetError("connection reset by peer")] * 2
+
+    def call():
+        if fails:
+            raise fails.pop()
+        return "ok"
+
+    fs = pafs.LocalFileSystem()
+    with caplog.at_level(logging.DEBUG, logger="raying.storage.files"):
+        assert _errors.retrying(call, fs, str(tmp_path / "x"), 4, 0.001) == "ok"
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "attempt 2 of 4" in warned[0].getMessage()
+    assert "connection reset" in warned[0].getMessage()
+    caplog.clear()
+    fails[:] = [ConnectionResetError("connection reset by peer")] * 2
+    counted = []
+    with caplog.at_level(logging.DEBUG, logger="raying.storage.files"):
+        assert _errors.retrying(call, fs, str(tmp_path / "x"), 4, 0.001,
+                                on_retry=lambda *a: counted.append(a)) == "ok"
+    assert len(counted) == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

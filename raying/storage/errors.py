@@ -211,13 +211,30 @@ def _uri(scheme: str, path: str) -> str:
     return path if scheme == "file" else f"{scheme}://{path}"
 
 
+# A process warns of a retried storage call at most this often (a storage outage makes every
+# open of every read task retry; one line says it).
+RETRY_WARNING_EVERY_S = 30.0
+_last_retry_warning = [-RETRY_WARNING_EVERY_S]
+_retry_warning_lock = threading.Lock()
+
+
+def _warn_now() -> bool:
+    now = time.monotonic()
+    with _retry_warning_lock:
+        if now - _last_retry_warning[0] < RETRY_WARNING_EVERY_S:
+            return False
+        _last_retry_warning[0] = now
+        return True
+
+
 def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
     """Run ``call()``; on a transient failure wait (exponential backoff, jitter) and run it again.
 
     A call without ``on_retry`` (one made where no account counts the retries: a scan, a
-    listing, advise) logs its first retry as a warning, so a run waiting on storage that does
-    not answer says so before its attempts run out (each may take the SDK's own retries and
-    timeouts: a minute or more against an endpoint that accepts and never answers).
+    listing, advise, a file's open) logs its first retry as a warning, at most once every
+    ``RETRY_WARNING_EVERY_S`` per process, so a run waiting on storage that does not answer
+    says so before its attempts run out (each may take the SDK's own retries and timeouts: a
+    minute or more against an endpoint that accepts and never answers).
 
     Raises:
         the raying error of the last failure, after ``attempts`` tries or at the first failure
@@ -237,7 +254,7 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
                 raise error from None
             delay = min(backoff * 2 ** (attempt - 1), DEFAULT_READ_RETRY_MAX_BACKOFF_S)
             delay *= 0.5 + random.random() / 2
-            loud = on_retry is None and attempt == 1
+            loud = on_retry is None and attempt == 1 and _warn_now()
             logger.log(logging.WARNING if loud else logging.DEBUG,
                        "retrying in %.2fs (attempt %d of %d): %s", delay, attempt + 1,
                        attempts, error)

@@ -687,9 +687,12 @@ def test_a_default_fs_uri_that_fell_back_to_file_names_the_configuration_folder(
     assert "CLASSPATH" not in str(named)
 
 
-def test_a_retried_call_without_an_account_warns_once_then_succeeds(caplog, tmp_path):
-    """A scan-side call (no on_retry) says it is waiting on storage at its first retry, once;
-    a read task's call (its retries counted by on_retry) stays at debug."""
+def test_a_retried_call_without_an_account_warns_once_then_succeeds(caplog, tmp_path,
+                                                                   monkeypatch):
+    """A scan-side call (no on_retry) says it is waiting on storage at its first retry, once,
+    and the next such call within RETRY_WARNING_EVERY_S does not say it again; a read task's
+    call (its retries counted by on_retry) stays at debug."""
+    monkeypatch.setattr(_errors, "_last_retry_warning", [-1e9])
     fails = [ConnectionResetError("connection reset by peer")] * 2
 
     def call():
@@ -703,6 +706,11 @@ def test_a_retried_call_without_an_account_warns_once_then_succeeds(caplog, tmp_
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "attempt 2 of 4" in warned[0].getMessage()
     assert "connection reset" in warned[0].getMessage()
+    caplog.clear()
+    fails[:] = [ConnectionResetError("connection reset by peer")]
+    with caplog.at_level(logging.DEBUG, logger="raying.storage.files"):
+        assert _errors.retrying(call, fs, str(tmp_path / "x"), 4, 0.001) == "ok"
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]  # within the interval
     caplog.clear()
     fails[:] = [ConnectionResetError("connection reset by peer")] * 2
     counted = []

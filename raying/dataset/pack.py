@@ -75,8 +75,8 @@ def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: Storag
         reason = detail = None
         if isinstance(d, BaseException):
             reason, detail = "read_error", str(d).splitlines()[0][:200] if str(d) else ""
-        elif d is None:
-            reason, detail = "null_image", "the image column is null in this row"
+        elif isinstance(d, RowProblem):
+            reason, detail = d.reason, d.detail
         elif not decode_size:
             try:
                 if verify:
@@ -129,22 +129,37 @@ def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: Storag
                      {name: values.type for name, values in extra.items()})
     table = pa.table(cols, schema=schema)
     sink = pa.BufferOutputStream()
+    # Statistics for the extra columns too: a later scan counts their nulls from them.
     pq.write_table(table, sink, row_group_size=row_group_rows, compression="none",
-                   use_dictionary=["label"], write_statistics=["id", "label"])
+                   use_dictionary=["label"], write_statistics=["id", "label", *extra])
     data = sink.getvalue()
     out_fs, out_root = _storage.resolve(dst_uri, dst_storage)
     _storage.write_bytes_atomic(out_fs, f"{out_root.rstrip('/')}/{shard_name}", data.to_pybytes())
     return {"shard": shard_name, "rows": len(kept), "bytes": data.size, "skipped": skipped}
 
 
+@dataclasses.dataclass(frozen=True)
+class RowProblem:
+    """Why a source row cannot be packed (set aside and listed under ``reason``)."""
+
+    reason: str
+    detail: str
+
+
 def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
                    ) -> tuple[list[Any], list[str], dict[str, pa.ChunkedArray]]:
-    """The rows ``ids`` of a Parquet manifest: each one's encoded image (bytes; None where
-    the value is null; the exception where its file could not be read), its location
-    (``file#rgG/rowR``), and the manifest's extra columns in ``ids`` order, each of the one
-    Arrow type raying carries it as (``columns.arrow_type``). Each file's row groups are read
-    once, the image column and the extra columns only."""
-    from raying.dataset.columns import arrow_type
+    """The rows ``ids`` of a Parquet manifest: each one's encoded image (bytes), or the
+    exception its file raised, or a :class:`RowProblem` (a null image or extra value, a row
+    the file no longer has); its location (``file#rgG/rowR``); and the manifest's extra
+    columns in ``ids`` order, each of the one Arrow type raying carries it as
+    (``columns.arrow_type``). Each file's row groups are read once, the image column and the
+    extra columns only.
+
+    Raises:
+        DataError: an extra column holds integers that raying cannot carry (uint64 above
+            int64's range), naming the file and the column.
+    """
+    from raying.dataset.columns import _check_range, arrow_type
 
     image_col = src.meta.get("image_column") or "image"
     descs: dict[str, dict[str, Any]] = dict(src.meta.get("columns") or {})
@@ -157,7 +172,8 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
     for fi in np.unique(f):
         sel = np.flatnonzero(f == fi)
         groups = sorted({int(x) for x in g[sel]})
-        path = f"{root.rstrip('/')}/{src.files[int(fi)]}"
+        rel = src.files[int(fi)]
+        path = f"{root.rstrip('/')}/{rel}"
         try:
             with _storage.open_input(fs, path) as fh:
                 pf = pq.ParquetFile(fh)
@@ -171,19 +187,43 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
             continue
         # read_row_groups returns the groups in the order asked: each one's first row.
         first = dict(zip(groups, np.cumsum([0, *sizes[:-1]]).tolist(), strict=True))
+        size = dict(zip(groups, sizes, strict=True))
+        there = np.array([int(row) < size[int(grp)] for grp, row in zip(g[sel], r[sel],
+                                                                        strict=True)],
+                         dtype=bool)
+        gone, sel = sel[~there], sel[there]
+        for k in gone:  # the file has fewer rows than it had at the scan
+            datas[k] = RowProblem("read_error", f"{rel} no longer has this row (rewritten "
+                                  f"since the scan?); scan the source again")
+        if len(gone):
+            failed.append(gone)
         starts = np.array([first[int(x)] for x in g[sel]], dtype=np.int64)
         rows = pa.array(starts + r[sel], pa.int64())
         images = table.column(image_col).take(rows).combine_chunks()
+        paths: list[Any] = [None] * len(sel)
         if pa.types.is_struct(images.type):  # {bytes, path}: Hugging Face Image
+            if images.type.get_field_index("path") >= 0:
+                paths = images.field(images.type.get_field_index("path")).to_pylist()
             images = images.field(images.type.get_field_index("bytes"))
-        for k, value in zip(sel, images.to_pylist(), strict=True):
-            datas[k] = value
+        for k, value, ref in zip(sel, images.to_pylist(), paths, strict=True):
+            datas[k] = value if value is not None else RowProblem(
+                "null_image", f"the image column holds no bytes in this row (it names the "
+                f"file {ref!r}, which pack does not fetch)" if ref else
+                "the image column is null in this row")
         for name in descs:
             col = table.column(name).take(rows)
-            parts[name].append((sel, col.cast(arrow_type(descs[name])).combine_chunks()))
+            _check_range(col.combine_chunks(), descs[name].get("dtype", ""), name=name,
+                         where=src.root.rstrip("/") + "/" + rel)
+            col = col.cast(arrow_type(descs[name])).combine_chunks()
+            for k in sel[_null_rows(col)]:
+                if not isinstance(datas[k], RowProblem):
+                    datas[k] = RowProblem("null_value", f"extra column {name!r} is null in "
+                                          f"this row (or inside its list); raying carries no "
+                                          f"nulls: fill it in the data")
+            parts[name].append((sel, col))
     for name, desc in descs.items():
-        for sel in failed:  # rows of unreadable files: nulls of the type, never kept
-            parts[name].append((sel, pa.nulls(len(sel), arrow_type(desc))))
+        for lost in failed:  # rows of unreadable files or gone: nulls of the type, not kept
+            parts[name].append((lost, pa.nulls(len(lost), arrow_type(desc))))
     extra: dict[str, pa.ChunkedArray] = {}
     for name, got in parts.items():
         order = np.concatenate([sel for sel, _ in got]) if got else np.zeros(0, np.int64)
@@ -192,3 +232,16 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
         inverse[order] = np.arange(len(order))
         extra[name] = values.take(pa.array(inverse, pa.int64()))
     return datas, src.path_of(ids), extra
+
+
+def _null_rows(values: pa.Array) -> np.ndarray:
+    """Which rows of ``values`` are null or, for lists, hold a null item."""
+    import pyarrow.compute as pc
+
+    mask = np.asarray(values.is_null().to_numpy(zero_copy_only=False), dtype=bool).copy()
+    if pa.types.is_list(values.type) or pa.types.is_fixed_size_list(values.type):
+        items = pc.list_flatten(values)
+        if items.null_count:
+            parents = pc.list_parent_indices(values).to_numpy()
+            mask[parents[np.asarray(items.is_null().to_numpy(zero_copy_only=False))]] = True
+    return mask

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -15,6 +16,11 @@ from raying.storage import files as _storage
 
 # The random stream of pack's row order (apart from the samplers' streams of the same seed).
 _PACK_STREAM = 0x5041434B
+# Source row groups a shard of Parquet input should draw from for its rows to mix: fewer,
+# and pack warns that a source sorted by class gives shards of few classes.
+MIN_GROUPS_PER_SHARD = 8
+
+logger = logging.getLogger(__name__)
 
 
 def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
@@ -24,7 +30,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
          dst_storage: StorageOptions | dict | None = None, on_error: str = "skip",
          verify: bool = False, progress: bool = True, label: str | None = "folder",
          overwrite: bool = False, shuffle: bool = True, seed: int = 0,
-         columns: list[str] | tuple[str, ...] | None = None) -> PackResult:
+         columns: list[str] | tuple[str, ...] | None = None,
+         format: str = "auto") -> PackResult:  # noqa: A002 - Manifest.scan's name
     """Write an image dataset (an image folder, or Parquet of encoded images) as Parquet
     shards, one Ray task per shard.
 
@@ -41,8 +48,10 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     refused (their rows would be read with the new shards'); ``overwrite=True`` deletes them
     first.
 
-    Parquet input (``src`` a folder of Parquet files, or a Parquet ``Manifest``) is read as
-    :meth:`Manifest.scan` reads it: ``label`` names the label column (``"folder"`` reads
+    ``format`` is :meth:`Manifest.scan`'s (``"auto"``: Parquet when the folder holds
+    ``.parquet`` files; a folder of images and Parquet files is refused until it says
+    ``"images"`` or ``"parquet"``). Parquet input (``src`` a folder of Parquet files, or a
+    Parquet ``Manifest``) is read as :meth:`Manifest.scan` reads it: ``label`` names the label column (``"folder"`` reads
     ``label``), and ``columns=[...]`` carries extra columns (captions, boxes, metadata) into
     the shards under their own names and types, e.g. to pre-decode a captioned set with its
     captions. Each row's ``id`` is its row number in the source (files, row groups, rows in
@@ -56,7 +65,9 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     its source ``id`` and ``path``; ``shuffle=False`` keeps the folder's order. From Parquet
     input the order is random across whole source row groups and within each shard (each
     shard task reads only its own row groups, not the whole dataset): a shard mixes the
-    rows of the ``shard_rows / rows per group`` source groups it takes.
+    rows of the ``shard_rows / rows per group`` source groups it takes, so a source sorted by
+    class, in row groups of more than ``shard_rows / 8`` rows, gives shards of few classes
+    (logged as a warning); write such a source with smaller row groups, or shuffled.
     """
     import ray
 
@@ -82,7 +93,7 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
             raise ConfigError(msg)
         manifest = src
     else:
-        manifest = Manifest.scan(src, format="auto", label=label, storage=storage,
+        manifest = Manifest.scan(src, format=format, label=label, storage=storage,
                                  columns=columns)
     taken = [c for c in (manifest.meta.get("columns") or {}) if c in PACK_COLUMNS]
     if taken:
@@ -132,6 +143,13 @@ def _local_shuffle(manifest: Manifest, shard_rows: int, rng: np.random.Generator
     random order would have every task read every row group of the dataset); rows mix
     across the ``shard_rows / rows per group`` groups a shard takes."""
     _, _, start, rows = manifest.row_group_table()
+    per_shard = shard_rows / max(1.0, float(np.median(rows)))
+    if per_shard < MIN_GROUPS_PER_SHARD and len(start) > per_shard:
+        logger.warning(
+            "pack: each shard's rows come from about %.1f source row groups (%d rows per "
+            "group, shard_rows=%d): rows mix within those groups only, so a source sorted by "
+            "class gives shards of few classes; write the source with smaller row groups or "
+            "in a shuffled order", max(per_shard, 1.0), int(np.median(rows)), shard_rows)
     perm = rng.permutation(len(start))
     order = np.concatenate([np.arange(start[k], start[k] + rows[k], dtype=np.int64)
                             for k in perm])

@@ -122,7 +122,8 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
         line("pre_decode", "already pre-decoded", "the image column holds pixels",
              f"image column type {data.get('image_type')}")
     elif d_ms is None:
-        line("pre_decode", "unknown", "no image could be sampled to time decoding", "-")
+        line("pre_decode", "unknown", "no sampled image could be read and decoded to time "
+             "decoding (the report's sample line says why)", "-")
     else:
         decoded_bytes = DECODED_SIDE * DECODED_SIDE * 3
         need_bw = demand * decoded_bytes

@@ -97,7 +97,8 @@ def cmd_pack(ns: argparse.Namespace) -> int:
                on_error=ns.on_error, verify=ns.verify, progress=not ns.json,
                label=None if ns.label == "none" else ns.label, overwrite=ns.overwrite,
                shuffle=not ns.no_shuffle, seed=ns.seed,
-               columns=[c for c in ns.columns.split(",") if c] if ns.columns else None)
+               columns=[c.strip() for c in ns.columns.split(",") if c.strip()]
+               if ns.columns else None, format=ns.format)
     out = res.summary()
     _print(out, ns.json)
     for s in res.skipped[:20]:
@@ -154,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "Parquet label column's name, or 'none' (unlabelled)")
     k.add_argument("--columns", default=None, metavar="A,B",
                    help="Parquet input: extra columns to carry into the shards (comma list)")
+    k.add_argument("--format", default="auto", choices=["auto", "images", "parquet"],
+                   help="what SRC holds (auto: Parquet when it has .parquet files)")
     k.add_argument("--overwrite", action="store_true",
                    help="delete Parquet files already in DST first (else they are refused)")
     k.add_argument("--no-shuffle", action="store_true",

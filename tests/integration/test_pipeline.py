@@ -65,6 +65,24 @@ def test_pack_a_flat_unlabelled_folder(image_folder, tmp_path, ray_local):
     assert len(back) == 10 and set(back.labels.tolist()) == {-1}
 
 
+def test_pack_an_image_folder_beside_a_parquet_file_says_which_with_format(image_folder,
+                                                                          tmp_path, ray_local):
+    import shutil
+
+    src = tmp_path / "src"
+    for f in sorted(image_folder.rglob("*.jpg"))[:6]:
+        (src / f.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(f, src / f.parent.name / f.name)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"caption": ["x"]}), src / "captions.parquet")
+    with pytest.raises(raying.ConfigError, match="format='images'"):
+        raying.pack(str(src), str(tmp_path / "out"), progress=False)
+    res = raying.pack(str(src), str(tmp_path / "out"), progress=False, format="images")
+    assert res.rows == 6 and not res.skipped
+
+
 def test_pack_parquet_with_captions_pre_decoded_then_read_with_them(tmp_path, ray_local):
     """A captioned Parquet set packed pre-decoded with its extra columns: the packed set
     scans with them, and every batch's caption, number and boxes belong to its image's

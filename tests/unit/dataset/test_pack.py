@@ -111,7 +111,8 @@ def test_rows_of_an_unreadable_parquet_file_are_set_aside_as_read_errors(tmp_pat
                    decode_size=None, row_group_rows=8, on_error="raise", verify=False)
 
 
-def test_parquet_input_is_shuffled_so_each_shard_reads_only_a_few_row_groups(tmp_path):
+def test_parquet_input_is_shuffled_so_each_shard_reads_only_a_few_row_groups(tmp_path,
+                                                                           caplog):
     """pack's order for Parquet input: every id once, random, and each shard's ids within the
     few source row groups it takes (with a fully random order every shard task would read
     every row group of the dataset)."""
@@ -123,7 +124,14 @@ def test_parquet_input_is_shuffled_so_each_shard_reads_only_a_few_row_groups(tmp
     f, g, start, rows = m.row_group_table()
     for k, (a, r) in enumerate(zip(start, rows, strict=True)):
         groups.update({int(i): k for i in range(a, a + r)})
-    order = _local_shuffle(m, 12, np.random.default_rng(0))
+    with caplog.at_level("WARNING", logger="raying.engine.pack"):
+        order = _local_shuffle(m, 12, np.random.default_rng(0))
+    # Two source groups per shard: a class-sorted source would give shards of few classes.
+    assert any("about 2.0 source row groups" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="raying.engine.pack"):
+        _local_shuffle(m, 60, np.random.default_rng(0))  # ten groups per shard: no warning
+    assert not caplog.records
     assert sorted(order.tolist()) == list(range(36)) and order.tolist() != list(range(36))
     touched = []
     for a in range(0, 36, 12):
@@ -136,3 +144,61 @@ def test_parquet_input_is_shuffled_so_each_shard_reads_only_a_few_row_groups(tmp
     again = _local_shuffle(m, 12, np.random.default_rng(0))
     other = _local_shuffle(m, 12, np.random.default_rng(1))
     assert np.array_equal(order, again) and not np.array_equal(order, other)
+
+
+def _pack_all(m, out, name="part-00000.parquet", **kw):
+    out.mkdir(exist_ok=True)
+    return pack_shard(m, np.arange(len(m)), str(out), StorageOptions(), name,
+                      decode_size=None, row_group_rows=8, on_error="skip", verify=False, **kw)
+
+
+def test_parquet_rows_pack_cannot_carry_are_set_aside_naming_why(tmp_path):
+    """A null extra value (a file without statistics: the scan cannot see it), a null inside
+    a list, a Hugging Face image that only names a file, and a row the file lost since the
+    scan are set aside and listed; the other rows are packed."""
+    import pyarrow as pa
+
+    from raying.tools.datagen import encode, synth_image
+
+    rng = np.random.default_rng(0)
+    jpg = [encode(synth_image(rng, i % 2, 2, 24, 32), "jpg") for i in range(8)]
+    src = tmp_path / "src"
+    src.mkdir()
+    pq.write_table(pa.table({
+        "image": pa.array([{"bytes": b, "path": None} if i != 5 else
+                           {"bytes": None, "path": "elsewhere/5.jpg"}
+                           for i, b in enumerate(jpg)],
+                          pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+        "label": pa.array([i % 2 for i in range(8)], pa.int64()),
+        "cap": pa.array(["a", None, "c", "d", "e", "f", "g", "h"]),
+        "xs": pa.array([[1.0], [2.0], [3.0, None], [4.0], [], [6.0], [7.0], [8.0]],
+                       pa.list_(pa.float32())),
+    }), src / "a.parquet", row_group_size=4, write_statistics=False)
+    m = raying.Manifest.scan(str(src), columns=["cap", "xs"])
+    t = pq.read_table(src / "a.parquet")
+    pq.write_table(t.slice(0, 7), src / "a.parquet", row_group_size=4,
+                   write_statistics=False)  # the file loses row 7 after the scan
+    res = _pack_all(m, tmp_path / "out")
+    why = {s["id"]: (s["reason"], s["detail"]) for s in res["skipped"]}
+    assert sorted(why) == [1, 2, 5, 7], why
+    assert why[1][0] == why[2][0] == "null_value" and "'cap'" in why[1][1] and "'xs'" in why[2][1]
+    assert why[5][0] == "null_image" and "elsewhere/5.jpg" in why[5][1]
+    assert why[7][0] == "read_error" and "no longer has this row" in why[7][1]
+    packed = pq.read_table(tmp_path / "out" / "part-00000.parquet")
+    assert packed.column("id").to_pylist() == [0, 3, 4, 6]
+    assert packed.column("cap").to_pylist() == ["a", "d", "e", "g"]
+    assert packed.column("xs").to_pylist() == [[1.0], [4.0], [], [7.0]]
+
+
+def test_a_uint64_extra_column_above_int64_stops_pack_naming_file_and_column(tmp_path):
+    import pyarrow as pa
+
+    src = _captioned(tmp_path / "src")
+    for f in ("part-0", "part-1"):
+        t = pq.read_table(src / f"{f}.parquet")
+        big = [2**63 + i if f == "part-1" else i for i in range(t.num_rows)]
+        pq.write_table(t.append_column("big", pa.array(big, pa.uint64())),
+                       src / f"{f}.parquet", row_group_size=6)
+    m = raying.Manifest.scan(str(src), columns=["big"])
+    with pytest.raises(raying.DataError, match=r"part-1\.parquet: extra column 'big' \(uint64\)"):
+        _pack_all(m, tmp_path / "out")

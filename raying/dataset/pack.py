@@ -212,7 +212,10 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
                 "the image column is null in this row")
         for name in descs:
             col = table.column(name).take(rows)
-            _check_range(col.combine_chunks(), descs[name].get("dtype", ""), name=name,
+            flat = col.combine_chunks()
+            if descs[name]["kind"] in ("list", "array"):
+                flat = flat.flatten()
+            _check_range(flat, descs[name].get("dtype", ""), name=name,
                          where=src.root.rstrip("/") + "/" + rel)
             col = col.cast(arrow_type(descs[name])).combine_chunks()
             for k in sel[_null_rows(col)]:

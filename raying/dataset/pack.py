@@ -149,15 +149,16 @@ class RowProblem:
 def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
                    ) -> tuple[list[Any], list[str], dict[str, pa.ChunkedArray]]:
     """The rows ``ids`` of a Parquet manifest: each one's encoded image (bytes), or the
-    exception its file raised, or a :class:`RowProblem` (a null image or extra value, a row
-    the file no longer has); its location (``file#rgG/rowR``); and the manifest's extra
+    exception its file raised, or a :class:`RowProblem` (a null image, a row the file no
+    longer has); its location (``file#rgG/rowR``); and the manifest's extra
     columns in ``ids`` order, each of the one Arrow type raying carries it as
     (``columns.arrow_type``). Each file's row groups are read once, the image column and the
     extra columns only.
 
     Raises:
-        DataError: an extra column holds integers that raying cannot carry (uint64 above
-            int64's range), naming the file and the column.
+        DataError: an extra column holds nulls (which the scan finds only where the footers
+            count them) or integers raying cannot carry (uint64 above int64's range), naming
+            the file and the column, as the scan and the read paths do.
     """
     from raying.dataset.columns import _check_range, arrow_type
 
@@ -218,11 +219,15 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
             _check_range(flat, descs[name].get("dtype", ""), name=name,
                          where=src.root.rstrip("/") + "/" + rel)
             col = col.cast(arrow_type(descs[name])).combine_chunks()
-            for k in sel[_null_rows(col)]:
-                if not isinstance(datas[k], RowProblem):
-                    datas[k] = RowProblem("null_value", f"extra column {name!r} is null in "
-                                          f"this row (or inside its list); raying carries no "
-                                          f"nulls: fill it in the data")
+            nulls = sel[_null_rows(col)]
+            if len(nulls):  # as the scan and the read paths refuse them: the column's fault
+                where = src.path_of(ids[nulls[:1]])[0]
+                msg = (f"{src.root.rstrip('/')}/{where}: extra column {name!r} has null "
+                       f"values ({len(nulls)} in this shard's rows, or inside their lists); "
+                       f"raying carries no nulls in extra columns: fill them (e.g. '' or -1, "
+                       f"or NaN for floats) in the data, or leave {name!r} out of columns= "
+                       f"(raying pack: --columns)")
+                raise DataError(msg)
             parts[name].append((sel, col))
     for name, desc in descs.items():
         for lost in failed:  # rows of unreadable files or gone: nulls of the type, not kept

@@ -231,7 +231,7 @@ def _extra_columns(columns: list[str], footers: list[pq.FileMetaData], uris: lis
         if name in (image_col, label_col):
             what = "image" if name == image_col else "label"
             msg = (f"columns=[{name!r}] names the {what} column, which every batch already "
-                   f"carries (as {what!r}); drop it from columns=")
+                   f"carries (as {what!r}); leave it out of columns= (raying pack: --columns)")
             raise ConfigError(msg)
         first: dict[str, Any] | None = None
         for fm, u in zip(footers, uris, strict=True):
@@ -246,13 +246,13 @@ def _extra_columns(columns: list[str], footers: list[pq.FileMetaData], uris: lis
             if desc is None:
                 msg = (f"{u}: column {name!r} has type {t}, which raying cannot carry into "
                        f"batches; expected numbers, strings, bytes, or (fixed-size) lists of "
-                       f"numbers: convert it, or drop it from columns=")
+                       f"numbers: convert it, or leave it out of columns= (raying pack: --columns)")
                 raise DataError(msg)
             nulls = _footer_nulls(fm, name) if desc["kind"] in _FLAT_KINDS else 0
             if nulls:
                 msg = (f"{u}: extra column {name!r} has {nulls} null values; raying carries no "
                        f"nulls in extra columns: fill them (e.g. '' or -1, or NaN for floats) "
-                       f"in the data, or scan without columns=[{name!r}]")
+                       f"in the data, or leave {name!r} out of columns= (raying pack: --columns)")
                 raise DataError(msg)
             if first is None:
                 first = desc

@@ -54,9 +54,11 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     Parquet ``Manifest``) is read as :meth:`Manifest.scan` reads it: ``label`` names the label column (``"folder"`` reads
     ``label``), and ``columns=[...]`` carries extra columns (captions, boxes, metadata) into
     the shards under their own names and types, e.g. to pre-decode a captioned set with its
-    captions. Each row's ``id`` is its row number in the source (files, row groups, rows in
-    order) and ``path`` its location there (``file#rgG/rowR``). Pixels already stored
-    pre-decoded are refused: there is nothing to decode.
+    captions (an extra column holding nulls is refused, as the scan refuses it). The shards'
+    ``id`` column holds each row's number in the source (files, row groups, rows in order)
+    and ``path`` its location there (``file#rgG/rowR``); a scan of the packed set numbers its
+    rows afresh, so a batch's ``id`` is the packed row's. Pixels already stored pre-decoded
+    are refused: there is nothing to decode.
 
     ``shuffle=True`` (the default) writes the rows in a random order drawn from ``seed``:
     readers of Parquet read whole row groups and shuffle rows within a window of a few of

@@ -152,16 +152,25 @@ def _pack_all(m, out, name="part-00000.parquet", **kw):
                       decode_size=None, row_group_rows=8, on_error="skip", verify=False, **kw)
 
 
-def test_parquet_rows_pack_cannot_carry_are_set_aside_naming_why(tmp_path):
-    """A null extra value (a file without statistics: the scan cannot see it), a null inside
-    a list, a Hugging Face image that only names a file, and a row the file lost since the
-    scan are set aside and listed; the other rows are packed."""
+@pytest.mark.parametrize("null_in", [None, "cap", "xs"])
+def test_parquet_rows_pack_cannot_carry_are_set_aside_and_null_columns_refused(tmp_path,
+                                                                              null_in):
+    """A Hugging Face image that only names a file and a row the file lost since the scan
+    are set aside and listed, the other rows packed; a null extra value, or a null inside a
+    list (in a file without statistics, which the scan cannot see), stops the pack naming
+    the file and column, as the scan and the read paths refuse them."""
     import pyarrow as pa
 
     from raying.tools.datagen import encode, synth_image
 
     rng = np.random.default_rng(0)
     jpg = [encode(synth_image(rng, i % 2, 2, 24, 32), "jpg") for i in range(8)]
+    cap = ["a", "b", "c", "d", "e", "f", "g", "h"]
+    xs = [[1.0], [2.0], [3.0], [4.0], [], [6.0], [7.0], [8.0]]
+    if null_in == "cap":
+        cap[1] = None
+    elif null_in == "xs":
+        xs[2] = [3.0, None]
     src = tmp_path / "src"
     src.mkdir()
     pq.write_table(pa.table({
@@ -170,24 +179,26 @@ def test_parquet_rows_pack_cannot_carry_are_set_aside_naming_why(tmp_path):
                            for i, b in enumerate(jpg)],
                           pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
         "label": pa.array([i % 2 for i in range(8)], pa.int64()),
-        "cap": pa.array(["a", None, "c", "d", "e", "f", "g", "h"]),
-        "xs": pa.array([[1.0], [2.0], [3.0, None], [4.0], [], [6.0], [7.0], [8.0]],
-                       pa.list_(pa.float32())),
+        "cap": pa.array(cap), "xs": pa.array(xs, pa.list_(pa.float32())),
     }), src / "a.parquet", row_group_size=4, write_statistics=False)
     m = raying.Manifest.scan(str(src), columns=["cap", "xs"])
     t = pq.read_table(src / "a.parquet")
     pq.write_table(t.slice(0, 7), src / "a.parquet", row_group_size=4,
                    write_statistics=False)  # the file loses row 7 after the scan
+    if null_in is not None:
+        with pytest.raises(raying.DataError, match=rf"a\.parquet#rg0/row\d: extra column "
+                                                   rf"'{null_in}' has null values.*fill them"):
+            _pack_all(m, tmp_path / "out")
+        return
     res = _pack_all(m, tmp_path / "out")
     why = {s["id"]: (s["reason"], s["detail"]) for s in res["skipped"]}
-    assert sorted(why) == [1, 2, 5, 7], why
-    assert why[1][0] == why[2][0] == "null_value" and "'cap'" in why[1][1] and "'xs'" in why[2][1]
+    assert sorted(why) == [5, 7], why
     assert why[5][0] == "null_image" and "elsewhere/5.jpg" in why[5][1]
     assert why[7][0] == "read_error" and "no longer has this row" in why[7][1]
     packed = pq.read_table(tmp_path / "out" / "part-00000.parquet")
-    assert packed.column("id").to_pylist() == [0, 3, 4, 6]
-    assert packed.column("cap").to_pylist() == ["a", "d", "e", "g"]
-    assert packed.column("xs").to_pylist() == [[1.0], [4.0], [], [7.0]]
+    assert packed.column("id").to_pylist() == [0, 1, 2, 3, 4, 6]
+    assert packed.column("cap").to_pylist() == ["a", "b", "c", "d", "e", "g"]
+    assert packed.column("xs").to_pylist() == [[1.0], [2.0], [3.0], [4.0], [], [7.0]]
 
 
 def test_a_uint64_extra_column_above_int64_stops_pack_naming_file_and_column(tmp_path):

@@ -348,17 +348,28 @@ class DatasetReads:
 
 def merge_dataset_account(out: dict[str, Any], reads: dict[str, Any]) -> None:
     """Add the reads Ray Data ran for ``pipe.dataset(e)`` (e.g. in Ray Train workers) to
-    ``out``: their summary under ``"dataset"``, their skipped samples in ``"skipped"``."""
+    ``out``: their summary under ``"dataset"``, their skipped samples in ``"skipped"`` (a
+    sample both paths set aside listed once, at its first skip: the earlier epoch's entry),
+    their skip events in ``"skip_events"``."""
     if "error" in reads:
         out["dataset"] = reads
         return
     out["dataset"] = {k: v for k, v in reads.items()
                       if k not in ("throughput_rows_per_s", "stall_s", "stall_share")}
-    seen = {s["id"] for s in out["skipped"]}
+    out["skip_events"] = out.get("skip_events", 0) + reads.get("skip_events", 0)
+    by_reason = out["skipped_by_reason"]
+    where = {s["id"]: k for k, s in enumerate(out["skipped"])}
     for s in reads["skipped"]:
-        if s["id"] not in seen:
-            seen.add(s["id"])
+        k = where.get(s["id"])
+        if k is None:
+            where[s["id"]] = len(out["skipped"])
             out["skipped"].append(s)
             out["skipped_count"] += 1
-            out["skipped_by_reason"][s["reason"]] = out["skipped_by_reason"].get(
-                s["reason"], 0) + 1
+            by_reason[s["reason"]] = by_reason.get(s["reason"], 0) + 1
+        elif s.get("epoch", 0) < out["skipped"][k].get("epoch", 0):
+            old = out["skipped"][k]["reason"]
+            by_reason[old] -= 1
+            if not by_reason[old]:
+                del by_reason[old]
+            by_reason[s["reason"]] = by_reason.get(s["reason"], 0) + 1
+            out["skipped"][k] = s

@@ -63,12 +63,18 @@ def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[s
 
     Returns:
         ``{"datasets": {name: ...}, "dataset_config": ...}``: the description as a one-row
-        Ray dataset that every worker receives whole.
+        Ray dataset, and a ``DataConfig`` that hands every worker the description itself
+        (no Ray Data runs in the workers for it). A trainer with datasets of its own takes
+        them beside it (``kw["datasets"]["val"] = val_ds``): the returned ``dataset_config``
+        configures those as Ray's default ``DataConfig`` does (split over the workers), and
+        ``raying.train.config.FeedConfig(**DataConfig's arguments)`` in its place sets them
+        otherwise. Under a plain ``DataConfig``, keep the feed out of ``datasets_to_split``.
     """
+    import ray
     import ray.data
-    from ray.train import DataConfig
 
     from raying.engine.ray_setup import ensure_ray, warn_without_state_api
+    from raying.train.config import FeedConfig, register_feed
 
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         msg = f"raying.train.datasets(epochs=...) must be an integer >= 1, got {epochs!r}"
@@ -88,7 +94,10 @@ def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[s
     ensure_ray(dashboard=True)  # Ray Train's own bookkeeping needs the State API
     warn_without_state_api()
     _ = pipe.store_name  # binds the sampler: a prioritized pipeline starts its store here
-    feed = Feed.of(pipe, epochs)
-    ds = ray.data.from_items([{"feed": feed.encode()}])
+    encoded = Feed.of(pipe, epochs).encode()
+    # The trainer's record of the feed; its workers get the description's reference from
+    # FeedConfig and read this dataset only under a trainer given another DataConfig.
+    ds = ray.data.from_items([{"feed": encoded}])
     ds.context.enable_progress_bars = False  # one row, read once per worker: no bar
-    return {"datasets": {name: ds}, "dataset_config": DataConfig(datasets_to_split=[])}
+    register_feed(ds, ray.put(encoded))
+    return {"datasets": {name: ds}, "dataset_config": FeedConfig()}

@@ -43,11 +43,28 @@ def loader(*, name: str = FEED_DATASET) -> Loader:
         msg = (f"this Train worker has no dataset {name!r}: pass "
                f"**raying.train.datasets(pipe, epochs=...) to the trainer")
         raise ConfigError(msg)
-    row = next(iter(shard.iter_rows()))
-    feed: Feed = pickle.loads(row["feed"])
+    feed: Feed = pickle.loads(_feed_bytes(shard, name))
     ctx = ray.train.get_context()
     return Loader(feed, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
                   checkpoint=ray.train.get_checkpoint())
+
+
+def _feed_bytes(shard: Any, name: str) -> bytes:
+    """The encoded feed: by reference from raying's FeedConfig, else the one-row dataset read
+    through Ray Data (a trainer given another DataConfig)."""
+    import ray
+
+    if isinstance(shard, ray.ObjectRef):
+        return ray.get(shard)
+    rows = list(shard.iter_rows())
+    if len(rows) != 1:
+        msg = (f"this Train worker got {len(rows)} rows of the dataset {name!r}, not the one "
+               f"row of the pipeline's description: the trainer's dataset_config split it. "
+               f"Pass the dataset_config of raying.train.datasets(...) (it configures your "
+               f"other datasets as DataConfig does), or leave {name!r} out of "
+               f"datasets_to_split")
+        raise ConfigError(msg)
+    return rows[0]["feed"]
 
 
 class Loader:

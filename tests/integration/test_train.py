@@ -402,3 +402,82 @@ def test_the_room_for_reads_counts_what_placement_groups_reserve_not_what_runs_n
                 ray_local.get(running)
         finally:
             remove_placement_group(pg)
+
+
+def _feed_and_val_loop(config):
+    import ray
+    import ray.train
+
+    rank = ray.train.get_context().get_world_rank()
+    shard = ray.train.get_dataset_shard(raying.train.FEED_DATASET)
+    _log(config, f"feed-by-ref-r{rank}", [int(isinstance(shard, ray.ObjectRef))])
+    loader = raying.train.loader()
+    for epoch in loader.epochs():
+        for batch in loader.iter_batches(batch_size=16):
+            _log(config, f"r{rank}-e{epoch}", batch["id"].tolist())
+    val = ray.train.get_dataset_shard("val")
+    _log(config, f"val-r{rank}", [row["v"] for row in val.iter_rows()])
+    loader.close()
+
+
+def test_the_feed_reaches_workers_by_reference_beside_a_dataset_train_splits(
+        image_folder, ray_local, tmp_path):
+    """The feed's DataConfig hands the workers the description, not a Ray Data iterator (no
+    Ray Data runs for it), and configures the trainer's own datasets as Ray's default does:
+    split over the workers, every row once."""
+    import ray.data
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=8))
+    kw = raying.train.datasets(pipe, epochs=1)
+    kw["datasets"]["val"] = ray.data.from_items([{"v": i} for i in range(40)])
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    TorchTrainer(_feed_and_val_loop, train_loop_config={"out": str(tmp_path)},
+                 scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+                 run_config=RunConfig(storage_path=str(tmp_path / "results"), name="run"),
+                 **kw).fit()
+    assert _read(tmp_path, "feed-by-ref-r0") == _read(tmp_path, "feed-by-ref-r1") == [1]
+    a, b = _read(tmp_path, "r0-e0"), _read(tmp_path, "r1-e0")
+    assert sorted(a + b) == list(range(len(m)))
+    va, vb = _read(tmp_path, "val-r0"), _read(tmp_path, "val-r1")
+    assert va and vb and sorted(va + vb) == list(range(40))  # split, as DataConfig() splits
+    pipe.close()
+
+
+def _plain_config_loop(config):
+    import ray.train
+
+    rank = ray.train.get_context().get_world_rank()
+    loader = raying.train.loader()
+    for epoch in loader.epochs():
+        for batch in loader.iter_batches(batch_size=16):
+            _log(config, f"r{rank}-e{epoch}", batch["id"].tolist())
+    loader.close()
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_under_a_plain_data_config_the_feed_is_read_through_ray_data_or_refused_if_split(
+        image_folder, ray_local, tmp_path, split):
+    from ray.train import DataConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=8))
+    kw = raying.train.datasets(pipe, epochs=1)
+    kw["dataset_config"] = DataConfig() if split else DataConfig(datasets_to_split=[])
+    trainer = TorchTrainer(
+        _plain_config_loop, train_loop_config={"out": str(tmp_path)},
+        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+        run_config=RunConfig(storage_path=str(tmp_path / "results"), name="run"), **kw)
+    if split:  # one row over two workers: one gets none, and says what to pass instead
+        with pytest.raises(Exception, match=r"trainer's dataset_config split it"):
+            trainer.fit()
+    else:
+        trainer.fit()
+        a, b = _read(tmp_path, "r0-e0"), _read(tmp_path, "r1-e0")
+        assert sorted(a + b) == list(range(len(m)))
+    pipe.close()

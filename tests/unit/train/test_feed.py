@@ -72,3 +72,47 @@ def test_a_stage_from_the_driver_script_reaches_the_workers_by_value(manifest):
     (stage,) = feed.stages
     assert stage.fn({"id": np.arange(3)})["twice"].tolist() == [0, 2, 4]
     pipe.close()
+
+
+class _Named:
+    """Stands for the one-row feed dataset: FeedConfig looks only at its name."""
+
+    name = None
+
+    def set_name(self, name):
+        self.name = name
+
+
+def test_a_feed_config_carries_every_feed_of_the_process_to_where_train_unpickles_it():
+    """Train deep-copies the config in the driver and unpickles it in its controller and
+    dataset manager, where no feed is registered: the config must carry them, the feeds of
+    every datasets() call (a trainer of two pipelines keeps one of their configs)."""
+    import copy
+    import gc
+    import pickle
+
+    from raying.train import config
+
+    a, b = _Named(), _Named()
+    config.register_feed(a, "ref-a")
+    config.register_feed(b, "ref-b")
+    assert a.name != b.name and a.name.startswith(config.FEED_NAME_PREFIX)
+    sent = pickle.dumps(copy.deepcopy(config.FeedConfig()))
+    del a
+    gc.collect()
+    assert b.name in config._known_feeds() and len(config._known_feeds()) == 1
+    saved = dict(config._FEEDS)
+    config._FEEDS.clear()  # as in Train's controller: nothing registered there
+    try:
+        there = pickle.loads(sent)
+        feed_a, feed_b = _Named(), _Named()
+        feed_a.name, feed_b.name = sorted(there.feeds)  # the names travelled with the config
+        out = there.configure({"x": feed_a, "y": feed_b}, world_size=3,
+                              worker_handles=None, worker_node_ids=None)
+        assert sorted(out[0].values()) == ["ref-a", "ref-b"]
+        assert out == [out[0]] * 3  # every worker gets the whole feed
+    finally:
+        config._FEEDS.update(saved)
+    del b
+    gc.collect()
+    assert not config._known_feeds()

@@ -31,8 +31,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("raying.bench",),
 )
 # Where ``import ray`` may stand at module level; elsewhere Ray is imported where it is used.
+# (raying.train.config subclasses Ray Train's DataConfig; only Train drivers import it.)
 RAY_AT_MODULE_LEVEL = ("raying.engine", "raying.sampling.store", "raying.sampling.store_actor",
-                       "raying.tools", "raying.bench")
+                       "raying.train.config", "raying.tools", "raying.bench")
 # Heavy frameworks are imported lazily everywhere in the library (a read worker that never
 # converts to torch never pays for importing it).
 LAZY_ONLY = ("torch", "tensorflow", "keras", "matplotlib", "pandas")

@@ -250,6 +250,20 @@ class BlockStream:
         self._next_epoch_plan = plan
         return plan
 
+    def prefetch(self, epoch: int) -> bool:
+        """Submit the first window of ``epoch`` now, before anyone iterates it (a Train worker
+        building its model meanwhile): the first read tasks start their worker processes and
+        decode while nothing waits. An :meth:`iter_epoch` of ``epoch`` from its start takes
+        the running reads; of another epoch or position, drops them. Nothing is submitted
+        when reads already run or wait; returns whether this call submitted."""
+        with self._lock:
+            if self._inflight or self._reading or self._pending or self._parts:
+                return False
+            self._start(int(epoch), 0, 0)
+            self._consuming = None  # no consumer yet: the next epoch is not warmed early
+            self._top_up()
+            return bool(self._inflight)
+
     def set_batch_rows(self, rows: int | None) -> None:
         """The consumer's batch size: the short first blocks of the units submitted from now
         on hold whole batches (see :func:`first_block_rows`)."""

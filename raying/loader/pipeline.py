@@ -374,10 +374,16 @@ class Pipeline:
         if fresh:
             self.sampler.set_aside(fresh)  # a bad sample must not keep drawing reads
 
-    def start(self) -> Pipeline:
-        """Start Ray (if needed), the priority store and the read workers now, not at the
-        first batch. Returns the pipeline."""
-        self._block_stream()
+    def start(self, epoch: int | None = None) -> Pipeline:
+        """Start Ray (if needed) and the priority store now, not at the first batch; with
+        ``epoch``, that epoch's first reads too, so that its first batch is ready when the
+        caller (building its model meanwhile) asks for it. Reads of an epoch the state dict
+        resumes mid-way start at the first batch as usual. Returns the pipeline."""
+        stream = self._block_stream()
+        if epoch is not None:
+            epoch = _epoch(epoch)
+            if self._resume is None or self._resume[0] != epoch:
+                stream.prefetch(epoch)
         return self
 
     def iter_blocks(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:

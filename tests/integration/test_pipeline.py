@@ -358,6 +358,64 @@ def test_keep_warm_reads_one_epoch_ahead_not_more(image_folder, ray_local):
     pipe.close()
 
 
+def test_start_with_an_epoch_reads_its_first_window_before_the_iteration_takes_it(
+        image_folder, ray_local):
+    """start(epoch=e) submits e's first window; iterating e takes those very tasks (their refs
+    are the ones read) and gives the batches a pipeline that did not start early gives;
+    iterating another epoch drops them; a resumed epoch is not read early."""
+    m = raying.Manifest.scan(str(image_folder))
+
+    def build():
+        return raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               sampler=raying.UniformSampler(seed=11),
+                               config=raying.PipelineConfig(block_rows=8, window=3,
+                                                            decoded_cache="off"))
+
+    def batches(p, epoch):
+        return [(b["id"].copy(), b["image"].copy())
+                for b in p.iter_batches(batch_size=8, epoch=epoch)]
+
+    plain = build()
+    want = {e: batches(plain, e) for e in (1, 2)}
+    plain.close()
+
+    early = build().start(epoch=1)
+    first = dict(early._stream._inflight)
+    assert [k[:2] for k in first] == [(1, 0), (1, 1), (1, 2)]
+    ray_local.wait([ref.completed() for ref in first.values()], num_returns=len(first),
+                   timeout=60)  # the first window's reads ran before anyone iterated
+    taken = []
+    orig = early._stream._take
+    early._stream._take = lambda key: (taken.append((key, early._stream._inflight.get(key)))
+                                       or orig(key))
+    got = batches(early, 1)
+    early._stream._take = orig
+    for (ia, xa), (ib, xb) in zip(got, want[1], strict=True):
+        assert np.array_equal(ia, ib) and np.array_equal(xa, xb)
+    seen = dict(taken)
+    assert all(seen[key] is ref for key, ref in first.items())  # the early tasks, not new ones
+    early.close()
+
+    other = build().start(epoch=1)
+    got = batches(other, 2)  # another epoch: the early reads are dropped, epoch 2 is whole
+    assert [i.tolist() for i, _ in got] == [i.tolist() for i, _ in want[2]]
+    other.close()
+
+    resumed = build()
+    it = resumed.iter_batches(batch_size=8, epoch=1)
+    next(it)
+    state = resumed.state_dict()
+    del it
+    resumed.close()
+    again = build()
+    again.load_state_dict(state)
+    again.start(epoch=1)
+    assert not again._stream._inflight  # the resume position decides what is read first
+    rest = [i for i, _ in batches(again, 1)]
+    assert sorted(np.concatenate([want[1][0][0], *rest]).tolist()) == list(range(len(m)))
+    again.close()
+
+
 @pytest.mark.parametrize("share, most", [(1e-9, 3), (0.75, 8)])
 def test_units_in_flight_stay_within_the_object_store_share(image_folder, ray_local,
                                                             monkeypatch, share, most):

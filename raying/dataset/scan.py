@@ -148,6 +148,30 @@ def _read_footer(fs: pafs.FileSystem, path: str, uri_of: str) -> pq.FileMetaData
         raise DataError(msg) from None
 
 
+def _read_columns(fs: pafs.FileSystem, path: str, columns: list[str]) -> pa.Table:
+    """``columns`` of one Parquet file. Through ``ParquetFile``, not ``pq.read_table``: that
+    goes through ``pyarrow.dataset``, whose first import (pandas with it) took ~0.3 s of a
+    cold scan here. Raises what ``read_table`` raises: ``OSError``, or ``ArrowInvalid`` for a
+    file that is not Parquet or lacks a column."""
+    with fs.open_input_file(path) as fh:
+        pf = pq.ParquetFile(fh)
+        names = pf.schema_arrow.names
+        missing = [c for c in columns if c not in names]
+        if missing:
+            msg = f"no column {missing[0]!r} (the file has {names})"
+            raise pa.ArrowInvalid(msg)
+        return pf.read(columns=columns)
+
+
+def _numbers(arr: pa.ChunkedArray) -> np.ndarray:
+    """The values of a numeric column without nulls, copied from its data buffers: Arrow's
+    ``to_numpy`` imports pandas on its first call (~0.3 s of a cold scan here)."""
+    dtype = np.dtype(arr.type.to_pandas_dtype())
+    parts = [np.frombuffer(c.buffers()[1], dtype=dtype, count=len(c),
+                           offset=c.offset * dtype.itemsize) for c in arr.chunks]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
 def _short(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return text[:200]
@@ -392,12 +416,14 @@ def _check_decoded_shapes(fs, infos, uris, shape: list[int], workers: int) -> No
     """Every row of pre-decoded pixels must have the shape of the first (one reshape for all)."""
     def one(k: int) -> None:
         try:
-            t = pq.read_table(infos[k].path, columns=list(DECODED_SHAPE_COLUMNS), filesystem=fs)
+            t = _read_columns(fs, infos[k].path, list(DECODED_SHAPE_COLUMNS))
         except (pa.ArrowInvalid, OSError) as exc:
             msg = f"{uris[k]}: cannot read columns {DECODED_SHAPE_COLUMNS} ({_short(exc)})"
             raise DataError(msg) from None
         for c, want in zip(DECODED_SHAPE_COLUMNS, shape, strict=True):
-            got = t.column(c).to_numpy(zero_copy_only=False)
+            col = t.column(c)
+            got = (_numbers(col) if pa.types.is_integer(col.type) and not col.null_count
+                   else col.to_numpy(zero_copy_only=False))
             bad = np.flatnonzero(got != want)
             if len(bad):
                 msg = (f"{uris[k]}: row {int(bad[0])} has {c} {got[bad[0]]}, not {want} as the "
@@ -419,7 +445,7 @@ def _classes_from_metadata(schema: pa.Schema) -> list[str] | None:
 def _read_labels(fs, infos, uris, col: str, workers: int) -> tuple[np.ndarray, list[str] | None]:
     def one(k: int) -> pa.ChunkedArray:
         try:
-            return pq.read_table(infos[k].path, columns=[col], filesystem=fs).column(col)
+            return _read_columns(fs, infos[k].path, [col]).column(col)
         except (pa.ArrowInvalid, OSError) as exc:
             msg = f"{uris[k]}: cannot read label column {col!r} ({_short(exc)})"
             raise DataError(msg) from None
@@ -447,7 +473,7 @@ def _read_labels(fs, infos, uris, col: str, workers: int) -> tuple[np.ndarray, l
             msg = (f"{uris[k]}: label column {col!r} has {arr.null_count} null values; fill or "
                    f"drop those rows (raying never fills labels silently)")
             raise DataError(msg)
-        values = arr.to_numpy()
+        values = _numbers(arr)
         if pa.types.is_floating(arr.type):
             bad = ~np.isfinite(values)
             if bad.any():

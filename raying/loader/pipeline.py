@@ -377,12 +377,15 @@ class Pipeline:
     def start(self, epoch: int | None = None) -> Pipeline:
         """Start Ray (if needed) and the priority store now, not at the first batch; with
         ``epoch``, that epoch's first reads too, so that its first batch is ready when the
-        caller (building its model meanwhile) asks for it. Reads of an epoch the state dict
-        resumes mid-way start at the first batch as usual. Returns the pipeline."""
+        caller (building its model meanwhile) asks for it. The reads start at the first
+        batch as usual where they cannot start early: when the state dict resumes that epoch
+        mid-way, when reads of this pipeline already run, or when the sampler plans from the
+        losses as the epoch starts (InfoBatch). Returns the pipeline."""
         stream = self._block_stream()
         if epoch is not None:
             epoch = _epoch(epoch)
-            if self._resume is None or self._resume[0] != epoch:
+            planned_at_start = self.sampler.uses_store and not self.sampler.lazy
+            if (self._resume is None or self._resume[0] != epoch) and not planned_at_start:
                 stream.prefetch(epoch)
         return self
 

@@ -28,19 +28,24 @@ from ray.train import DataConfig
 # The prefix of a feed dataset's name; the rest is random, one per datasets() call.
 FEED_NAME_PREFIX = "raying-feed-"
 
-# The feeds made in this process: feed dataset name -> reference to the encoded Feed. An entry
-# lives as long as its dataset (the trainer holds it).
-_FEEDS: dict[str, Any] = {}
-_FEEDS_LOCK = threading.Lock()
+# The feeds made in this process: feed dataset name -> (Ray session, reference to the encoded
+# Feed). An entry lives as long as its dataset (the trainer holds it); one of an ended Ray
+# session is never handed on (its reference cannot be sent on the new session's).
+_FEEDS: dict[str, tuple[str | None, Any]] = {}
+# Re-entrant: an entry's finalizer may run in a garbage collection that an allocation made
+# while this thread held the lock.
+_FEEDS_LOCK = threading.RLock()
 
 
 def register_feed(ds: Any, ref: Any) -> str:
     """Name ``ds`` (the one-row feed dataset) uniquely and remember ``ref`` under that name
     while ``ds`` lives; returns the name."""
+    from raying.engine.ray_setup import ray_session
+
     key = FEED_NAME_PREFIX + uuid.uuid4().hex[:16]
     ds.set_name(key)
     with _FEEDS_LOCK:
-        _FEEDS[key] = ref
+        _FEEDS[key] = (ray_session(), ref)
     weakref.finalize(ds, _forget, key)
     return key
 
@@ -51,21 +56,34 @@ def _forget(key: str) -> None:
 
 
 def _known_feeds() -> dict[str, Any]:
+    """The feeds of this process's current Ray session."""
+    from raying.engine.ray_setup import ray_session
+
+    now = ray_session()
     with _FEEDS_LOCK:
-        return dict(_FEEDS)
+        return {key: ref for key, (session, ref) in _FEEDS.items() if session == now}
 
 
 class FeedConfig(DataConfig):
     """A ``DataConfig`` that gives each worker a feed's reference, the rest as Ray does.
 
     Args:
-        **kwargs: ``DataConfig``'s own arguments, for the trainer's other datasets (by
-            default they are split over the workers, as Ray's default does).
+        feeds: feed dataset name -> reference (``raying.train.datasets`` passes its own;
+            the feeds registered in this process are added when Train copies the config).
+        datasets_to_split: the trainer's other datasets to split over the workers with
+            ``streaming_split`` (Ray's default splits all of them); by default none is
+            split, and every worker reads each of them whole. A feed is never split.
+        **kwargs: ``DataConfig``'s other arguments, for the trainer's other datasets.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.feeds: dict[str, Any] = {}
+    def __init__(self, feeds: dict[str, Any] | None = None, *,
+                 datasets_to_split: list[str] | str | None = None, **kwargs: Any) -> None:
+        if datasets_to_split == "all":
+            msg = ("FeedConfig(datasets_to_split='all') would split the feed too: name the "
+                   "datasets to split")
+            raise ValueError(msg)
+        super().__init__(datasets_to_split=list(datasets_to_split or []), **kwargs)
+        self.feeds: dict[str, Any] = dict(feeds or {})
 
     def _with_known_feeds(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -65,10 +65,11 @@ def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[s
         ``{"datasets": {name: ...}, "dataset_config": ...}``: the description as a one-row
         Ray dataset, and a ``DataConfig`` that hands every worker the description itself
         (no Ray Data runs in the workers for it). A trainer with datasets of its own takes
-        them beside it (``kw["datasets"]["val"] = val_ds``): the returned ``dataset_config``
-        configures those as Ray's default ``DataConfig`` does (split over the workers), and
-        ``raying.train.config.FeedConfig(**DataConfig's arguments)`` in its place sets them
-        otherwise. Under a plain ``DataConfig``, keep the feed out of ``datasets_to_split``.
+        them beside it (``kw["datasets"]["val"] = val_ds``); the returned ``dataset_config``
+        leaves them unsplit (every worker reads each whole), and
+        ``raying.train.config.FeedConfig(datasets_to_split=["val"], ...)`` in its place
+        splits them (it takes ``DataConfig``'s arguments). Under a plain ``DataConfig``,
+        keep the feed out of ``datasets_to_split``.
     """
     import ray
     import ray.data
@@ -99,5 +100,6 @@ def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[s
     # FeedConfig and read this dataset only under a trainer given another DataConfig.
     ds = ray.data.from_items([{"feed": encoded}])
     ds.context.enable_progress_bars = False  # one row, read once per worker: no bar
-    register_feed(ds, ray.put(encoded))
-    return {"datasets": {name: ds}, "dataset_config": FeedConfig()}
+    ref = ray.put(encoded)
+    key = register_feed(ds, ref)
+    return {"datasets": {name: ds}, "dataset_config": FeedConfig({key: ref})}

@@ -420,18 +420,23 @@ def _feed_and_val_loop(config):
     loader.close()
 
 
-def test_the_feed_reaches_workers_by_reference_beside_a_dataset_train_splits(
-        image_folder, ray_local, tmp_path):
+@pytest.mark.parametrize("split", [False, True])
+def test_the_feed_reaches_workers_by_reference_beside_a_dataset_of_the_trainer(
+        image_folder, ray_local, tmp_path, split):
     """The feed's DataConfig hands the workers the description, not a Ray Data iterator (no
-    Ray Data runs for it), and configures the trainer's own datasets as Ray's default does:
-    split over the workers, every row once."""
+    Ray Data runs for it); the trainer's own datasets are read whole by every worker, or
+    split over them when FeedConfig names them."""
     import ray.data
+
+    from raying.train.config import FeedConfig
 
     m = raying.Manifest.scan(str(image_folder))
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
                            config=raying.PipelineConfig(block_rows=8))
     kw = raying.train.datasets(pipe, epochs=1)
     kw["datasets"]["val"] = ray.data.from_items([{"v": i} for i in range(40)])
+    if split:
+        kw["dataset_config"] = FeedConfig(datasets_to_split=["val"])
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -443,7 +448,10 @@ def test_the_feed_reaches_workers_by_reference_beside_a_dataset_train_splits(
     a, b = _read(tmp_path, "r0-e0"), _read(tmp_path, "r1-e0")
     assert sorted(a + b) == list(range(len(m)))
     va, vb = _read(tmp_path, "val-r0"), _read(tmp_path, "val-r1")
-    assert va and vb and sorted(va + vb) == list(range(40))  # split, as DataConfig() splits
+    if split:
+        assert va and vb and sorted(va + vb) == list(range(40))
+    else:
+        assert sorted(va) == sorted(vb) == list(range(40))
     pipe.close()
 
 

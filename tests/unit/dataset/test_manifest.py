@@ -121,6 +121,19 @@ def test_parquet_numeric_labels_of_every_width_across_row_groups(tmp_path, typ):
     assert m.labels.dtype == np.int64 and m.labels.tolist() == want + want[::-1]
 
 
+def test_numeric_values_are_read_from_sliced_and_empty_chunks():
+    from raying.dataset.scan import _numbers
+
+    base = pa.array(np.arange(10, dtype=np.int16))
+    arr = pa.chunked_array([base.slice(3, 4), base.slice(0, 0), base.slice(8)],
+                           type=pa.int16())
+    got = _numbers(arr)
+    assert got.dtype == np.int16 and got.tolist() == [3, 4, 5, 6, 8, 9]
+    assert _numbers(pa.chunked_array([], type=pa.float32())).tolist() == []
+    empty = pa.chunked_array([pa.array([], pa.int64())])
+    assert _numbers(empty).dtype == np.int64 and len(_numbers(empty)) == 0
+
+
 def test_a_parquet_scan_does_not_import_pandas(tmp_path):
     """Arrow's to_numpy imports pandas at its first call, ~0.3 s of a cold scan; the scan
     reads labels and footers without it (pandas is installed here: Ray Data needs it)."""

@@ -86,7 +86,8 @@ class _Named:
 def test_a_feed_config_carries_every_feed_of_the_process_to_where_train_unpickles_it():
     """Train deep-copies the config in the driver and unpickles it in its controller and
     dataset manager, where no feed is registered: the config must carry them, the feeds of
-    every datasets() call (a trainer of two pipelines keeps one of their configs)."""
+    every datasets() call (a trainer of two pipelines keeps one of their configs), and none
+    of an ended Ray session (its reference could not be sent)."""
     import copy
     import gc
     import pickle
@@ -94,25 +95,38 @@ def test_a_feed_config_carries_every_feed_of_the_process_to_where_train_unpickle
     from raying.train import config
 
     a, b = _Named(), _Named()
-    config.register_feed(a, "ref-a")
-    config.register_feed(b, "ref-b")
-    assert a.name != b.name and a.name.startswith(config.FEED_NAME_PREFIX)
-    sent = pickle.dumps(copy.deepcopy(config.FeedConfig()))
+    key_a = config.register_feed(a, "ref-a")
+    key_b = config.register_feed(b, "ref-b")
+    assert key_a == a.name != b.name == key_b and key_a.startswith(config.FEED_NAME_PREFIX)
+    config._FEEDS["raying-feed-old"] = ("an ended session", "ref-old")
+    try:
+        sent = pickle.dumps(copy.deepcopy(config.FeedConfig()))
+    finally:
+        del config._FEEDS["raying-feed-old"]
     del a
     gc.collect()
-    assert b.name in config._known_feeds() and len(config._known_feeds()) == 1
+    assert key_a not in config._known_feeds() and key_b in config._known_feeds()
     saved = dict(config._FEEDS)
     config._FEEDS.clear()  # as in Train's controller: nothing registered there
     try:
         there = pickle.loads(sent)
-        feed_a, feed_b = _Named(), _Named()
-        feed_a.name, feed_b.name = sorted(there.feeds)  # the names travelled with the config
+        assert {key_a, key_b} <= set(there.feeds) and "raying-feed-old" not in there.feeds
+        feed_a, feed_b, other = _Named(), _Named(), _Named()
+        feed_a.name, feed_b.name, other.name = key_a, key_b, "raying-feed-old"
         out = there.configure({"x": feed_a, "y": feed_b}, world_size=3,
                               worker_handles=None, worker_node_ids=None)
-        assert sorted(out[0].values()) == ["ref-a", "ref-b"]
-        assert out == [out[0]] * 3  # every worker gets the whole feed
+        assert out == [{"x": "ref-a", "y": "ref-b"}] * 3  # every worker gets the whole feed
     finally:
         config._FEEDS.update(saved)
     del b
     gc.collect()
-    assert not config._known_feeds()
+    assert key_b not in config._known_feeds()
+
+
+def test_a_feed_config_never_splits_the_feed():
+    from raying.train.config import FeedConfig
+
+    with pytest.raises(ValueError, match=r"would split the feed too: name the datasets"):
+        FeedConfig(datasets_to_split="all")
+    assert FeedConfig()._datasets_to_split == []
+    assert FeedConfig(datasets_to_split=["val"])._datasets_to_split == ["val"]

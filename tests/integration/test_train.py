@@ -412,9 +412,17 @@ def _feed_and_val_loop(config):
     shard = ray.train.get_dataset_shard(raying.train.FEED_DATASET)
     _log(config, f"feed-by-ref-r{rank}", [int(isinstance(shard, ray.ObjectRef))])
     loader = raying.train.loader()
+    early = dict(loader.pipe._stream._inflight)  # the first reads started with the loader
+    _log(config, f"early-r{rank}", [k[1] for k in early if k[0] == 0 and k[2] == 0])
+    stream, taken = loader.pipe._stream, []
+    orig = stream._take
+    stream._take = lambda key: taken.append(stream._inflight.get(key)) or orig(key)
     for epoch in loader.epochs():
         for batch in loader.iter_batches(batch_size=16):
             _log(config, f"r{rank}-e{epoch}", batch["id"].tolist())
+    stream._take = orig
+    _log(config, f"early-taken-r{rank}", [int(any(t is ref for t in taken))
+                                          for ref in early.values()])
     val = ray.train.get_dataset_shard("val")
     _log(config, f"val-r{rank}", [row["v"] for row in val.iter_rows()])
     loader.close()
@@ -445,6 +453,10 @@ def test_the_feed_reaches_workers_by_reference_beside_a_dataset_of_the_trainer(
                  run_config=RunConfig(storage_path=str(tmp_path / "results"), name="run"),
                  **kw).fit()
     assert _read(tmp_path, "feed-by-ref-r0") == _read(tmp_path, "feed-by-ref-r1") == [1]
+    for rank in (0, 1):  # the loader's early reads are the ones the first epoch takes
+        assert _read(tmp_path, f"early-r{rank}")[:1] == [0]
+        taken = _read(tmp_path, f"early-taken-r{rank}")
+        assert taken and all(taken)
     a, b = _read(tmp_path, "r0-e0"), _read(tmp_path, "r1-e0")
     assert sorted(a + b) == list(range(len(m)))
     va, vb = _read(tmp_path, "val-r0"), _read(tmp_path, "val-r1")

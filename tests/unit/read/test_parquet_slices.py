@@ -1,0 +1,68 @@
+"""The slices of one Parquet read unit share its row groups in a worker (no cluster needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import raying
+from raying.engine.stream import _slice_unit
+from raying.read import parquet
+from raying.read.task import iter_unit
+from tests.unit.read.test_stages import write_parquet_set
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Count the reads of the image column's row groups, starting with nothing kept."""
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    real = parquet._read_row_groups
+
+    def counting(fs, path, groups, col, retried):
+        if col == "image":  # (the extra columns are read on their own, not kept)
+            calls.append((path, tuple(groups)))
+        return real(fs, path, groups, col, retried)
+
+    monkeypatch.setattr(parquet, "_read_row_groups", counting)
+    monkeypatch.setitem(parquet._UNIT_GROUPS, "unit", None)
+    monkeypatch.setitem(parquet._UNIT_GROUPS, "tables", {})
+    return calls
+
+
+def _rows(spec, unit, paths):
+    out = [b for b, _ in iter_unit(spec, unit, paths, block_rows=64)]
+    return (np.concatenate([b["id"] for b in out]), np.concatenate([b["image"] for b in out]),
+            [c for b in out for c in b["caption"]])
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_slices_of_a_unit_read_its_row_groups_once_and_give_the_unit_s_rows(
+        tmp_path, counted, monkeypatch, keep):
+    root = write_parquet_set(tmp_path, files=((0, 40), (40, 64)), row_group_size=4)
+    m = raying.Manifest.scan(str(root), format="parquet", label="label", columns=["caption"])
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           sampler=raying.UniformSampler(seed=2),
+                           config=raying.PipelineConfig(block_rows=16, decoded_cache="off"))
+    if not keep:  # over the byte bound: every slice reads for itself, as before
+        monkeypatch.setattr(parquet, "UNIT_GROUPS_KEEP_BYTES", 1)
+    units = pipe.plan(0).units
+    unit, paths = pipe._fill(units[0])
+    whole = _rows(pipe._spec, unit, paths)
+    reads_whole = len(counted)
+    assert reads_whole >= 1
+    counted.clear()
+    monkeypatch.setitem(parquet._UNIT_GROUPS, "unit", None)
+    n = len(unit.ids)
+    parts = [_rows(pipe._spec, _slice_unit(unit, a, min(a + 4, n)), paths)
+             for a in range(0, n, 4)]
+    ids = np.concatenate([p[0] for p in parts])
+    images = np.concatenate([p[1] for p in parts])
+    assert np.array_equal(ids, whole[0]) and np.array_equal(images, whole[1])
+    assert [c for p in parts for c in p[2]] == whole[2]
+    # Kept: the first slice reads what the whole unit read, the others nothing.
+    assert len(counted) == (reads_whole if keep else reads_whole * len(parts))
+    counted.clear()
+    other, other_paths = pipe._fill(units[1])
+    _rows(pipe._spec, other, other_paths)  # another unit: read afresh
+    assert len(counted) >= 1
+    pipe.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,10 +42,23 @@ _FOOTERS_LOCK = threading.Lock()
 # a slice of shuffled rows lies in every row group of its unit: each slice read them all (a
 # 4-slice unit read its groups 4 times, ~5 % of a Parquet epoch's CPU here). A worker keeps
 # the groups it read for the unit it read last, up to this many bytes, for the unit's other
-# slices that come to it; a read of another unit replaces them.
+# slices that come to it; a read of another unit replaces them, and a worker that reads
+# nothing for UNIT_GROUPS_KEEP_S drops them (an idle worker holds none).
 UNIT_GROUPS_KEEP_BYTES = 64 << 20
-_UNIT_GROUPS: dict[str, Any] = {"unit": None, "tables": {}}
+UNIT_GROUPS_KEEP_S = 5.0
+_UNIT_GROUPS: dict[str, Any] = {"unit": None, "tables": {}, "until": 0.0, "dropper": None}
 _UNIT_GROUPS_LOCK = threading.Lock()
+
+
+def _drop_kept_groups_when_idle() -> None:
+    while True:
+        with _UNIT_GROUPS_LOCK:
+            left = _UNIT_GROUPS["until"] - time.monotonic()
+            if left <= 0:
+                _UNIT_GROUPS["unit"], _UNIT_GROUPS["tables"] = None, {}
+                _UNIT_GROUPS["dropper"] = None
+                return
+        time.sleep(left)
 
 
 def _unit_key(unit: ReadUnit) -> tuple[int, int, bytes]:
@@ -71,6 +85,12 @@ def _keep_groups(unit: ReadUnit, path: str, groups: list[int], col: str,
         held = sum(t.nbytes for _, t in tables.values())
         if held + read[1].nbytes <= UNIT_GROUPS_KEEP_BYTES:
             tables[(path, tuple(groups), col)] = read
+            _UNIT_GROUPS["until"] = time.monotonic() + UNIT_GROUPS_KEEP_S
+            if _UNIT_GROUPS["dropper"] is None:
+                dropper = threading.Thread(target=_drop_kept_groups_when_idle, daemon=True,
+                                           name="raying-kept-row-groups")
+                _UNIT_GROUPS["dropper"] = dropper
+                dropper.start()
 
 
 def footer(fs: Any, path: str, stats: OpStats | None = None, *, cache: Any = None,

@@ -5,7 +5,7 @@ calls :func:`loader` and reads its share of every epoch through raying's own rea
 
     driver      pipe = raying.Pipeline(...)           the priority store starts here
                 TorchTrainer(loop, **raying.train.datasets(pipe, epochs=E))
-                  -> Train hands every worker the pipeline's description, unsplit
+                  -> every worker gets the pipeline's description (FeedConfig)
     worker r    loader = raying.train.loader()        its share: the units r, r + W, ...
                 for epoch in loader.epochs():          plans made when each epoch starts
                     for batch in loader.iter_torch_batches(batch_size=B):   read tasks,

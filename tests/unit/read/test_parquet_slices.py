@@ -66,3 +66,22 @@ def test_slices_of_a_unit_read_its_row_groups_once_and_give_the_unit_s_rows(
     _rows(pipe._spec, other, other_paths)  # another unit: read afresh
     assert len(counted) >= 1
     pipe.close()
+
+
+def test_kept_row_groups_are_dropped_when_the_worker_reads_nothing_for_a_while(
+        tmp_path, counted, monkeypatch):
+    import time
+
+    monkeypatch.setattr(parquet, "UNIT_GROUPS_KEEP_S", 0.2)
+    root = write_parquet_set(tmp_path, files=((0, 16),), row_group_size=4)
+    m = raying.Manifest.scan(str(root), format="parquet", label="label")
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=16, decoded_cache="off"))
+    unit, paths = pipe._fill(pipe.plan(0).units[0])
+    list(iter_unit(pipe._spec, unit, paths, block_rows=64))
+    assert parquet._UNIT_GROUPS["tables"]
+    deadline = time.monotonic() + 10
+    while parquet._UNIT_GROUPS["tables"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not parquet._UNIT_GROUPS["tables"] and parquet._UNIT_GROUPS["unit"] is None
+    pipe.close()

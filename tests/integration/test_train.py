@@ -423,14 +423,14 @@ def _feed_and_val_loop(config):
     stream._take = orig
     _log(config, f"early-taken-r{rank}", [int(any(t is ref for t in taken))
                                           for ref in early.values()])
-    val = ray.train.get_dataset_shard("val")
-    _log(config, f"val-r{rank}", [row["v"] for row in val.iter_rows()])
+    for name in ("val", "whole"):
+        shard = ray.train.get_dataset_shard(name)
+        _log(config, f"{name}-r{rank}", [row["v"] for row in shard.iter_rows()])
     loader.close()
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_the_feed_reaches_workers_by_reference_beside_a_dataset_of_the_trainer(
-        image_folder, ray_local, tmp_path, split):
+def test_the_feed_reaches_workers_by_reference_beside_datasets_of_the_trainer(
+        image_folder, ray_local, tmp_path):
     """The feed's DataConfig hands the workers the description, not a Ray Data iterator (no
     Ray Data runs for it); the trainer's own datasets are read whole by every worker, or
     split over them when FeedConfig names them."""
@@ -443,8 +443,8 @@ def test_the_feed_reaches_workers_by_reference_beside_a_dataset_of_the_trainer(
                            config=raying.PipelineConfig(block_rows=8))
     kw = raying.train.datasets(pipe, epochs=1)
     kw["datasets"]["val"] = ray.data.from_items([{"v": i} for i in range(40)])
-    if split:
-        kw["dataset_config"] = FeedConfig(datasets_to_split=["val"])
+    kw["datasets"]["whole"] = ray.data.from_items([{"v": i} for i in range(10)])
+    kw["dataset_config"] = FeedConfig(datasets_to_split=["val"])
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -460,10 +460,9 @@ def test_the_feed_reaches_workers_by_reference_beside_a_dataset_of_the_trainer(
     a, b = _read(tmp_path, "r0-e0"), _read(tmp_path, "r1-e0")
     assert sorted(a + b) == list(range(len(m)))
     va, vb = _read(tmp_path, "val-r0"), _read(tmp_path, "val-r1")
-    if split:
-        assert va and vb and sorted(va + vb) == list(range(40))
-    else:
-        assert sorted(va) == sorted(vb) == list(range(40))
+    assert va and vb and sorted(va + vb) == list(range(40))  # named: split
+    assert sorted(_read(tmp_path, "whole-r0")) == sorted(_read(tmp_path, "whole-r1")) == list(
+        range(10))  # not named: every worker reads it whole
     pipe.close()
 
 

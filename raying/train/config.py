@@ -3,10 +3,10 @@
 A Train worker reads a dataset the trainer was given through ``ray.train.get_dataset_shard``,
 which returns what the trainer's ``DataConfig.configure`` made for that worker: for a Ray
 dataset a ``DataIterator``, whose first read starts a Ray Data execution in the worker (its
-executor, a read task, Ray Data's stats and autoscaling actors: ~0.8 s of a cold start on two
-cores, and those actors' polling for the rest of the run). :class:`FeedConfig` hands each
-worker an object reference to the description instead, so the one-row dataset is never
-executed; the trainer's other datasets are configured as Ray's own ``DataConfig`` does.
+executor, a read task, Ray Data's stats actor: ~0.8 s of a cold start on two cores, and
+that actor's polling for the rest of the run). :class:`FeedConfig` hands each worker an
+object reference to the description instead, so the one-row dataset is never executed; the
+trainer's other datasets are configured by ``DataConfig`` itself, unsplit unless named.
 
 Every feed made in this process is known to every ``FeedConfig`` of it, by the feed dataset's
 name (unique per ``raying.train.datasets`` call), so a trainer given the feeds of several

@@ -94,6 +94,21 @@ PEER_WORKLOADS = {
     "raying-train": ("W1", "W2", "W3", "W6"),
     "raydata-train": ("W1", "W3"),  # one folder, one Parquet: Train start-up is dear
 }
+# Peers that train with Ray Train (a TorchTrainer per cell, ~20 s of start each here); in
+# ``--quick``, which checks that every arm runs, they run one folder and one Parquet workload
+# in the "iterate" mode only (W2 and W6 take W1's path through Train).
+TRAIN_PEERS = ("raying-train", "raydata-train")
+QUICK_TRAIN_WORKLOADS = ("W1", "W3")
+
+
+def peer_workloads(peer: str, *, quick: bool = False) -> tuple[str, ...]:
+    """The workloads ``peer`` runs (in ``--quick``, fewer for the Train peers)."""
+    wls = PEER_WORKLOADS[peer]
+    if quick and peer in TRAIN_PEERS:
+        return tuple(w for w in wls if w in QUICK_TRAIN_WORKLOADS)
+    return wls
+
+
 # Peers that are references, not loaders: they run the "iterate" mode only.
 REFERENCE_PEERS = ("L", "L-crop", "pyarrow")
 _WORK_CHUNK_BYTES = 1 << 20

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from raying.bench import aggregate, report
-from raying.bench.child import PEER_NEEDS, PEER_WORKLOADS, PEERS, REFERENCE_PEERS
+from raying.bench.child import PEER_NEEDS, PEERS, REFERENCE_PEERS, TRAIN_PEERS, peer_workloads
 from raying.bench.launch import Job, run_job
 from raying.bench.workloads import (
     ALL_WORKLOADS,
@@ -158,7 +158,7 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
     """
 
     def modes(peer: str, wl: str) -> tuple[str, ...]:
-        if peer in REFERENCE_PEERS:
+        if peer in REFERENCE_PEERS or (cfg.quick and peer in TRAIN_PEERS):
             return ("iterate",)
         if cfg.quick and wl not in (cfg.workloads[0], "W5"):  # quick: other modes on one
             return cfg.modes[:1]                               # workload only
@@ -184,17 +184,17 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
         jobs = []
         if cfg.isolate == "peer":
             for p in peers:
-                wls = tuple(w for w in cfg.workloads if w in PEER_WORKLOADS[p])
+                wls = tuple(w for w in cfg.workloads if w in peer_workloads(p, quick=cfg.quick))
                 if wls:
                     jobs.append(Job(r, p, wls, cells(p, wls)))
         else:
             for w in cfg.workloads:
                 for p in peers:
-                    if w not in PEER_WORKLOADS[p] or (w == "W5" and "W1" in cfg.workloads
-                                                      and "W1" in PEER_WORKLOADS[p]):
+                    mine = peer_workloads(p, quick=cfg.quick)
+                    if w not in mine or (w == "W5" and "W1" in cfg.workloads and "W1" in mine):
                         continue
                     wls = (w, "W5") if (w == "W1" and "W5" in cfg.workloads
-                                        and "W5" in PEER_WORKLOADS[p]) else (w,)
+                                        and "W5" in mine) else (w,)
                     jobs.append(Job(r, p, wls, cells(p, wls)))
         rounds.append(jobs)
     return rounds

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from raying.bench import aggregate, measure, report, run
-from raying.bench.child import PEER_WORKLOADS, check_batch, steady
+from raying.bench.child import PEER_WORKLOADS, check_batch, peer_workloads, steady
 from raying.errors import ConfigError
 from raying.read import task as read_task
 
@@ -67,6 +67,22 @@ def test_config_rejects_bad_arguments():
         run.config_from_args(argparse.Namespace(epochs=1))
     cfg = run.config_from_args(argparse.Namespace(quick=True))
     assert cfg.rounds == 1 and cfg.epochs == 2 and cfg.isolate == "peer"
+
+
+def test_quick_plans_the_train_peers_on_one_folder_and_one_parquet_workload():
+    """--quick checks that every arm runs: a Train peer (a TorchTrainer start per cell) runs
+    W1 and W3 in the iterate mode; a full run plans every workload and mode it has."""
+    quick = run.config_from_args(argparse.Namespace(quick=True))
+    full = run.config_from_args(argparse.Namespace(rounds=1))
+    for peer in ("raying-train", "raydata-train"):
+        jobs = [j for j in run.plan_jobs(quick)[0] if j.peer == peer]
+        assert [(c["workload"], c["mode"]) for j in jobs for c in j.cells] == [
+            ("W1", "iterate"), ("W3", "iterate")]
+        jobs = [j for j in run.plan_jobs(full)[0] if j.peer == peer]
+        assert {c["workload"] for j in jobs for c in j.cells} == set(PEER_WORKLOADS[peer])
+        assert {c["mode"] for j in jobs for c in j.cells} == set(full.modes)
+    raying_cells = [c for j in run.plan_jobs(quick)[0] if j.peer == "raying" for c in j.cells]
+    assert {c["workload"] for c in raying_cells} == set(PEER_WORKLOADS["raying"])
 
 
 def test_plan_interleaves_and_rotates_peers():
@@ -217,8 +233,8 @@ def test_quick_bench_every_peer_runs_and_counts_rows(quick_bench):
     rows = doc["results"]
     expected_epochs = doc["config"]["epochs"]
     seen = {(r["workload"], r["peer"]) for r in rows}
-    for peer, wls in PEER_WORKLOADS.items():
-        for wl in wls:
+    for peer in PEER_WORKLOADS:
+        for wl in peer_workloads(peer, quick=True):
             assert (wl, peer) in seen, f"{peer} did not run {wl}"
     for r in rows:
         where = f"{r['workload']} {r['peer']} b{r['batch_size']} {r['mode']}"

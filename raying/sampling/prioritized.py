@@ -18,6 +18,10 @@ from raying.sampling.plan import EpochPlan, ReadUnit
 # it was drawn, or once it is this old (reports from other processes, e.g. Train workers).
 # Dropping the rest of a plan does not bias sampling: each draw was made from P at its time.
 DEFAULT_PLAN_MAX_AGE_S = 1.0
+# Stores up to this many ids draw their first plan in the driver while the actor starts (a
+# table of n ids costs ~50 bytes per id for that moment); beyond it the wait for the actor
+# is a small share of an epoch.
+FRESH_PLAN_MAX_IDS = 1 << 20
 
 
 def group_order(ids: np.ndarray, rows_per_group: int, rng: np.random.Generator) -> np.ndarray:
@@ -149,11 +153,17 @@ class PrioritizedSampler:
         self._copy = False
         self._shuffle = np.random.default_rng()
         self._per_epoch: dict[int, dict[str, Any]] = {}
+        # A store this sampler just created: its actors' start (ready calls) while it runs,
+        # and the prior it was given while no loss has reached it (see _fresh_plan).
+        self._starting: list[Any] | None = None
+        self._fresh = False
+        self._fresh_prior: np.ndarray | None = None
 
     # -- picklable for Ray Data read tasks (the handle travels; buffers stay behind) -----------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_reporter=None, _buf=None, _lock=None)
+        state.update(_reporter=None, _buf=None, _lock=None, _starting=None, _fresh=False,
+                     _fresh_prior=None)
         if state.get("handle") is not None and state.get("prior") is not None:
             # The bound store holds the prior; copies need not carry it.
             state.update(prior=None, _prior_in_store=True)
@@ -180,13 +190,24 @@ class PrioritizedSampler:
         if (self.handle is not None and self._reporter is not None
                 and self.store_name == f"{name}-priorities"):
             return  # bound here already (a map_batches pipeline shares this sampler and store)
+        from raying.options import StoreConfig
+        from raying.sampling import store as st
+
         self._n = len(manifest)
         self.store_name = f"{name}-priorities"
+        prior = self._prior_weights(manifest)
+        # The store's actor starts (a worker process, ~1 s) while the first reads run.
         self.handle, self._created = bind_store(self.store_name, self._n,
                                                 table=self.table_config,
-                                                store=self.store_options,
-                                                prior=self._prior_weights(manifest))
+                                                store=self.store_options, prior=prior,
+                                                wait=False)
         self._reporter = Reporter(self.handle)
+        if self._created:
+            self._starting = st.start_refs(self.handle)
+            # Only a store without a snapshot to restore is known to hold its initial state.
+            self._fresh = (self._n <= FRESH_PLAN_MAX_IDS
+                           and StoreConfig.coerce(self.store_options).snapshot_uri is None)
+            self._fresh_prior = prior if self._fresh else None
         if manifest.format == "parquet" and self.rows_per_group > 1:
             self._starts = manifest.row_group_table()[2]
 
@@ -218,11 +239,41 @@ class PrioritizedSampler:
             units.append(ReadUnit(epoch=epoch, index=k, draw=draw))
         return EpochPlan(epoch=epoch, units=units, sampler=self.name)
 
+    def _fresh_plan(self, chunk: int) -> Any:
+        """A plan drawn here from the store's initial state, while its actor starts: a table
+        built as the actor builds its own (the same settings and prior, flat priorities),
+        with the sampler's own generator. None once the actor answers, or once the store
+        may hold anything else (a loss sent, a state loaded): plans then come from it."""
+        import dataclasses
+
+        from raying.sampling import store as st
+        from raying.sampling.table import PriorityTable
+
+        if self._starting is None:
+            return None
+        if (self._fresh and self._reporter is not None and self._reporter.sends == 0
+                and not st.wait_ready(self.handle, self._starting, timeout_s=0)):
+            table = PriorityTable(self._n, **dataclasses.asdict(self.table_config),
+                                  prior=self._fresh_prior)
+            if self._starts is not None:
+                ids, probs = table.sample_in_groups(chunk, self._starts, self.rows_per_group,
+                                                    rng=self._shuffle)
+            else:
+                ids, probs = table.sample(chunk, systematic=self.systematic, rng=self._shuffle)
+            return st.Plan(ids, probs, self._n, table.min_probability())
+        st.wait_ready(self.handle, self._starting)  # its start's error or timeout, if any
+        self._starting, self._fresh, self._fresh_prior = None, False, None
+        return None
+
     def _draw(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         from raying.sampling import store as st
 
         chunk = k if self._copy else max(settings().plan_chunk_ids, k)
-        if self._starts is not None:
+        plan = self._fresh_plan(chunk)
+        if plan is not None:
+            order = (group_order(plan.ids, self.rows_per_group, self._shuffle)
+                     if self._starts is not None else self._shuffle.permutation(chunk))
+        elif self._starts is not None:
             plan = st.sample_grouped_plan(self.handle, chunk, self._starts, self.rows_per_group)
             order = group_order(plan.ids, self.rows_per_group, self._shuffle)
         else:
@@ -307,6 +358,7 @@ class PrioritizedSampler:
             st.load_state_dict(self.handle, state["tables"])
         with self._lock:
             self._buf = None
+            self._fresh, self._fresh_prior = False, None  # the store holds the loaded state
 
     def set_aside(self, ids: Any) -> None:
         """Samples that failed to read or decode get priority 0, so only the uniform floor

@@ -123,7 +123,8 @@ def _shard_name(name: str, shard: int) -> str:
 
 def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | None = None,
                  config: StoreConfig | Mapping[str, Any] | None = None,
-                 namespace: str | None = None, prior: Any = None) -> StoreHandle:
+                 namespace: str | None = None, prior: Any = None,
+                 wait: bool = True) -> StoreHandle:
     """Start a named priority store for ids ``0 .. n-1`` and wait until it is ready.
 
     Args:
@@ -134,6 +135,9 @@ def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | 
         namespace: Ray namespace of the actors; None uses the job's.
         prior: static weights of the ids (see ``PriorityTable``), or None; a store with a
             prior is one shard.
+        wait: wait for the actors' start here. With False the call returns at once; pass
+            the handle to :func:`wait_ready` before the first call that needs an answer
+            (its errors and the start's timeout surface there).
 
     Returns:
         A picklable handle for the other functions of this module.
@@ -185,8 +189,33 @@ def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | 
         ).remote(_shard_name(name, shard), lo, hi - lo, dataclasses.asdict(table_cfg),
                  options, path, layout, prior)
         actors.append(actor)
-    _get([a.ready.remote() for a in actors], "its start", name, DEFAULT_STORE_START_TIMEOUT_S)
-    return StoreHandle(name, namespace, int(n), bounds, tuple(actors), table_cfg.uniform_mix)
+    handle = StoreHandle(name, namespace, int(n), bounds, tuple(actors), table_cfg.uniform_mix)
+    if wait:
+        wait_ready(handle)
+    return handle
+
+
+def wait_ready(handle: StoreHandle, refs: list[Any] | None = None, *,
+               timeout_s: float = DEFAULT_STORE_START_TIMEOUT_S) -> bool:
+    """Wait until every actor of the store has started (restored its snapshot included).
+
+    ``refs`` are the actors' ``ready`` calls of an earlier look (:func:`start_refs`), so
+    looking again sends nothing. With ``timeout_s=0`` it only looks: True when all have
+    started, else False. Otherwise it raises StoreTimeoutError after ``timeout_s``, or the
+    actor's error if its start failed.
+    """
+    refs = start_refs(handle) if refs is None else refs
+    if timeout_s == 0:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(done) < len(refs):
+            return False
+    _get(refs, "its start", handle.name, timeout_s or DEFAULT_STORE_START_TIMEOUT_S)
+    return True
+
+
+def start_refs(handle: StoreHandle) -> list[Any]:
+    """One ``ready`` call per actor: they answer once the actor has started."""
+    return [a.ready.remote() for a in handle.actors]
 
 
 def get_store(name: str, *, namespace: str | None = None) -> StoreHandle:

@@ -248,3 +248,64 @@ def test_read_tasks_of_the_ray_data_path_never_share_their_draws(manifest, ray_l
         assert 59 - 4 * 10.9 < chi2 < 59 + 4 * 10.9, chi2
     finally:
         pipe.close()
+
+
+def test_first_plans_are_drawn_in_the_driver_while_the_store_starts(manifest, ray_local):
+    """A store just created holds flat priorities (times the prior) until a loss reaches it,
+    so plans are drawn in the driver while its actor starts; here the actor waits for a
+    resource no node has, and the epoch is read from those plans alone."""
+    import ray
+
+    from raying.sampling import store as st
+
+    labels = manifest.labels
+    gate = {"actor_options": {"resources": {"raying-test-never-here": 1}}}
+    s = raying.PrioritizedSampler(alpha=1.0, beta=1.0, uniform_mix=0.1, seed=3,
+                                  samples_per_epoch=1200, prior={0: 3.0, 1: 1.0, 2: 1.0},
+                                  store=gate)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
+                           config=raying.PipelineConfig(block_rows=64, keep_warm=False))
+    try:
+        batches = list(pipe.iter_batches(batch_size=64, epoch=0))
+        assert not st.wait_ready(s.handle, s._starting, timeout_s=0), "the actor never starts"
+        ids = np.concatenate([b["id"] for b in batches])
+        probs = np.concatenate([b["prob"] for b in batches])
+        assert len(ids) == 1200
+        # The prior alone: class 0 has 3/5 of the mass, each of its ids 3/100.
+        p = np.where(labels == 0, 3.0, 1.0) / np.where(labels == 0, 3.0, 1.0).sum()
+        assert np.allclose(probs, p[ids])
+        k = int((labels[ids] == 0).sum())
+        assert abs(_binom_z(k, len(ids), 0.6)) < 4, k
+        # Every id drawn about as often as its probability says (chi-square, 59 dof).
+        counts = np.bincount(ids, minlength=len(labels))
+        expected = len(ids) * p
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 100, chi2  # P(chi2_59 > 100) < 0.001
+    finally:
+        for actor in s.handle.actors:
+            ray.kill(actor)
+        s.forget_store()
+        pipe.close()
+
+
+def test_plans_come_from_the_store_once_it_may_hold_losses(manifest, tmp_path, ray_local):
+    """After a report, or with a snapshot the actor may restore, the driver waits for the
+    store instead of drawing from the initial state."""
+    from raying.sampling import store as st
+
+    s = raying.PrioritizedSampler(alpha=1.0, beta=1.0, uniform_mix=0.0, seed=4,
+                                  samples_per_epoch=256)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
+                           config=raying.PipelineConfig(block_rows=64, keep_warm=False))
+    pipe.report(np.arange(60), np.where(manifest.labels == 1, 1.0, 0.0))
+    s.flush()
+    ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=64, epoch=0)])
+    assert set(manifest.labels[ids].tolist()) == {1}, "drawn from the losses, not flat"
+    assert st.stats(s.handle)["samples"] >= 256
+    pipe.close()
+
+    snap = raying.PrioritizedSampler(seed=5, store={"snapshot_uri": str(tmp_path / "snap")})
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=snap)
+    pipe.plan(0)
+    assert snap._created and not snap._fresh
+    pipe.close()

@@ -18,9 +18,9 @@ from raying.sampling.plan import EpochPlan, ReadUnit
 # it was drawn, or once it is this old (reports from other processes, e.g. Train workers).
 # Dropping the rest of a plan does not bias sampling: each draw was made from P at its time.
 DEFAULT_PLAN_MAX_AGE_S = 1.0
-# Stores up to this many ids draw their first plan in the driver while the actor starts (a
-# table of n ids costs ~50 bytes per id for that moment); beyond it the wait for the actor
-# is a small share of an epoch.
+# Stores up to this many ids draw their first plans in the driver while the actor starts (a
+# table of n ids, ~50 bytes per id, kept until the actor answers); beyond it the wait for
+# the actor is a small share of an epoch.
 FRESH_PLAN_MAX_IDS = 1 << 20
 
 
@@ -147,6 +147,8 @@ class PrioritizedSampler:
         self._buf: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._buf_sends = 0
         self._buf_time = 0.0
+        self._buf_len = 0
+        self._live_chunk = 0
         self._lock = threading.Lock()
         self._n = 0
         self._created = False
@@ -158,12 +160,13 @@ class PrioritizedSampler:
         self._starting: list[Any] | None = None
         self._fresh = False
         self._fresh_prior: np.ndarray | None = None
+        self._fresh_table: Any = None
 
     # -- picklable for Ray Data read tasks (the handle travels; buffers stay behind) -----------
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.update(_reporter=None, _buf=None, _lock=None, _starting=None, _fresh=False,
-                     _fresh_prior=None)
+                     _fresh_prior=None, _fresh_table=None)
         if state.get("handle") is not None and state.get("prior") is not None:
             # The bound store holds the prior; copies need not carry it.
             state.update(prior=None, _prior_in_store=True)
@@ -253,8 +256,10 @@ class PrioritizedSampler:
             return None
         if (self._fresh and self._reporter is not None and self._reporter.sends == 0
                 and not st.wait_ready(self.handle, self._starting, timeout_s=0)):
-            table = PriorityTable(self._n, **dataclasses.asdict(self.table_config),
-                                  prior=self._fresh_prior)
+            if self._fresh_table is None:
+                self._fresh_table = PriorityTable(self._n, **dataclasses.asdict(self.table_config),
+                                                  prior=self._fresh_prior)
+            table = self._fresh_table
             if self._starts is not None:
                 ids, probs = table.sample_in_groups(chunk, self._starts, self.rows_per_group,
                                                     rng=self._shuffle)
@@ -262,13 +267,18 @@ class PrioritizedSampler:
                 ids, probs = table.sample(chunk, systematic=self.systematic, rng=self._shuffle)
             return st.Plan(ids, probs, self._n, table.min_probability())
         st.wait_ready(self.handle, self._starting)  # its start's error or timeout, if any
-        self._starting, self._fresh, self._fresh_prior = None, False, None
+        self._starting, self._fresh, self._fresh_prior, self._fresh_table = None, False, None, None
         return None
 
     def _draw(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         from raying.sampling import store as st
 
-        chunk = k if self._copy else max(settings().plan_chunk_ids, k)
+        # A plan of plan_chunk_ids ids (stratified over them); while reports keep making
+        # plans stale, about twice what the last one served before it went stale.
+        chunk = settings().plan_chunk_ids
+        if self._live_chunk:
+            chunk = min(chunk, self._live_chunk)
+        chunk = k if self._copy else max(chunk, k)
         plan = self._fresh_plan(chunk)
         if plan is not None:
             order = (group_order(plan.ids, self.rows_per_group, self._shuffle)
@@ -301,8 +311,15 @@ class PrioritizedSampler:
             now = time.monotonic()
             stale = sends != self._buf_sends or now - self._buf_time > DEFAULT_PLAN_MAX_AGE_S
             if self._buf is None or len(self._buf[0]) < unit.draw or stale:
+                if stale and self._buf is not None:
+                    # Reports made the plan stale after this many of its ids: draw about
+                    # twice that next (the store's work and the reply grow with it).
+                    self._live_chunk = max(2 * (self._buf_len - len(self._buf[0])), 1)
+                elif self._live_chunk:  # served to its end: plans grow back
+                    self._live_chunk = min(2 * self._live_chunk, settings().plan_chunk_ids)
                 self._buf = self._draw(unit.draw)
                 self._buf_sends, self._buf_time = sends, now
+                self._buf_len = len(self._buf[0])
             ids, probs, weights = self._buf
             self._buf = (ids[unit.draw:], probs[unit.draw:], weights[unit.draw:])
         part = slice(0, unit.draw)
@@ -358,7 +375,8 @@ class PrioritizedSampler:
             st.load_state_dict(self.handle, state["tables"])
         with self._lock:
             self._buf = None
-            self._fresh, self._fresh_prior = False, None  # the store holds the loaded state
+            # The store holds the loaded state.
+            self._fresh, self._fresh_prior, self._fresh_table = False, None, None
 
     def set_aside(self, ids: Any) -> None:
         """Samples that failed to read or decode get priority 0, so only the uniform floor

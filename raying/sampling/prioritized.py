@@ -19,7 +19,7 @@ from raying.sampling.plan import EpochPlan, ReadUnit
 # Dropping the rest of a plan does not bias sampling: each draw was made from P at its time.
 DEFAULT_PLAN_MAX_AGE_S = 1.0
 # Stores up to this many ids draw their first plans in the driver while the actor starts (a
-# table of n ids, ~50 bytes per id, kept until the actor answers); beyond it the wait for
+# table of n ids, 60-90 bytes per id, kept until the actor answers); beyond it the wait for
 # the actor is a small share of an epoch.
 FRESH_PLAN_MAX_IDS = 1 << 20
 
@@ -161,9 +161,14 @@ class PrioritizedSampler:
         self._fresh = False
         self._fresh_prior: np.ndarray | None = None
         self._fresh_table: Any = None
+        self._fresh_samples = 0  # ids drawn here, for stats (the store counts its own)
+        self._start_deadline = 0.0
 
     # -- picklable for Ray Data read tasks (the handle travels; buffers stay behind) -----------
     def __getstate__(self) -> dict[str, Any]:
+        # A copy (a read task of pipe.dataset(e)) asks the store for its plans: the store must
+        # have started, within the start's own timeout (a copy's calls have a shorter one).
+        self._await_start()
         state = dict(self.__dict__)
         state.update(_reporter=None, _buf=None, _lock=None, _starting=None, _fresh=False,
                      _fresh_prior=None, _fresh_table=None)
@@ -199,18 +204,23 @@ class PrioritizedSampler:
         self._n = len(manifest)
         self.store_name = f"{name}-priorities"
         prior = self._prior_weights(manifest)
-        # The store's actor starts (a worker process, ~1 s) while the first reads run.
+        self._forget_start()
+        with self._lock:
+            self._buf, self._live_chunk = None, 0
+        # Only a store without a snapshot to restore is known to hold its initial state until
+        # a loss reaches it: its actor starts (a worker process, ~1 s) while the driver draws
+        # the first plans (see _fresh_plan). Any other store is waited for here.
+        fresh = (self._n <= FRESH_PLAN_MAX_IDS
+                 and StoreConfig.coerce(self.store_options).snapshot_uri is None)
         self.handle, self._created = bind_store(self.store_name, self._n,
                                                 table=self.table_config,
                                                 store=self.store_options, prior=prior,
-                                                wait=False)
+                                                wait=not fresh)
         self._reporter = Reporter(self.handle)
-        if self._created:
+        if self._created and fresh:
             self._starting = st.start_refs(self.handle)
-            # Only a store without a snapshot to restore is known to hold its initial state.
-            self._fresh = (self._n <= FRESH_PLAN_MAX_IDS
-                           and StoreConfig.coerce(self.store_options).snapshot_uri is None)
-            self._fresh_prior = prior if self._fresh else None
+            self._start_deadline = time.monotonic() + st.DEFAULT_STORE_START_TIMEOUT_S
+            self._fresh, self._fresh_prior = True, prior
         if manifest.format == "parquet" and self.rows_per_group > 1:
             self._starts = manifest.row_group_table()[2]
 
@@ -230,6 +240,7 @@ class PrioritizedSampler:
                 and epoch not in self._per_epoch:
             from raying.sampling import store as st
 
+            self._await_start()
             self.flush()
             guard = st.stats(self.handle)["guard"]
             # The guard as the epoch starts: persistently high-loss share of the top priorities.
@@ -255,6 +266,7 @@ class PrioritizedSampler:
         if self._starting is None:
             return None
         if (self._fresh and self._reporter is not None and self._reporter.sends == 0
+                and time.monotonic() < self._start_deadline
                 and not st.wait_ready(self.handle, self._starting, timeout_s=0)):
             if self._fresh_table is None:
                 self._fresh_table = PriorityTable(self._n, **dataclasses.asdict(self.table_config),
@@ -265,10 +277,32 @@ class PrioritizedSampler:
                                                     rng=self._shuffle)
             else:
                 ids, probs = table.sample(chunk, systematic=self.systematic, rng=self._shuffle)
+            self._fresh_samples += len(ids)
             return st.Plan(ids, probs, self._n, table.min_probability())
-        st.wait_ready(self.handle, self._starting)  # its start's error or timeout, if any
-        self._starting, self._fresh, self._fresh_prior, self._fresh_table = None, False, None, None
+        self._await_start()
         return None
+
+    def _await_start(self) -> None:
+        """Wait for the store this sampler created to start (its start's error or timeout, if
+        any, raised here); from then on plans come from it."""
+        from raying.sampling import store as st
+
+        starting = self._starting
+        if starting is None or self.handle is None:
+            return
+        left = max(self._start_deadline - time.monotonic(), 1.0)
+        try:
+            st.wait_ready(self.handle, starting, timeout_s=left)
+        except st.StoreTimeoutError:
+            msg = (f"priority store {self.handle.name!r} did not start within "
+                   f"{st.DEFAULT_STORE_START_TIMEOUT_S:g} s of its creation; check that a node "
+                   f"can host it (`ray status`; PrioritizedSampler(store={{'actor_options': "
+                   f"...}}) if you set where it runs)")
+            raise st.StoreTimeoutError(msg) from None
+        self._forget_start()
+
+    def _forget_start(self) -> None:
+        self._starting, self._fresh, self._fresh_prior, self._fresh_table = None, False, None, None
 
     def _draw(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         from raying.sampling import store as st
@@ -346,8 +380,10 @@ class PrioritizedSampler:
 
         if self.handle is None:
             return dict(self._final_stats or {"sampler": self.name})
+        self._await_start()
         self.flush()
         out = st.stats(self.handle)
+        out["samples"] = out.get("samples", 0) + self._fresh_samples  # drawn while it started
         out["sampler"] = self.name
         out["prior"] = self.prior is not None or self._prior_in_store
         out["reports_sent"] = self._reporter.sent if self._reporter else 0
@@ -359,6 +395,7 @@ class PrioritizedSampler:
         """The store's tables (priorities included) and the sampler's settings."""
         from raying.sampling import store as st
 
+        self._await_start()
         self.flush()
         tables = st.state_dict(self.handle) if self.handle is not None else None
         return {"sampler": self.name, "seed": self.seed, "alpha": self.alpha,
@@ -371,12 +408,11 @@ class PrioritizedSampler:
             msg = (f"state was saved by a {state.get('sampler')!r} sampler; this pipeline uses "
                    f"{self.name!r}")
             raise ConfigError(msg)
+        self._await_start()
         if state.get("tables") is not None and self.handle is not None:
             st.load_state_dict(self.handle, state["tables"])
         with self._lock:
             self._buf = None
-            # The store holds the loaded state.
-            self._fresh, self._fresh_prior, self._fresh_table = False, None, None
 
     def set_aside(self, ids: Any) -> None:
         """Samples that failed to read or decode get priority 0, so only the uniform floor
@@ -388,6 +424,7 @@ class PrioritizedSampler:
     def forget_store(self) -> None:
         """Let go of the store of a Ray session that has ended (the store went with it):
         buffered reports are dropped, nothing is sent."""
+        self._forget_start()
         self.handle = None
         self._reporter = None
 
@@ -396,6 +433,19 @@ class PrioritizedSampler:
         from raying.sampling import store as st
 
         self.flush()
+        if (release_store and self.handle is not None and self._created
+                and self._starting is not None and self._fresh
+                and self._reporter is not None and self._reporter.sends == 0
+                and not st.wait_ready(self.handle, self._starting, timeout_s=0)):
+            # Still starting and never sent a loss: it holds nothing to keep or report (and
+            # one that cannot start would hold close up for the start's timeout).
+            self._final_stats = {"sampler": self.name, "samples": self._fresh_samples,
+                                 "store_closed": True}
+            self._forget_start()
+            st.kill_store(self.handle, snapshot=False)
+            self.handle = None
+            self._reporter = None
+            return
         if release_store and self.handle is not None and self._created:
             try:  # what stats() said last, for stats() after close
                 self._final_stats = {**self.stats(), "store_closed": True}

@@ -253,9 +253,8 @@ def test_read_tasks_of_the_ray_data_path_never_share_their_draws(manifest, ray_l
 def test_first_plans_are_drawn_in_the_driver_while_the_store_starts(manifest, ray_local):
     """A store just created holds flat priorities (times the prior) until a loss reaches it,
     so plans are drawn in the driver while its actor starts; here the actor waits for a
-    resource no node has, and the epoch is read from those plans alone."""
-    import ray
-
+    resource no node has, and the epoch is read from those plans alone. Closing does not wait
+    for a store that never started and never got a loss."""
     from raying.sampling import store as st
 
     labels = manifest.labels
@@ -265,27 +264,65 @@ def test_first_plans_are_drawn_in_the_driver_while_the_store_starts(manifest, ra
                                   store=gate)
     pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
                            config=raying.PipelineConfig(block_rows=64, keep_warm=False))
-    try:
-        batches = list(pipe.iter_batches(batch_size=64, epoch=0))
-        assert not st.wait_ready(s.handle, s._starting, timeout_s=0), "the actor never starts"
-        ids = np.concatenate([b["id"] for b in batches])
-        probs = np.concatenate([b["prob"] for b in batches])
-        assert len(ids) == 1200
-        # The prior alone: class 0 has 3/5 of the mass, each of its ids 3/100.
-        p = np.where(labels == 0, 3.0, 1.0) / np.where(labels == 0, 3.0, 1.0).sum()
-        assert np.allclose(probs, p[ids])
-        k = int((labels[ids] == 0).sum())
-        assert abs(_binom_z(k, len(ids), 0.6)) < 4, k
-        # Every id drawn about as often as its probability says (chi-square, 59 dof).
-        counts = np.bincount(ids, minlength=len(labels))
-        expected = len(ids) * p
-        chi2 = float(((counts - expected) ** 2 / expected).sum())
-        assert chi2 < 100, chi2  # P(chi2_59 > 100) < 0.001
-    finally:
-        for actor in s.handle.actors:
-            ray.kill(actor)
-        s.forget_store()
-        pipe.close()
+    batches = list(pipe.iter_batches(batch_size=64, epoch=0))
+    assert not st.wait_ready(s.handle, s._starting, timeout_s=0), "the actor never starts"
+    ids = np.concatenate([b["id"] for b in batches])
+    probs = np.concatenate([b["prob"] for b in batches])
+    weights = np.concatenate([b["weight"] for b in batches])
+    assert len(ids) == 1200
+    # The prior alone: class 0 has 3/5 of the mass, each of its ids 3/100; beta=1 weights
+    # are min(P) / P.
+    p = np.where(labels == 0, 3.0, 1.0) / np.where(labels == 0, 3.0, 1.0).sum()
+    assert np.allclose(probs, p[ids])
+    assert np.allclose(weights, p.min() / p[ids])
+    k = int((labels[ids] == 0).sum())
+    assert abs(_binom_z(k, len(ids), 0.6)) < 4, k
+    # Every id drawn about as often as its probability says (chi-square, 59 dof).
+    counts = np.bincount(ids, minlength=len(labels))
+    expected = len(ids) * p
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 100, chi2  # P(chi2_59 > 100) < 0.001
+    handle = s.handle
+    pipe.close()
+    assert pipe.stats()["sampling"]["samples"] >= 1200
+    with pytest.raises(st.ConfigError, match="no priority store"):
+        st.get_store(handle.name)
+
+
+def test_a_store_that_cannot_start_is_named_once_its_start_time_is_up(manifest, ray_local,
+                                                                       monkeypatch):
+    from raying.sampling import store as st
+
+    monkeypatch.setattr(st, "DEFAULT_STORE_START_TIMEOUT_S", 1.5)
+    gate = {"actor_options": {"resources": {"raying-test-never-here": 1}}}
+    s = raying.PrioritizedSampler(seed=6, samples_per_epoch=64, store=gate)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s,
+                           config=raying.PipelineConfig(block_rows=64, keep_warm=False))
+    assert sum(len(b["id"]) for b in pipe.iter_batches(batch_size=64, epoch=0)) == 64
+    time.sleep(1.6)
+    with pytest.raises(st.StoreTimeoutError, match=r"did not start within 1.5 s .*ray status"):
+        list(pipe.iter_batches(batch_size=64, epoch=1))
+    pipe.close()
+
+
+def test_a_sampler_bound_again_draws_from_its_new_dataset(manifest, tmp_path, ray_local):
+    """The driver's initial-state table belongs to one binding: a sampler reused by a pipeline
+    of another dataset draws that dataset's ids at its probabilities."""
+    from raying.tools.datagen import make_image_folder
+
+    s = raying.PrioritizedSampler(seed=7, samples_per_epoch=64)
+    first = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=s)
+    next(iter(first.iter_batches(batch_size=64, epoch=0)))
+    first.close()
+    other = raying.Manifest.scan(str(make_image_folder(tmp_path / "more", n=90, classes=3,
+                                                       size=(24, 24), seed=2)))
+    s.samples_per_epoch = 900
+    second = raying.Pipeline(other, transform=raying.ImageTransform(size=16), sampler=s)
+    batches = list(second.iter_batches(batch_size=90, epoch=0))
+    ids = np.concatenate([b["id"] for b in batches])
+    assert np.allclose(np.concatenate([b["prob"] for b in batches]), 1 / 90)
+    assert ids.max() >= 60 and ids.max() < 90  # ids beyond the first dataset's 60
+    second.close()
 
 
 def test_plans_come_from_the_store_once_it_may_hold_losses(manifest, tmp_path, ray_local):

@@ -205,6 +205,7 @@ class PrioritizedSampler:
         self.store_name = f"{name}-priorities"
         prior = self._prior_weights(manifest)
         self._forget_start()
+        self._fresh_samples = 0
         with self._lock:
             self._buf, self._live_chunk = None, 0
         # Only a store without a snapshot to restore is known to hold its initial state until
@@ -268,10 +269,10 @@ class PrioritizedSampler:
         if (self._fresh and self._reporter is not None and self._reporter.sends == 0
                 and time.monotonic() < self._start_deadline
                 and not st.wait_ready(self.handle, self._starting, timeout_s=0)):
-            if self._fresh_table is None:
-                self._fresh_table = PriorityTable(self._n, **dataclasses.asdict(self.table_config),
-                                                  prior=self._fresh_prior)
             table = self._fresh_table
+            if table is None:
+                table = self._fresh_table = PriorityTable(
+                    self._n, **dataclasses.asdict(self.table_config), prior=self._fresh_prior)
             if self._starts is not None:
                 ids, probs = table.sample_in_groups(chunk, self._starts, self.rows_per_group,
                                                     rng=self._shuffle)

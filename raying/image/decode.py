@@ -115,8 +115,9 @@ def check_pixels(height: int, width: int, max_pixels: int | None) -> None:
     """Raise ``too_large`` when ``height * width`` is above ``max_pixels`` (None: no limit)."""
     if max_pixels is not None and height * width > max_pixels:
         detail = (f"{height}x{width} = {height * width} pixels is over the limit of "
-                  f"{max_pixels} (a decompression bomb?); raise it with the environment "
-                  "variable RAYING_MAX_IMAGE_PIXELS or the max_pixels argument")
+                  f"{max_pixels} (a decompression bomb?); raise it with "
+                  "PipelineConfig(max_image_pixels=...), the environment variable "
+                  "RAYING_MAX_IMAGE_PIXELS or decode_image's max_pixels argument")
         raise DecodeError("too_large", detail)
 
 

@@ -246,21 +246,25 @@ class Pipeline:
         ensure_ray()
         self._ray = self._ray or ray_session()
 
-    def _same_ray(self) -> None:
+    def _session_ended(self) -> bool:
+        """Whether Ray was shut down (and maybe started again) since this pipeline started it."""
+        return self._ray is not None and ray_session() != self._ray
+
+    def _same_ray(self, hint: str = "") -> None:
         """Refuse to go on after Ray was shut down (and maybe started again) under this
         pipeline: its read tasks, priority store and object references went with the old
-        session, and touching them aborts the process in Ray's core."""
-        if self._ray is None:
-            return
-        now = ray_session()
-        if now == self._ray:
-            return
-        since = "ray.shutdown() and ray.init()" if now else "ray.shutdown()"
+        session; touching them aborts the process in Ray's core, or makes Ray start a new
+        local session of its own (which the user's next ray.init() then collides with)."""
+        if self._session_ended():
+            raise self._ended_error(hint)
+
+    def _ended_error(self, hint: str = "") -> ConfigError:
+        since = "ray.shutdown() and ray.init()" if ray_session() else "ray.shutdown()"
         msg = (f"Pipeline {self.name!r} was started on a Ray session that has ended ({since} "
                f"since): its reads, priority store and object references went with it. "
                f"Build a new Pipeline after ray.init() (load_state_dict(...) of a "
-               f"state_dict() taken before continues where it stood)")
-        raise ConfigError(msg)
+               f"state_dict() taken before continues where it stood){hint}")
+        return ConfigError(msg)
 
     def plan(self, epoch: int) -> EpochPlan:
         """The explicit plan of ``epoch`` (units of ids; prioritized units are drawn later)."""
@@ -404,9 +408,22 @@ class Pipeline:
         tally = EpochTally(self._on_account)
         # The epoch's first block with rows, as empty columns of its dtypes and row shapes.
         keys: dict[str, np.ndarray] | None = None
-        for index, block, last in stream.iter_epoch(
-                int(epoch), start_unit=start_unit, skip_rows=skip, on_account=tally.add,
-                on_last_unit=lambda i: cursor.__setitem__("last_unit", i)):
+        blocks = stream.iter_epoch(int(epoch), start_unit=start_unit, skip_rows=skip,
+                                   on_account=tally.add,
+                                   on_last_unit=lambda i: cursor.__setitem__("last_unit", i))
+        while True:
+            # An iteration begun before ray.shutdown() and resumed after it would read the old
+            # session's streams: Ray's core aborts the process on them once ray.init() ran
+            # again, and fails with an AttributeError of its own before. Checked per block.
+            self._same_ray()
+            try:
+                index, block, last = next(blocks)
+            except StopIteration:
+                break
+            except Exception as exc:
+                if self._session_ended():  # shut down while this block was being read
+                    raise self._ended_error() from exc
+                raise
             if len(block["id"]):
                 keys = self._same_columns(keys, block, int(epoch))
             begin = offset.get(index, 0)
@@ -556,6 +573,7 @@ class Pipeline:
         epoch whose rows do not divide by the ``n`` workers; ``ds.streaming_split(n,
         equal=False)`` keeps them all.
         """
+        self._same_ray()  # before _start_ray, which would start a Ray of its own
         self._start_ray()
         self._bind()
         plan = self.plan(_epoch(epoch))
@@ -573,16 +591,19 @@ class Pipeline:
     @property
     def store_name(self) -> str | None:
         """Name of the priority store (for ``raying.report(..., store=...)`` in Train workers)."""
+        self._same_ray()
         self._bind()
         return self.sampler.store_name
 
     def report(self, ids: Any, losses: Any) -> None:
         """Per-sample losses for ``ids`` (torch, tf or numpy); never blocks the step."""
+        self._same_ray()
         self._bind()
         self.sampler.report(ids, losses)
 
     def priorities(self) -> np.ndarray | None:
         """Every id's current priority (prioritized sampling), or None (uniform)."""
+        self._same_ray()
         self._bind()  # a prioritized pipeline not started yet starts its store here
         handle = self.sampler.handle
         if handle is None:
@@ -598,7 +619,12 @@ class Pipeline:
         ``stall_share`` is the share of the iteration loops' wall time the consumer spent
         waiting for a batch. ``sampling=False`` skips the round trip to the priority store.
         """
+        ended = self._session_ended()
+        if ended and sampling and self.sampler.uses_store:
+            raise self._ended_error("; stats(sampling=False) gives this process's figures")
         out = self.account.summary()
+        if ended and self._dataset_reads is not None:
+            self._dataset_reads.forget()  # its account actor went with the session
         # epochs read through dataset(), e.g. by Ray Train
         reads = self._dataset_reads.account() if self._dataset_reads is not None else None
         if reads is not None:
@@ -663,6 +689,8 @@ class Pipeline:
             msg = (f"state_dict() of Pipeline {self.name!r} after close(): its priority store "
                    f"is gone with the priorities; take state_dict() before close()")
             raise ConfigError(msg)
+        if self.sampler.uses_store:  # the sampler's state lies in the store
+            self._same_ray()
         cur = self._cursor
         if self._resume is not None:
             epoch, unit, row, delivered = self._resume
@@ -689,6 +717,7 @@ class Pipeline:
                    f"pipeline cuts epochs into blocks of {self.block_rows()}; build it with "
                    f"PipelineConfig(block_rows={state.get('block_rows')})")
             raise ConfigError(msg)
+        self._same_ray()
         self._bind()
         self.sampler.load_state_dict(state["sampler"])
         self._resume = (int(state["epoch"]), int(state["unit"]), int(state["row"]),

@@ -70,8 +70,10 @@ def static_probabilities(labels: np.ndarray, *, weights: Any = None,
                    f"got {w.size}; pass per-class weights as a dict {{class: weight}}")
             raise ConfigError(msg)
     if not np.all(np.isfinite(w)) or np.any(w < 0):
-        msg = ("WeightedSampler(weights=...) must be finite and >= 0, got "
-               f"min {np.nanmin(w) if w.size else None}; fix the weights")
+        bad = ~np.isfinite(w) | (w < 0)
+        k = int(np.flatnonzero(bad)[0])
+        msg = (f"WeightedSampler(weights=...) must be finite and >= 0: {int(bad.sum())} "
+               f"are not, the first sample {k}'s ({float(w[k])}); fix the weights")
         raise ConfigError(msg)
     if class_balanced and n:
         counts = np.bincount(labels)

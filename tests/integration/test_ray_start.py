@@ -122,6 +122,11 @@ prio = prio_of()
 print("prioritized:", sum(len(b["id"]) for b in prio.iter_batches(batch_size=16, epoch=0)))
 prio.report([1, 2], [1.0, 2.0])  # buffered in its reporter
 raying.report([3], [3.0], store=prio.store_name)  # a Train worker's way, by the store's name
+# An iteration begun before the shutdown, one small unit read of many.
+begun = raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16),
+                        config=raying.PipelineConfig(block_rows=4, window=2))
+it = begun.iter_batches(batch_size=4, epoch=0, prefetch_batches=0)
+next(it)
 ray.shutdown()  # the next epoch's first reads were already submitted (keep_warm)
 if sys.argv[2] == "again":
     ray.init(address="local", include_dashboard=False)
@@ -129,6 +134,21 @@ try:
     next(iter(pipe.iter_batches(batch_size=16, epoch=1)))
 except raying.ConfigError as exc:
     print("refused:", exc)
+try:
+    print("begun drained:", sum(len(b["id"]) for b in it))
+except raying.ConfigError as exc:
+    print("begun refused:", "session that has ended" in str(exc))
+begun.close()
+# The prioritized pipeline's store went with the session: refused, no Ray started for it.
+calls = {"stats": prio.stats, "state_dict": prio.state_dict, "dataset": lambda: prio.dataset(1),
+         "priorities": prio.priorities, "report": lambda: prio.report([1], [1.0])}
+for what, call in calls.items():
+    try:
+        call()
+        print(what, "answered")
+    except raying.ConfigError as exc:
+        print(what, "refused:", "session that has ended" in str(exc), "ray up:", ray.is_initialized())
+print("own stats rows:", prio.stats(sampling=False)["rows_delivered"])
 pipe.close()
 prio.close()  # its store went with the old session: nothing to flush or stop there
 print("stats rows:", pipe.stats()["rows_delivered"], "ray up:", ray.is_initialized())
@@ -160,5 +180,12 @@ def test_a_pipeline_whose_ray_was_shut_down_says_so_and_a_new_one_works(tmp_path
     up = "True" if restart == "again" else "False"
     assert f"stats rows: 80 ray up: {up}" in out.stdout, out.stdout[-2000:]
     assert "new pipeline: 80" in out.stdout, out.stdout[-2000:]
+    # An iteration begun before the shutdown is refused by name, not by Ray's internals.
+    assert "begun refused: True" in out.stdout, out.stdout[-2000:]
+    # The old prioritized pipeline refuses what needs its store, starting no Ray for it;
+    # what this process counted it still gives.
+    for what in ("stats", "state_dict", "dataset", "priorities", "report"):
+        assert f"{what} refused: True ray up: {up}" in out.stdout, out.stdout[-2000:]
+    assert "own stats rows: 80" in out.stdout, out.stdout[-2000:]
     if restart == "again":
         assert "new store received: 2" in out.stdout, out.stdout[-2000:]

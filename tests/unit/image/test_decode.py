@@ -98,7 +98,7 @@ def test_default_limit_rejects_the_bomb(corpus):
     if DEFAULT_MAX_IMAGE_PIXELS >= BOMB_SIDE * BOMB_SIDE:
         pytest.skip("RAYING_MAX_IMAGE_PIXELS is set above the bomb's size")
     case = next(c for c in corpus.bad if c.kind == "decompression_bomb_png")
-    with pytest.raises(DecodeError, match="RAYING_MAX_IMAGE_PIXELS or the max_pixels") as info:
+    with pytest.raises(DecodeError, match="RAYING_MAX_IMAGE_PIXELS or decode_image's max_pixels") as info:
         decode_image(_read(corpus, case))
     assert info.value.reason == "too_large"
 
@@ -106,8 +106,8 @@ def test_default_limit_rejects_the_bomb(corpus):
 def test_too_large_message_names_pixels_limit_and_fix():
     data = _jpeg(_gradient(40, 50))
     msg = ("too_large: 40x50 = 2000 pixels is over the limit of 1999 (a decompression bomb?); "
-           "raise it with the environment variable RAYING_MAX_IMAGE_PIXELS or the "
-           "max_pixels argument")
+           "raise it with PipelineConfig(max_image_pixels=...), the environment variable "
+           "RAYING_MAX_IMAGE_PIXELS or decode_image's max_pixels argument")
     with pytest.raises(DecodeError) as info:
         decode_image(data, max_pixels=1999)
     assert str(info.value) == msg

@@ -38,7 +38,9 @@ def test_per_class_weights_by_name_or_index_and_per_sample_weights():
 
 @pytest.mark.parametrize(("weights", "match"), [
     ([1.0, 2.0], r"one weight per sample: expected 4, got 2"),
-    ([1.0, -1.0, 1.0, 1.0], r"must be finite and >= 0"),
+    ([1.0, -1.0, 1.0, 1.0], r"must be finite and >= 0: 1 are not, the first sample 1's "
+                            r"\(-1\.0\)"),
+    ([1.0, 1.0, np.nan, np.inf], r"2 are not, the first sample 2's \(nan\)"),
     ([0.0, 0.0, 0.0, 0.0], r"weights are all zero"),
     ({"nope": 2.0}, r"names class 'nope', which is not one of"),
     ({5: 2.0}, r"has label index 5, expected one in \[0, 2\)"),

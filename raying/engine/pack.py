@@ -109,6 +109,7 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
         raise ConfigError(msg)
     out_opts = StorageOptions.coerce(dst_storage if dst_storage is not None else storage)
     out_fs, out_root = _storage.resolve(dst, out_opts)
+    _refuse_inside_source(manifest.root, storage, out_fs, out_root, dst)
     _clear_destination(out_fs, out_root, dst, overwrite=overwrite)
     _storage.make_dirs(out_fs, out_root)
     ensure_ray()
@@ -158,6 +159,24 @@ def _local_shuffle(manifest: Manifest, shard_rows: int, rng: np.random.Generator
     for a in range(0, len(order), shard_rows):
         order[a:a + shard_rows] = rng.permutation(order[a:a + shard_rows])
     return order
+
+
+def _refuse_inside_source(src: str, storage: Any, out_fs: Any, out_root: str,
+                          dst: str) -> None:
+    """Refuse a destination at or under the source folder: the shards would become part of
+    the source (a later scan of an image folder then finds Parquet files beside its images
+    and refuses it; one of Parquet would read the shards' rows twice)."""
+    try:
+        src_fs, src_root = _storage.resolve(src, StorageOptions.coerce(storage))
+    except Exception:  # noqa: BLE001 - a source this cannot place: the scan already read it
+        return
+    if type(src_fs) is not type(out_fs):
+        return
+    a, b = src_root.rstrip("/"), out_root.rstrip("/")
+    if b == a or b.startswith(a + "/"):
+        msg = (f"{dst} lies inside the source {src}: the shards would join the dataset they "
+               f"are packed from. Pack into a folder outside it")
+        raise ConfigError(msg)
 
 
 def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 import threading
 from typing import Any
 
@@ -154,6 +155,7 @@ def _classes() -> tuple[type, type]:
             self._keys = {**DEFAULT_KEYS, **(keys or {})}
             self._per_sample = per_sample_loss
             self._step_ids = None
+            self._warned_tuples = False
 
         def call(self, inputs: Any, training: Any = None) -> Any:
             if isinstance(inputs, dict) and self._keys["x"] in inputs:
@@ -182,6 +184,12 @@ def _classes() -> tuple[type, type]:
 
         def train_step(self, data: Any) -> Any:
             x, y, sw, ids = self._unpack(data)
+            if ids is None and not self._warned_tuples:  # once per trace of the step
+                self._warned_tuples = True
+                logging.getLogger("raying").warning(
+                    "FeedbackModel trains on (x, y[, sample_weight]) tuples, which carry no "
+                    "ids: no loss is reported and the sampler gets no feedback; feed it the "
+                    "batch dicts, pipe.to_tf(...) without as_supervised=True")
             self._step_ids = ids  # read by compute_loss during this trace
             try:
                 return super().train_step((x, y, sw))

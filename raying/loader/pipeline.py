@@ -355,6 +355,7 @@ class Pipeline:
             inflight_bytes = (int(store * DEFAULT_INFLIGHT_STORE_SHARE / shards)
                               if store else None)
             min_window = -(-cpus // shards) + 1
+            _warn_no_node_fits(self.config.task_num_cpus)
             opts: dict[str, Any] = {"num_cpus": self.config.task_num_cpus}
             if self.config.spread:
                 opts["scheduling_strategy"] = "SPREAD"
@@ -785,6 +786,23 @@ class Pipeline:
     def __repr__(self) -> str:
         return (f"Pipeline({self.manifest!r}, sampler={type(self.sampler).__name__}, "
                 f"transform={self.transform!r}, on_error={self.on_error!r})")
+
+
+def _warn_no_node_fits(task_cpus: float) -> None:
+    """Warn when no live node has ``task_cpus`` CPUs: each read task would wait for one (for
+    ever, unless an autoscaler adds such a node), and the first batch with it."""
+    import ray
+
+    try:
+        largest = max((float(n.get("Resources", {}).get("CPU", 0.0)) for n in ray.nodes()
+                       if n.get("Alive")), default=0.0)
+    except Exception:  # noqa: BLE001 - a Ray that cannot list its nodes: nothing to say
+        return
+    if task_cpus > largest:
+        logger.warning(
+            "PipelineConfig(task_num_cpus=%s): no node of this Ray has that many CPUs (the "
+            "largest has %g), so the read tasks wait until an autoscaler adds one, for ever "
+            "without one; use task_num_cpus <= %g", task_cpus, largest, largest)
 
 
 def _delivered_to_end(cur: dict[str, Any]) -> bool:

@@ -21,7 +21,7 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     """A tf.data.Dataset over ``pipe``'s batches.
 
     Each pass over the dataset (each Keras epoch) reads the next epoch of the plan, starting
-    at ``epoch``; so ``model.fit(ds, epochs=3)`` sees epochs ``epoch, epoch+1, epoch+2``, each
+    at ``epoch`` (None: the epoch a loaded ``state_dict`` resumes, from its position, else 0); so ``model.fit(ds, epochs=3)`` sees epochs ``epoch, epoch+1, epoch+2``, each
     in its own order (any pass counts, ``ds.take(1)`` too; with Keras ``steps_per_epoch``,
     which keeps one iterator, fit ``ds.repeat()``). Elements are dicts with the batch
     contract's keys (``image`` uint8 NHWC, or float32 NHWC normalized with
@@ -42,7 +42,9 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     # Start Ray (if needed) in this thread, not in tf.data's.
     pipe._block_stream().set_batch_rows(batch_size)
     size = pipe.transform.size
-    counter = itertools.count(0 if epoch is None else int(epoch))
+    if epoch is None:  # where a loaded state_dict resumes, else the first epoch
+        epoch = pipe._resume[0] if pipe._resume is not None else 0
+    counter = itertools.count(int(epoch))
 
     n = None if not drop_last else batch_size
     signature = {
@@ -62,7 +64,7 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
         # column cast or padded): the signature follows the first batch of the first epoch,
         # read once here, for every column but the image (whose contract the stages keep).
         first = pipe._first_batch(batch_size=batch_size,
-                                  epoch=0 if epoch is None else int(epoch), drop_last=drop_last)
+                                  epoch=int(epoch), drop_last=drop_last)
         if first is not None:
             signature = {"image": signature["image"]}
             ragged = {}

@@ -17,6 +17,9 @@ from raying.loader.pipeline import Pipeline
 from raying.options import DEFAULT_BATCH_SIZE
 from raying.train.feed import FEED_DATASET, Feed
 
+# Share of an epoch's rows that steps_per_epoch's steps may leave out before it warns.
+STEPS_LEFT_OUT_WARN = 0.1
+
 # Files of a checkpoint: every worker writes its own position; rank 0 the user's state.
 _POSITION = "raying-position-rank{}.pkl"
 _STATE = "raying-state.pkl"
@@ -79,6 +82,7 @@ class Loader:
     def __init__(self, feed: Feed, *, rank: int, world_size: int,
                  checkpoint: Any = None) -> None:
         self.feed, self.rank, self.world_size = feed, int(rank), int(world_size)
+        self._warned_steps = False
         config = dataclasses.replace(feed.config, name=feed.name,
                                      shard=(self.rank, self.world_size))
         pipe = Pipeline(feed.manifest, transform=feed.transform, sampler=feed.sampler,
@@ -151,12 +155,36 @@ class Loader:
 
     def steps_per_epoch(self, batch_size: int) -> int:
         """Batches every worker can deliver in the current epoch (the smallest share's), for
-        collectives that need the same number of steps on every worker."""
+        collectives that need the same number of steps on every worker.
+
+        The rows of each share past those steps are read but in no step. Raises ConfigError
+        when a share holds less than one batch (no step at all); warns, once, when the steps
+        leave out more than ``STEPS_LEFT_OUT_WARN`` of the epoch's rows."""
+        import logging
+
         plan = self.pipe.sampler.plan(self.pipe.manifest, self.epoch,
                                       block_rows=self.pipe.block_rows())
         rows = [sum(u.num_rows for u in plan.units[r::self.world_size])
                 for r in range(self.world_size)]
-        return min(rows) // int(batch_size)
+        batch = int(batch_size)
+        steps = min(rows) // batch
+        total = sum(rows)
+        if steps == 0 and total:
+            msg = (f"steps_per_epoch({batch}): the smallest of the {self.world_size} workers' "
+                   f"shares of epoch {self.epoch} holds {min(rows)} rows, under one batch, so "
+                   f"no step would train on any of the epoch's {total}; use a batch size of "
+                   f"at most {min(rows)}, fewer workers or more samples per epoch")
+            raise ConfigError(msg)
+        left_out = total - steps * batch * self.world_size
+        if (total and left_out > STEPS_LEFT_OUT_WARN * total and not self._warned_steps
+                and self.rank == 0):
+            self._warned_steps = True
+            logging.getLogger("raying").warning(
+                "raying.train: steps_per_epoch(%d) = %d: %d workers x %d steps x %d rows "
+                "train on %d of epoch %d's %d rows; %d are read by no step (a smaller batch "
+                "or fewer workers train on more)", batch, steps, self.world_size, steps, batch,
+                total - left_out, self.epoch, total, left_out)
+        return steps
 
     def _track(self, batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
         yield from batches

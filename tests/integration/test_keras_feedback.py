@@ -78,6 +78,30 @@ def test_per_sample_losses_are_the_unreduced_compiled_loss():
     np.testing.assert_allclose(losses[np.argsort(ids)], expect, rtol=1e-5)
 
 
+def test_tuples_train_but_say_once_that_no_loss_is_reported(caplog):
+    # (x, y, sample_weight) tuples (to_tf(as_supervised=True)) carry no ids: the model
+    # trains, no loss can reach the sampler, and the user is told so.
+    import logging
+
+    import keras
+    import tensorflow as tf
+
+    import raying.loader.keras as rk
+
+    got = []
+    rng = np.random.default_rng(0)
+    x = rng.random((24, 8, 8, 3), dtype=np.float32)
+    y = np.arange(24, dtype=np.int64) % 3
+    model = rk.FeedbackModel(_model(3, 8), lambda ids, losses: got.append(ids))
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), epochs=2, verbose=0)
+    said = [r.getMessage() for r in caplog.records if "carry no ids" in r.getMessage()]
+    assert len(said) == 1 and "without as_supervised=True" in said[0]
+    assert got == []
+
+
 def test_jit_compile_is_refused():
     import raying.loader.keras as rk
 

@@ -50,6 +50,17 @@ def test_pack_refuses_a_destination_with_parquet_unless_overwrite(image_folder, 
     assert len(back) == 60, "old shards must not be read with the new one"
 
 
+def test_pack_refuses_a_destination_inside_its_source(image_folder, ray_local):
+    classes = sorted(p for p in image_folder.iterdir() if p.is_dir())
+    for dst in (image_folder / classes[0].name, image_folder / "packed", image_folder):
+        with pytest.raises(raying.ConfigError, match=r"lies inside the source .*outside it"):
+            raying.pack(str(image_folder), str(dst), progress=False)
+    assert not list(image_folder.rglob("*.parquet")), "nothing written when refused"
+    # A sibling whose name starts with the source's is outside it.
+    sibling = image_folder.parent / (image_folder.name + "-packed")
+    assert raying.pack(str(image_folder), str(sibling), shard_rows=100, progress=False).rows == 60
+
+
 def test_pack_a_flat_unlabelled_folder(image_folder, tmp_path, ray_local):
     flat = tmp_path / "flat"
     flat.mkdir()
@@ -668,4 +679,24 @@ def test_straddling_batches_a_trainer_keeps_stay_its_own_in_numpy_torch_and_tf(i
         assert sum(len(b["id"]) for b in got) == 60
         assert all(_stamped(b["image"], b["id"]) for b in got)
     finally:
+        pipe.close()
+
+
+def test_read_tasks_no_node_can_host_are_named_at_start(image_folder, ray_local, caplog):
+    # Each read task would wait for a node with 3 CPUs: the first batch with them, for ever.
+    import logging
+
+    m = raying.Manifest.scan(str(image_folder))
+    for cpus, warned in ((3, True), (2, False)):
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               config=raying.PipelineConfig(task_num_cpus=cpus))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="raying"):
+            pipe.start()
+        said = [r.getMessage() for r in caplog.records if "task_num_cpus" in r.getMessage()]
+        assert bool(said) is warned, said
+        if warned:
+            assert "the largest has 2" in said[0] and "task_num_cpus <= 2" in said[0]
+        else:
+            assert len(next(pipe.iter_batches(batch_size=8))["id"]) == 8
         pipe.close()

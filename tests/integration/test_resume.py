@@ -150,6 +150,31 @@ def test_to_tf_state_moves_to_the_next_epoch_once_its_batches_are_handed_over(ma
     a.close()
 
 
+def test_to_tf_without_an_epoch_continues_where_a_loaded_state_stands(manifest, ray_local):
+    pytest.importorskip("tensorflow")
+    make = _make(manifest)
+    a = make()
+    it = a.iter_batches(batch_size=8, epoch=2, prefetch_batches=0)
+    first = np.concatenate([next(it)["id"] for _ in range(3)])
+    state = a.state_dict()
+    it.close()
+    a.close()
+    b = make()
+    b.load_state_dict(state)
+    passes = iter(b.to_tf(batch_size=8, epoch=None))  # the rest of epoch 2, not epoch 0
+    rest = np.concatenate([x["id"].numpy() for x in passes])
+    assert sorted(np.concatenate([first, rest]).tolist()) == list(range(60))
+    assert b.state_dict()["epoch"] == 3
+    b.close()
+    fresh = make()  # no state loaded: epoch=None is the first epoch
+    ids = np.concatenate([x["id"].numpy() for x in fresh.to_tf(batch_size=8, epoch=None)])
+    other = make()
+    assert np.array_equal(ids, np.concatenate(
+        [x["id"] for x in other.iter_batches(batch_size=8, epoch=0)]))
+    fresh.close()
+    other.close()
+
+
 def test_a_superseded_iterator_yields_nothing_more_and_leaves_the_new_position_alone(
         manifest, ray_local):
     make = _make(manifest)

@@ -500,3 +500,35 @@ def test_under_a_plain_data_config_the_feed_is_read_through_ray_data_or_refused_
         a, b = _read(tmp_path, "r0-e0"), _read(tmp_path, "r1-e0")
         assert sorted(a + b) == list(range(len(m)))
     pipe.close()
+
+
+def test_steps_per_epoch_refuses_a_batch_over_a_share_and_warns_when_steps_leave_rows_out(
+        image_folder, ray_local, caplog):
+    # The TF loop takes steps_per_epoch steps on every worker: a batch over the smallest
+    # share would train on nothing, and a batch near it on a part of the epoch, silently.
+    import logging
+
+    from raying.train.feed import Feed
+    from raying.train.loader import Loader
+
+    m = raying.Manifest.scan(str(image_folder))  # 60 images: shares of 30 on 2 workers
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=10))
+    loaders = [Loader(Feed.of(pipe, 1), rank=r, world_size=2) for r in range(2)]
+    try:
+        with caplog.at_level(logging.WARNING, logger="raying"):
+            assert [ld.steps_per_epoch(10) for ld in loaders] == [3, 3]  # all 60 in a step
+            assert not [r for r in caplog.records if "read by no step" in r.getMessage()]
+            assert [ld.steps_per_epoch(16) for ld in loaders] == [1, 1]  # 32 of 60
+            said = [r.getMessage() for r in caplog.records if "read by no step" in r.getMessage()]
+            assert len(said) == 1 and "train on 32 of epoch 0's 60 rows; 28 are" in said[0]
+            loaders[0].steps_per_epoch(16)  # said once per loader
+            assert len([r for r in caplog.records if "read by no step" in r.getMessage()]) == 1
+        for ld in loaders:
+            with pytest.raises(raying.ConfigError, match=r"holds 30 rows, under one batch.*"
+                                                         r"batch size of at most 30"):
+                ld.steps_per_epoch(31)
+    finally:
+        for ld in loaders:
+            ld.pipe.close()
+        pipe.close()

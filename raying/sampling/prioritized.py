@@ -308,9 +308,11 @@ class PrioritizedSampler:
     def _draw(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         from raying.sampling import store as st
 
-        # A plan of plan_chunk_ids ids (stratified over them); while reports keep making
-        # plans stale, about twice what the last one served before it went stale.
-        chunk = settings().plan_chunk_ids
+        # A plan of plan_chunk_ids ids (stratified over them), or of one epoch's where that
+        # is fewer (stratified over the epoch: under flat priorities each id once); while
+        # reports keep making plans stale, about twice what the last one served before it
+        # went stale.
+        chunk = min(settings().plan_chunk_ids, max(self.samples_per_epoch or self._n, 1))
         if self._live_chunk:
             chunk = min(chunk, self._live_chunk)
         chunk = k if self._copy else max(chunk, k)

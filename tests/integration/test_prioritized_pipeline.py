@@ -35,6 +35,34 @@ def test_batches_carry_prob_and_weight(manifest, ray_local):
     pipe.close()
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_an_epoch_shorter_than_a_plan_is_stratified_over_the_epoch(manifest, ray_local, gated):
+    """Plans span an epoch where it holds fewer draws than a plan: each id is drawn floor or
+    ceil of its expected count in every epoch (under flat priorities each id once), whether
+    the plans come from the store or, while it starts, from the driver."""
+    store = {"actor_options": {"resources": {"raying-test-never-here": 1}}} if gated else None
+    flat = raying.PrioritizedSampler(seed=4, store=store)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=flat,
+                           config=raying.PipelineConfig(block_rows=16))
+    for epoch in range(2):
+        ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=16, epoch=epoch)])
+        assert sorted(ids.tolist()) == list(range(60)), epoch
+    pipe.close()
+    prior = raying.PrioritizedSampler(seed=4, samples_per_epoch=150, prior={0: 3.0},
+                                      store=store)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=prior,
+                           config=raying.PipelineConfig(block_rows=16))
+    for epoch in range(2):
+        batches = list(pipe.iter_batches(batch_size=16, epoch=epoch))
+        ids = np.concatenate([b["id"] for b in batches])
+        p = np.zeros(60)
+        p[ids] = np.concatenate([b["prob"] for b in batches])
+        expected = 150 * p
+        counts = np.bincount(ids, minlength=60)
+        assert np.all((counts >= np.floor(expected - 1e-9)) & (counts <= np.ceil(expected + 1e-9)))
+    pipe.close()
+
+
 def test_reported_losses_reshape_later_reads(manifest, ray_local):
     s = raying.PrioritizedSampler(alpha=1.0, beta=1.0, uniform_mix=0.1, seed=1,
                                   samples_per_epoch=600)

@@ -684,7 +684,9 @@ class Pipeline:
         Once an iteration has delivered its epoch to the end, the position is the start of
         the next epoch: resume with ``epoch=state["epoch"]``, whether the state was taken
         mid-epoch or after it. Through ``to_tf`` the position counts the batches handed to
-        tf.data, which prefetches ahead of the model.
+        tf.data, which prefetches ahead of the model. Save it with ``pickle`` or
+        ``torch.save``: a prioritized sampler's state holds numpy arrays (every priority),
+        which JSON does not take; a uniform one's is plain numbers.
         """
         if self._closed and self.sampler.uses_store:
             msg = (f"state_dict() of Pipeline {self.name!r} after close(): its priority store "

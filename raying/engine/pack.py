@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -109,7 +110,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
         raise ConfigError(msg)
     out_opts = StorageOptions.coerce(dst_storage if dst_storage is not None else storage)
     out_fs, out_root = _storage.resolve(dst, out_opts)
-    _refuse_inside_source(manifest.root, storage, out_fs, out_root, dst)
+    _refuse_inside_source(src if isinstance(src, str) else manifest.root, manifest.storage,
+                          out_fs, out_root, dst)
     _clear_destination(out_fs, out_root, dst, overwrite=overwrite)
     _storage.make_dirs(out_fs, out_root)
     ensure_ray()
@@ -166,13 +168,19 @@ def _refuse_inside_source(src: str, storage: Any, out_fs: Any, out_root: str,
     """Refuse a destination at or under the source folder: the shards would become part of
     the source (a later scan of an image folder then finds Parquet files beside its images
     and refuses it; one of Parquet would read the shards' rows twice)."""
+    import pyarrow.fs as pafs
+
     try:
         src_fs, src_root = _storage.resolve(src, StorageOptions.coerce(storage))
+        if src_fs.get_file_info(src_root).type == pafs.FileType.File:
+            return  # one file: nothing written beside it joins it
     except Exception:  # noqa: BLE001 - a source this cannot place: the scan already read it
         return
     if type(src_fs) is not type(out_fs):
         return
     a, b = src_root.rstrip("/"), out_root.rstrip("/")
+    if isinstance(src_fs, pafs.LocalFileSystem):  # through symbolic links
+        a, b = os.path.realpath(a), os.path.realpath(b)
     if b == a or b.startswith(a + "/"):
         msg = (f"{dst} lies inside the source {src}: the shards would join the dataset they "
                f"are packed from. Pack into a folder outside it")

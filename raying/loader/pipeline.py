@@ -268,7 +268,7 @@ class Pipeline:
 
     def plan(self, epoch: int) -> EpochPlan:
         """The explicit plan of ``epoch`` (units of ids; prioritized units are drawn later)."""
-        self._same_ray()  # per epoch (and iteration, below), not per report
+        self._same_ray()
         self._bind()
         plan = self.sampler.plan(self.manifest, _epoch(epoch), block_rows=self.block_rows())
         if self.config.shard is None:
@@ -355,11 +355,11 @@ class Pipeline:
             inflight_bytes = (int(store * DEFAULT_INFLIGHT_STORE_SHARE / shards)
                               if store else None)
             min_window = -(-cpus // shards) + 1
-            _warn_no_node_fits(self.config.task_num_cpus)
             opts: dict[str, Any] = {"num_cpus": self.config.task_num_cpus}
             if self.config.spread:
                 opts["scheduling_strategy"] = "SPREAD"
             opts.update(self.config.ray_remote_args or {})
+            _warn_no_node_fits(float(opts.get("num_cpus") or 0.0))
             self._stream = BlockStream(self._ready_spec(), make_plan=self.plan, fill=self._fill,
                                        window=window, block_rows=self.block_rows(),
                                        keep_warm=self.config.keep_warm and not (
@@ -621,7 +621,10 @@ class Pipeline:
         waiting for a batch. ``sampling=False`` skips the round trip to the priority store.
         """
         ended = self._session_ended()
-        if ended and sampling and self.sampler.uses_store:
+        if (ended and sampling and self.sampler.uses_store
+                and getattr(self.sampler, "handle", None) is not None):
+            # A store still held (not closed): asking it would start a Ray of its own. A
+            # closed pipeline's sampler answers with what its store said last.
             raise self._ended_error("; stats(sampling=False) gives this process's figures")
         out = self.account.summary()
         if ended and self._dataset_reads is not None:
@@ -800,7 +803,8 @@ def _warn_no_node_fits(task_cpus: float) -> None:
                        if n.get("Alive")), default=0.0)
     except Exception:  # noqa: BLE001 - a Ray that cannot list its nodes: nothing to say
         return
-    if task_cpus > largest:
+    # No node with CPUs at all: a head of 0 CPUs whose workers an autoscaler adds on demand.
+    if largest > 0 and task_cpus > largest:
         logger.warning(
             "PipelineConfig(task_num_cpus=%s): no node of this Ray has that many CPUs (the "
             "largest has %g), so the read tasks wait until an autoscaler adds one, for ever "

@@ -21,7 +21,8 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     """A tf.data.Dataset over ``pipe``'s batches.
 
     Each pass over the dataset (each Keras epoch) reads the next epoch of the plan, starting
-    at ``epoch`` (None: the epoch a loaded ``state_dict`` resumes, from its position, else 0); so ``model.fit(ds, epochs=3)`` sees epochs ``epoch, epoch+1, epoch+2``, each
+    at ``epoch`` (None: the epoch a ``state_dict`` loaded before this call resumes, from its
+    position, else 0); so ``model.fit(ds, epochs=3)`` sees epochs ``epoch, epoch+1, epoch+2``, each
     in its own order (any pass counts, ``ds.take(1)`` too; with Keras ``steps_per_epoch``,
     which keeps one iterator, fit ``ds.repeat()``). Elements are dicts with the batch
     contract's keys (``image`` uint8 NHWC, or float32 NHWC normalized with

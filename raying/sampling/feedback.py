@@ -97,11 +97,12 @@ class Reporter:
             with self._lock:
                 self.rejected_length += max(i.size, v.size)
             if self.rejected_length == max(i.size, v.size):
+                hint = ("reduce the other axes of a loss computed with reduction='none', "
+                        "e.g. loss.mean(dim=1)" if v.ndim > 1 else
+                        "the ids and the losses of the same batch")
                 logger.warning("raying.report: %d ids but losses of shape %s; the batch is "
                                "rejected and counted, as every later such batch is (pass one "
-                               "loss per id: reduce the other axes of a loss computed with "
-                               "reduction='none', e.g. loss.mean(dim=1))",
-                               i.size, tuple(np.shape(losses)))
+                               "loss per id: %s)", i.size, tuple(v.shape), hint)
             from raying.sampling.store import update_async
 
             update_async(self.handle, i, v)  # the store counts it as a length mismatch

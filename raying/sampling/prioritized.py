@@ -309,9 +309,8 @@ class PrioritizedSampler:
         from raying.sampling import store as st
 
         # A plan of plan_chunk_ids ids (stratified over them), or of one epoch's where that
-        # is fewer (stratified over the epoch: under flat priorities each id once); while
-        # reports keep making plans stale, about twice what the last one served before it
-        # went stale.
+        # is fewer (stratified over the epoch while it stays current); while reports keep
+        # making plans stale, about twice what the last one served before it went stale.
         chunk = min(settings().plan_chunk_ids, max(self.samples_per_epoch or self._n, 1))
         if self._live_chunk:
             chunk = min(chunk, self._live_chunk)

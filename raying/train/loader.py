@@ -169,6 +169,12 @@ class Loader:
         batch = int(batch_size)
         steps = min(rows) // batch
         total = sum(rows)
+        if min(rows) == 0 and total:
+            msg = (f"steps_per_epoch({batch}): epoch {self.epoch} has {len(plan.units)} read "
+                   f"units for {self.world_size} workers, so a worker's share is empty and no "
+                   f"step would run; use fewer workers or smaller units "
+                   f"(PipelineConfig(block_rows=...))")
+            raise ConfigError(msg)
         if steps == 0 and total:
             msg = (f"steps_per_epoch({batch}): the smallest of the {self.world_size} workers' "
                    f"shares of epoch {self.epoch} holds {min(rows)} rows, under one batch, so "

@@ -50,15 +50,28 @@ def test_pack_refuses_a_destination_with_parquet_unless_overwrite(image_folder, 
     assert len(back) == 60, "old shards must not be read with the new one"
 
 
-def test_pack_refuses_a_destination_inside_its_source(image_folder, ray_local):
+def test_pack_refuses_a_destination_inside_its_source(image_folder, packed, tmp_path,
+                                                      ray_local):
+    import shutil
+
     classes = sorted(p for p in image_folder.iterdir() if p.is_dir())
-    for dst in (image_folder / classes[0].name, image_folder / "packed", image_folder):
+    link = tmp_path / "link"
+    link.symlink_to(image_folder)
+    for dst in (image_folder / classes[0].name, image_folder / "packed", image_folder,
+                link / "packed"):
         with pytest.raises(raying.ConfigError, match=r"lies inside the source .*outside it"):
             raying.pack(str(image_folder), str(dst), progress=False)
     assert not list(image_folder.rglob("*.parquet")), "nothing written when refused"
     # A sibling whose name starts with the source's is outside it.
     sibling = image_folder.parent / (image_folder.name + "-packed")
     assert raying.pack(str(image_folder), str(sibling), shard_rows=100, progress=False).rows == 60
+    # A source that is one file: a folder beside it is not part of it.
+    (tmp_path / "one").mkdir()
+    one = tmp_path / "one" / "train.parquet"
+    shutil.copy(packed / "part-00000.parquet", one)
+    res = raying.pack(str(one), str(tmp_path / "one" / "repacked"), progress=False,
+                      label="label")
+    assert res.rows == 25
 
 
 def test_pack_a_flat_unlabelled_folder(image_folder, tmp_path, ray_local):

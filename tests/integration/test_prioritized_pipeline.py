@@ -36,10 +36,15 @@ def test_batches_carry_prob_and_weight(manifest, ray_local):
 
 
 @pytest.mark.parametrize("gated", [False, True])
-def test_an_epoch_shorter_than_a_plan_is_stratified_over_the_epoch(manifest, ray_local, gated):
+def test_an_epoch_shorter_than_a_plan_is_stratified_over_the_epoch(manifest, ray_local, gated,
+                                                                    monkeypatch):
     """Plans span an epoch where it holds fewer draws than a plan: each id is drawn floor or
     ceil of its expected count in every epoch (under flat priorities each id once), whether
-    the plans come from the store or, while it starts, from the driver."""
+    the plans come from the store or, while it starts, from the driver. A plan stays current
+    here (no report; its 1 s age limit lifted, which a loaded machine can reach mid-epoch)."""
+    import raying.sampling.prioritized as prioritized
+
+    monkeypatch.setattr(prioritized, "DEFAULT_PLAN_MAX_AGE_S", 3600.0)
     store = {"actor_options": {"resources": {"raying-test-never-here": 1}}} if gated else None
     flat = raying.PrioritizedSampler(seed=4, store=store)
     pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16), sampler=flat,

@@ -122,6 +122,11 @@ prio = prio_of()
 print("prioritized:", sum(len(b["id"]) for b in prio.iter_batches(batch_size=16, epoch=0)))
 prio.report([1, 2], [1.0, 2.0])  # buffered in its reporter
 raying.report([3], [3.0], store=prio.store_name)  # a Train worker's way, by the store's name
+# A prioritized pipeline closed before the shutdown keeps what its store said last.
+early = raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16),
+                        sampler=raying.PrioritizedSampler(seed=1))
+next(early.iter_batches(batch_size=16, epoch=0))
+early.close()
 # An iteration begun before the shutdown, one small unit read of many.
 begun = raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16),
                         config=raying.PipelineConfig(block_rows=4, window=2))
@@ -149,8 +154,11 @@ for what, call in calls.items():
     except raying.ConfigError as exc:
         print(what, "refused:", "session that has ended" in str(exc), "ray up:", ray.is_initialized())
 print("own stats rows:", prio.stats(sampling=False)["rows_delivered"])
+print("closed before:", early.stats()["sampling"].get("store_closed"), "ray up:",
+      ray.is_initialized())
 pipe.close()
 prio.close()  # its store went with the old session: nothing to flush or stop there
+print("closed after:", prio.stats()["sampling"]["sampler"], "ray up:", ray.is_initialized())
 print("stats rows:", pipe.stats()["rows_delivered"], "ray up:", ray.is_initialized())
 pipe = make()
 print("new pipeline:", sum(len(b["id"]) for b in pipe.iter_batches(batch_size=16, epoch=1)))
@@ -187,5 +195,8 @@ def test_a_pipeline_whose_ray_was_shut_down_says_so_and_a_new_one_works(tmp_path
     for what in ("stats", "state_dict", "dataset", "priorities", "report"):
         assert f"{what} refused: True ray up: {up}" in out.stdout, out.stdout[-2000:]
     assert "own stats rows: 80" in out.stdout, out.stdout[-2000:]
+    # Once closed (before or after the shutdown), stats() answers from what it kept.
+    assert f"closed before: True ray up: {up}" in out.stdout, out.stdout[-2000:]
+    assert f"closed after: prioritized ray up: {up}" in out.stdout, out.stdout[-2000:]
     if restart == "again":
         assert "new store received: 2" in out.stdout, out.stdout[-2000:]

@@ -528,6 +528,11 @@ def test_steps_per_epoch_refuses_a_batch_over_a_share_and_warns_when_steps_leave
             with pytest.raises(raying.ConfigError, match=r"holds 30 rows, under one batch.*"
                                                          r"batch size of at most 30"):
                 ld.steps_per_epoch(31)
+        # More workers than read units: two of four shares are empty.
+        wide = [Loader(Feed.of(pipe, 1), rank=r, world_size=8) for r in range(2)]
+        loaders += wide
+        with pytest.raises(raying.ConfigError, match=r"6 read units for 8 workers.*empty"):
+            wide[0].steps_per_epoch(1)
     finally:
         for ld in loaders:
             ld.pipe.close()

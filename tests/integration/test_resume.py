@@ -45,16 +45,22 @@ def test_uniform_resume_roundtrip(manifest, ray_local, batches):
     assert (b.state_dict()["epoch"], b.state_dict()["unit"]) == (2, 0), "the position moved on"
 
 
-def test_resume_delivers_each_id_exactly_once(manifest, ray_local):
-    make = _make(manifest)
+def _loaded_mid_epoch(make, prefetch_batches=None):
+    """The ids of 3 batches of 8 of epoch 2, and a new pipeline that loaded the state after."""
     a = make()
-    it = a.iter_batches(batch_size=8, epoch=2)
+    it = a.iter_batches(batch_size=8, epoch=2, prefetch_batches=prefetch_batches)
     first = np.concatenate([next(it)["id"] for _ in range(3)])
     state = a.state_dict()
     it.close()
     a.close()
     b = make()
     b.load_state_dict(state)
+    return first, b
+
+
+def test_resume_delivers_each_id_exactly_once(manifest, ray_local):
+    make = _make(manifest)
+    first, b = _loaded_mid_epoch(make)
     rest = np.concatenate([x["id"] for x in b.iter_batches(batch_size=8, epoch=2)])
     both = np.concatenate([first, rest])
     assert len(both) == 60 and sorted(both.tolist()) == list(range(60))
@@ -153,14 +159,7 @@ def test_to_tf_state_moves_to_the_next_epoch_once_its_batches_are_handed_over(ma
 def test_to_tf_without_an_epoch_continues_where_a_loaded_state_stands(manifest, ray_local):
     pytest.importorskip("tensorflow")
     make = _make(manifest)
-    a = make()
-    it = a.iter_batches(batch_size=8, epoch=2, prefetch_batches=0)
-    first = np.concatenate([next(it)["id"] for _ in range(3)])
-    state = a.state_dict()
-    it.close()
-    a.close()
-    b = make()
-    b.load_state_dict(state)
+    first, b = _loaded_mid_epoch(make, prefetch_batches=0)
     passes = iter(b.to_tf(batch_size=8, epoch=None))  # the rest of epoch 2, not epoch 0
     rest = np.concatenate([x["id"].numpy() for x in passes])
     assert sorted(np.concatenate([first, rest]).tolist()) == list(range(60))

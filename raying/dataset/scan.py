@@ -110,7 +110,8 @@ def scan_images(cls, root: str, uri: str, infos: list[pafs.FileInfo], label: Any
         if empty:
             warnings.warn(f"{uri}: class folders {empty} hold no images, so they get no label "
                           f"and the labels of the folders after them shift; pass classes=[...] "
-                          f"to Manifest.scan to fix the label of every class name",
+                          f"to Manifest.scan (raying scan --classes) to fix the label of every "
+                          f"class name",
                           UserWarning, stacklevel=3)
         index = {c: k for k, c in enumerate(classes)}
         labels = np.fromiter((index[n] for n in names), dtype=np.int64, count=len(names))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -14,6 +15,7 @@ from raying.dataset.pack import PACK_COLUMNS, SHARD_NAME, PackResult, pack_shard
 from raying.errors import ConfigError
 from raying.options import StorageOptions, settings
 from raying.storage import files as _storage
+from raying.storage.spec import travelling_options
 
 # The random stream of pack's row order (apart from the samplers' streams of the same seed).
 _PACK_STREAM = 0x5041434B
@@ -108,7 +110,9 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
                f"{'x'.join(map(str, manifest.meta['decoded']))}); pack reads encoded images "
                f"(an image folder, or Parquet of JPEG/PNG bytes), so there is nothing to pack")
         raise ConfigError(msg)
-    out_opts = StorageOptions.coerce(dst_storage if dst_storage is not None else storage)
+    # Options as the read tasks must get them: the endpoint and region this process took from
+    # its environment included (a worker's environment may lack them).
+    out_opts = travelling_options(dst, dst_storage if dst_storage is not None else storage)
     out_fs, out_root = _storage.resolve(dst, out_opts)
     _refuse_inside_source(src if isinstance(src, str) else manifest.root, manifest.storage,
                           out_fs, out_root, dst)
@@ -116,7 +120,9 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     _storage.make_dirs(out_fs, out_root)
     ensure_ray()
     task: Any = ray.remote(num_cpus=1, max_retries=3)(pack_shard)  # type: ignore[arg-type]
-    src_ref = ray.put(manifest)
+    shipped = copy.copy(manifest)
+    shipped.storage = travelling_options(manifest.root, manifest.storage)
+    src_ref = ray.put(shipped)
     n = len(manifest)
     rng = np.random.default_rng([int(seed), _PACK_STREAM])
     if not shuffle:

@@ -398,21 +398,27 @@ def _read_out_failures(tasks: list[Any], timeout_s: float) -> None:
     except ray.exceptions.RayError:
         return  # a task lost with its worker: nothing more to read here
     finished = {d.hex() for d in done}
-    for task in tasks:
-        try:
-            if task.completed().hex() not in finished:
-                continue
-            for part in task:  # a finished task's parts are all there: no wait
-                try:
-                    ray.get(part)
-                except ray.exceptions.RayError as exc:
-                    cause = getattr(exc, "cause", None) or exc
-                    logger.warning("another read task of the stopped epoch failed too: %s",
-                                   cause)
-        except Exception:  # noqa: BLE001 - Ray itself gone: nothing left to read
-            logger.debug("a dropped read task not read out", exc_info=True)
-            if not ray.is_initialized():
-                return
+    failed: dict[str, int] = {}  # each distinct error once, with how many parts had it
+    try:
+        for task in tasks:
+            try:
+                if task.completed().hex() not in finished:
+                    continue
+                for part in task:  # a finished task's parts are all there: no wait
+                    try:
+                        ray.get(part)
+                    except ray.exceptions.RayError as exc:
+                        text = str(getattr(exc, "cause", None) or exc)
+                        failed[text] = failed.get(text, 0) + 1
+            except Exception:  # noqa: BLE001 - Ray itself gone: nothing left to read
+                logger.debug("a dropped read task not read out", exc_info=True)
+                if not ray.is_initialized():
+                    return
+    finally:
+        for text, count in failed.items():
+            times = f" ({count} times)" if count > 1 else ""
+            logger.warning("another read task of the stopped epoch failed too%s: %s", times,
+                           text)
 
 
 def first_block_rows(batch_rows: int | None, unit_rows: int, *, aligned: bool) -> int | None:

@@ -70,8 +70,11 @@ class ReadSpec:
         settings = settings if settings is not None else current()
         if max_pixels is None:
             max_pixels = settings.max_image_pixels
+        from raying.storage.spec import travelling_options
+
         decoded = manifest.meta.get("decoded")
-        return cls(root=manifest.root, storage=manifest.storage, fmt=manifest.format,
+        storage = travelling_options(manifest.root, manifest.storage)
+        return cls(root=manifest.root, storage=storage, fmt=manifest.format,
                    files=tuple(manifest.files), image_column=manifest.meta.get("image_column"),
                    decoded=tuple(decoded) if decoded else None, transform=transform,
                    seed=int(seed), on_error=on_error, max_pixels=int(max_pixels),

@@ -12,30 +12,9 @@ import numpy as np
 
 from raying.errors import ConfigError
 from raying.options import settings
+from raying.sampling.weights import to_numpy
 
 logger = logging.getLogger(__name__)
-
-
-def to_numpy(values: Any, *, dtype: Any) -> np.ndarray:
-    """A 1-D numpy array from torch (any device), tf, numpy, lists or scalars."""
-    if hasattr(values, "detach"):  # torch
-        values = values.detach()
-        if values.device.type != "cpu":
-            values = values.cpu()
-        try:
-            values = values.numpy()
-        except TypeError:  # bfloat16, float8: no numpy dtype
-            if not values.is_floating_point():
-                raise
-            values = values.float().numpy()
-    elif hasattr(values, "numpy") and not isinstance(values, np.ndarray):  # tf eager tensors
-        values = values.numpy()
-    if isinstance(values, np.ndarray) and values.dtype.kind == "V" and (
-            "float" in values.dtype.name):
-        # bfloat16 and float8 (ml_dtypes, as tf's and jax's numpy() give them): no numpy
-        # kind of their own, but they convert to float32 exactly.
-        values = values.astype(np.float32)
-    return np.asarray(values, dtype=dtype).reshape(-1)
 
 
 class Reporter:

@@ -9,7 +9,7 @@ import numpy as np
 
 from raying.errors import ConfigError
 from raying.sampling.plan import EpochPlan, ReadUnit, chunk_units
-from raying.sampling.weights import importance_weights
+from raying.sampling.weights import importance_weights, to_numpy
 
 # Mixed into the seed of every weighted plan, so it never shares a stream with other plans.
 _PLAN_STREAM = 0x5A3E1
@@ -61,10 +61,20 @@ def static_probabilities(labels: np.ndarray, *, weights: Any = None,
                 msg = (f"WeightedSampler(weights={{...}}) has label index {index}, expected one "
                        f"in [0, {per_class.size}); use the dataset's label indices")
                 raise ConfigError(msg)
-            per_class[index] = float(value)
+            try:
+                per_class[index] = float(value)
+            except (TypeError, ValueError):
+                msg = (f"WeightedSampler(weights={{...}}) gives class {key!r} the weight "
+                       f"{value!r}; weights must be numbers")
+                raise ConfigError(msg) from None
         w = per_class[labels] if n else np.zeros(0)
     else:
-        w = np.asarray(weights, dtype=np.float64).reshape(-1)
+        try:
+            w = to_numpy(weights, dtype=np.float64)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            msg = (f"WeightedSampler(weights=...) must be numbers, one per sample (or a dict "
+                   f"{{class: weight}}), got {type(weights).__name__} ({exc})")
+            raise ConfigError(msg) from None
         if w.size != n:
             msg = (f"WeightedSampler(weights=...) needs one weight per sample: expected {n}, "
                    f"got {w.size}; pass per-class weights as a dict {{class: weight}}")

@@ -1,4 +1,5 @@
-"""Checks of priority updates and table states, and the importance-weight formula."""
+"""Trainers' arrays as numpy, checks of priority updates and table states, and the
+importance-weight formula."""
 
 from __future__ import annotations
 
@@ -11,6 +12,28 @@ from raying.errors import ConfigError
 
 # Why an update entry was refused; each entry counts under its first reason in this order.
 REJECT_REASONS = ("length_mismatch", "not_integer", "out_of_range", "nan", "inf", "negative")
+
+
+def to_numpy(values: Any, *, dtype: Any) -> np.ndarray:
+    """A 1-D numpy array from torch (any device), tf, numpy, lists or scalars."""
+    if hasattr(values, "detach"):  # torch
+        values = values.detach()
+        if values.device.type != "cpu":
+            values = values.cpu()
+        try:
+            values = values.numpy()
+        except TypeError:  # bfloat16, float8: no numpy dtype
+            if not values.is_floating_point():
+                raise
+            values = values.float().numpy()
+    elif hasattr(values, "numpy") and not isinstance(values, np.ndarray):  # tf eager tensors
+        values = values.numpy()
+    if isinstance(values, np.ndarray) and values.dtype.kind == "V" and (
+            "float" in values.dtype.name):
+        # bfloat16 and float8 (ml_dtypes, as tf's and jax's numpy() give them): no numpy
+        # kind of their own, but they convert to float32 exactly.
+        values = values.astype(np.float32)
+    return np.asarray(values, dtype=dtype).reshape(-1)
 
 
 def check_updates(ids: Any, priorities: Any, n: int,
@@ -29,12 +52,17 @@ def check_updates(ids: Any, priorities: Any, n: int,
     Raises:
         ConfigError: if ids or priorities are not numeric at all (a caller bug, not bad data).
     """
-    ids = np.asarray(ids).reshape(-1)
     try:
-        values = np.asarray(priorities, dtype=np.float64).reshape(-1)
-    except (TypeError, ValueError):
+        values = to_numpy(priorities, dtype=np.float64)
+    except (TypeError, ValueError, RuntimeError):
         msg = (f"priorities must be real numbers, got {type(priorities).__name__}; pass a numpy "
                f"array, list or tensor of per-sample losses")
+        raise ConfigError(msg) from None
+    try:
+        ids = to_numpy(ids, dtype=None)
+    except (TypeError, ValueError, RuntimeError):
+        msg = (f"ids must be integers, got {type(ids).__name__}; pass the int64 ids of the "
+               f"batch (batch['id'])")
         raise ConfigError(msg) from None
     if ids.dtype.kind not in "iuf" or ids.dtype == np.bool_:
         msg = (f"ids must be integers, got dtype {ids.dtype}; pass the int64 ids of the "

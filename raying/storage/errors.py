@@ -119,10 +119,12 @@ def storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *,
             msg = f"permission denied to {action} {uri}; check the file's owner and mode"
         return CredentialsError(msg)
     if kind == "network" and scheme == "s3":
-        endpoint = getattr(options, "endpoint_url", None) or "AWS S3"
-        msg = (f"cannot reach the S3 endpoint {endpoint} to {action} {uri}{tries}: {detail}. "
+        endpoint = getattr(options, "endpoint_url", None)
+        where = f"the S3 endpoint {endpoint}" if endpoint else "AWS S3 (no endpoint_url set)"
+        msg = (f"cannot reach {where} to {action} {uri}{tries}: {detail}. "
                "Check that the server is up and that storage={'endpoint_url': ...} or "
-               "AWS_ENDPOINT_URL points to it")
+               "AWS_ENDPOINT_URL (set before Ray starts, or in the process that builds the "
+               "pipeline) points to it")
         return StorageError(msg)
     if scheme == "hdfs" and "working directory URI: file:" in detail:
         return StorageError(f"cannot {action} {uri}{tries}: {detail}. {_DEFAULT_FS_HINT}")

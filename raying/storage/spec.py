@@ -134,6 +134,20 @@ class StorageSpec:
     __str__ = __repr__
 
 
+def travelling_options(uri: str, storage: StorageOptions | dict | None) -> StorageOptions:
+    """``storage`` as Ray workers must get it to reach ``uri``: for S3, with the endpoint and
+    region this process took from its environment filled in (a worker's environment may lack
+    them: a Ray started before ``AWS_ENDPOINT_URL`` was set, or nodes set up otherwise);
+    credentials from the environment are left out, as workers find their own. Other schemes
+    get ``storage`` unchanged."""
+    options = StorageOptions.coerce(storage)
+    spec, _ = StorageSpec.from_uri(uri, options)
+    if spec.scheme != "s3":
+        return options
+    return dataclasses.replace(options, endpoint_url=spec.options.endpoint_url,
+                               region=spec.options.region)
+
+
 def clear_cache() -> None:
     """Forget the cached filesystems (tests; a process whose credentials changed)."""
     with _CACHE_LOCK:

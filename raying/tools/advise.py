@@ -215,11 +215,19 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
         rows = 256
     if parquet:
         rows = max(rows, data["rows_per_row_group"])
-    line("block_rows", rows, f"~{TASK_DECODE_MS:.0f} ms of decode per read task keeps Ray's "
-         f"per-task cost small" + ("; at least one row group" if parquet else ""),
+    window = 2 * cores if fast or not serial else cores
+    why_rows = (f"~{TASK_DECODE_MS:.0f} ms of decode per read task keeps Ray's per-task cost "
+                f"small" + ("; at least one row group" if parquet else ""))
+    samples = int(data.get("samples") or 0)
+    if not parquet and samples and rows * window > samples:
+        # A small dataset: blocks that size would leave read tasks of the window, and cores,
+        # without rows; as large as still gives every one of them a block.
+        rows = 2 ** int(math.log2(max(1, samples // window)))
+        why_rows = (f"{samples:,} samples over the window's {window} read tasks: larger "
+                    f"blocks would leave cores idle")
+    line("block_rows", rows, why_rows,
          f"decode {d_ms:.2f} ms/image" if d_ms else "decode not measured")
     # 7. read tasks in flight
-    window = 2 * cores if fast or not serial else cores
     line("window", window,
          ("two read tasks per core keep every core decoding" if window == 2 * cores else
           "one read task per core: more would only queue on the device"),

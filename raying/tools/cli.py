@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,7 +58,9 @@ def cmd_scan(ns: argparse.Namespace) -> int:
     from raying.dataset.manifest import Manifest
 
     label = None if ns.label == "none" else ns.label
-    m = Manifest.scan(ns.uri, format=ns.format, label=label, storage=_storage(ns))
+    classes = [c.strip() for c in ns.classes.split(",")] if ns.classes else None
+    m = Manifest.scan(ns.uri, format=ns.format, label=label, storage=_storage(ns),
+                      classes=classes)
     if ns.save:
         m.save(ns.save)
     sizes = m.sizes[m.sizes >= 0]
@@ -133,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", default="auto", choices=["auto", "images", "parquet"])
     s.add_argument("--label", default="folder",
                    help="'folder' (class subfolders), a Parquet column name, or 'none'")
+    s.add_argument("--classes", metavar="NAMES",
+                   help="comma-separated class names in label order (e.g. the training "
+                        "split's), instead of the class folders found")
     s.add_argument("--save", metavar="URI", help="also write the manifest there")
     s.add_argument("--json", action="store_true", help="print JSON")
     _storage_args(s)
@@ -260,12 +267,20 @@ def positive_int(text: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extra = parser.parse_known_args(argv)
+    if extra:  # reported with the usage of the command they were given to
+        command = getattr(ns, "command", None)
+        target = _subparsers(parser).get(command, parser) if command else parser
+        target.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if not getattr(ns, "func", None):
         parser.print_help()
         return 2
+    # A warning is one line of the command's output, not a source line of raying's code.
+    previous = warnings.formatwarning
+    warnings.formatwarning = (lambda message, category, *a, **k:
+                              f"raying {ns.command}: warning: {message}\n")
     try:
         return int(ns.func(ns) or 0)
     except RayingError as exc:
@@ -274,6 +289,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"raying {ns.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout went away (`raying scan ... | head`): stop quietly, and keep
+        # the interpreter's exit flush from failing on the closed pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    finally:
+        warnings.formatwarning = previous
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:  # argparse keeps its subcommands' parsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
 
 
 if __name__ == "__main__":  # pragma: no cover

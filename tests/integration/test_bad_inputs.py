@@ -161,6 +161,8 @@ def test_raise_reads_the_other_failing_tasks_errors_instead_of_leaving_them_unha
         others = [r.getMessage() for r in caplog.records if "failed too" in r.getMessage()]
     assert others, "no other read task failed: the corpus no longer has a bad file per unit"
     assert any(c.path in others[0] for c in corpus.bad), others[0]
+    errors = [o.split(": ", 1)[1] for o in others]
+    assert len(set(errors)) == len(errors), others  # each error once, with its count
     import gc
 
     gc.collect()

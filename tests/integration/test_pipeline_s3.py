@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import raying
+from raying.storage.spec import clear_cache
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +41,21 @@ def test_s3_and_local_give_identical_ids_labels_pixels(s3_images, s3_endpoint, i
         assert np.array_equal(x, y)
 
 
-def test_s3_endpoint_from_environment(s3_images, s3_endpoint, monkeypatch, ray_local):
+def test_s3_endpoint_from_environment(s3_images, s3_endpoint, monkeypatch, ray_local,
+                                      tmp_path):
+    # Set after Ray started its workers, as in a notebook: the workers' environment lacks it,
+    # so the read tasks and pack's tasks must get the endpoint this process took.
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
-    raying.storage.files.clear_cache()
+    clear_cache()
     m = raying.Manifest.scan(s3_images)
     assert len(m) == 60
+    assert m.storage.endpoint_url is None  # the manifest keeps what the user gave
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=32))
+    ids, _, _ = _epoch(pipe, 0)
+    assert sorted(ids.tolist()) == list(range(60))
+    assert pipe.stats()["skipped"] == []
+    result = raying.pack(s3_images, str(tmp_path / "packed"))
+    assert result.rows == 60
 
 
 def test_s3_missing_prefix_is_a_clear_error(s3_images, s3_endpoint, ray_local):

@@ -283,6 +283,17 @@ def test_non_numeric_updates_raise_with_a_fix():
         table.update([0], [["x"]])
 
 
+def test_tensor_updates_of_any_float_dtype_and_with_gradients_are_taken():
+    torch = pytest.importorskip("torch")
+    table = PriorityTable(10)
+    assert table.update(torch.tensor([4, 5]), torch.tensor([1.5, 2.5], dtype=torch.bfloat16)) == 2
+    assert table.update(torch.tensor([6]), torch.tensor([2.0], requires_grad=True)) == 1
+    assert table.update(np.array([7]), torch.tensor([0.5], dtype=torch.float16)) == 1
+    p = table.probabilities()
+    assert p[5] / p[4] == pytest.approx(2.5 / 1.5) and p[6] / p[4] == pytest.approx(2.0 / 1.5)
+    assert p[7] / p[4] == pytest.approx(0.5 / 1.5)
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"alpha": -1}, r"alpha must be a finite number >= 0.0, got -1.0; pass e.g. alpha=0.6"),
     ({"uniform_mix": 1.5}, r"uniform_mix must be a finite number >= 0.0 and <= 1.0, got 1.5"),

@@ -46,10 +46,20 @@ def test_per_class_weights_by_name_or_index_and_per_sample_weights():
     ({5: 2.0}, r"has label index 5, expected one in \[0, 2\)"),
     ({1.7: 3.0}, r"has key 1.7; use class names \(str\) or label indices \(int\)"),
     ({True: 3.0}, r"has key True; use class names"),
+    ("abcd", r"must be numbers, one per sample .* got str"),
+    ({0: "x"}, r"gives class 0 the weight 'x'; weights must be numbers"),
 ])
 def test_bad_weights_are_refused(weights, match):
     with pytest.raises(raying.ConfigError, match=match):
         static_probabilities(_labels([2, 2]), weights=weights, classes=["a", "b"])
+
+
+def test_tensor_weights_of_any_float_dtype_are_taken():
+    torch = pytest.importorskip("torch")
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        w = torch.tensor([1.0, 3.0, 1.0, 3.0], dtype=dtype)
+        p = static_probabilities(_labels([2, 2]), weights=w)
+        assert np.allclose(p, [0.125, 0.375, 0.125, 0.375])
 
 
 def test_draws_follow_the_probabilities_chi_square():

@@ -62,6 +62,20 @@ def test_fast_local_storage_keeps_the_defaults():
     assert a["window"]["value"] == 16
 
 
+def test_a_small_image_set_gets_blocks_that_give_every_read_task_of_the_window_rows():
+    store = _store(kind="local", latency_s=2e-5, whole_file_s=1e-4, latency_share=0.2,
+                   bandwidth_bytes_per_s=2e9, bandwidth_from="one 8.0 MiB read",
+                   parallel_speedup=1.1)
+    a, config = _advice(_data(files=120, samples=120, bytes=12 * 2**20), store,
+                        _machine(cores=2, decode_ms_per_image=0.5))
+    assert a["window"]["value"] == 4
+    assert config["block_rows"] == 16 and 16 * 4 <= 120 < 32 * 4
+    assert "120 samples over the window's 4 read tasks" in a["block_rows"]["reason"]
+    # A large set keeps the per-task decode target.
+    a, config = _advice(_data(), store, _machine(cores=2, decode_ms_per_image=0.5))
+    assert config["block_rows"] >= 64 and "per-task cost" in a["block_rows"]["reason"]
+
+
 def test_disk_head_parquet_large_dataset_gets_a_disk_tier_and_two_reads():
     data = _data(format="parquet", files=40, samples=400_000, bytes=200 * GIB,
                  rows_per_row_group=256, row_group_bytes=25 * 2**20, sample_bytes=100_000)

@@ -137,3 +137,58 @@ def test_scan_of_parquet_with_integer_labels_says_how_many_labels(capsys, tmp_pa
     assert cli.main(["scan", str(tmp_path), "--format", "parquet"]) == 0
     out = capsys.readouterr().out
     assert "classes: 0" in out and "labels: 4 distinct integer labels (0 to 5), no names" in out
+
+
+def _folders(root: Path, counts: dict[str, int]) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    for name, count in counts.items():
+        (root / name).mkdir(parents=True)
+        for i in range(count):
+            Image.fromarray(np.full((8, 8, 3), i, np.uint8)).save(root / name / f"{i}.jpg")
+    return root
+
+
+def _cli(*args: str, **kwargs):
+    import subprocess
+
+    code = "import sys; from raying.tools import cli; sys.exit(cli.main(sys.argv[1:]))"
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    return subprocess.run([sys.executable, "-c", code, *args], stderr=subprocess.PIPE,
+                          text=True, timeout=120, check=False, **kwargs)
+
+
+def test_scan_warns_in_one_line_and_takes_class_names(tmp_path):
+    root = _folders(tmp_path / "imgs", {"a": 2, "empty": 0, "z": 2})
+    done = _cli("scan", str(root), "--json")
+    assert done.returncode == 0, done.stderr
+    warning = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(warning) == 1, done.stderr  # no source file or line of raying's code
+    assert warning[0].startswith("raying scan: warning: ") and "--classes" in warning[0]
+    assert '"classes": 2' in done.stdout
+    done = _cli("scan", str(root), "--json", "--classes", "a, empty, z")
+    assert done.returncode == 0 and '"classes": 3' in done.stdout
+    assert "warning" not in done.stderr
+
+
+def test_extra_arguments_are_refused_with_the_commands_usage(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["scan", str(tmp_path), "extra"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: raying scan ") and "unrecognized arguments: extra" in err
+
+
+def test_output_to_a_closed_pipe_stops_quietly(tmp_path):
+    import os
+
+    root = _folders(tmp_path / "imgs", {"a": 1, "b": 1})
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line (`raying scan ... | head -0`)
+    try:
+        done = _cli("scan", str(root), stdout=write)
+    finally:
+        os.close(write)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr

@@ -227,12 +227,23 @@ def ledger_actor():
 
 
 def epoch_coverage(records: list[dict[str, Any]], n: int) -> dict[int, dict[str, Any]]:
-    """Per epoch: rows over all workers and whether every id came exactly once."""
+    """Per epoch: rows over all workers and whether every id came exactly once.
+
+    A worker group that Ray Train restarted (``max_failures``) reads again the epochs after
+    the checkpoint it restored, whole: each rank's last record of an epoch (``records`` in
+    the order they arrived) is the read that counts, and ``reread`` says how many records of
+    an earlier attempt it replaced.
+    """
     out: dict[int, dict[str, Any]] = {}
     for epoch in sorted({r["epoch"] for r in records}):
-        mine = [r for r in records if r["epoch"] == epoch]
+        last: dict[int, dict[str, Any]] = {}
+        every = [r for r in records if r["epoch"] == epoch]
+        for r in every:
+            last[int(r["rank"])] = r
+        mine = list(last.values())
         rows = sum(r["rows"] for r in mine)
         entry: dict[str, Any] = {"rows": rows, "workers": len(mine),
+                                 "reread": len(every) - len(mine),
                                  "rows_by_rank": {int(r["rank"]): r["rows"] for r in mine},
                                  "loss": sum(r["loss_sum"] for r in mine) / max(rows, 1)}
         if all(r.get("ids") is not None for r in mine):

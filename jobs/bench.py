@@ -64,7 +64,8 @@ def bench_argv(args: argparse.Namespace, out: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the benchmark in this process (it attaches to the job's cluster)."""
+    """Run the benchmark from this process: on this node, each peer in a child process with
+    its own local Ray, as the benchmark protocol measures (not on the job's cluster)."""
     if importlib.util.find_spec("raying.bench.run") is None:
         msg = ("raying.bench.run is not in this raying install; update raying (the benchmark "
                "ships with it) and submit again")

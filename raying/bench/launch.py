@@ -64,6 +64,17 @@ def _kill(pids: list[int]) -> None:
             pass
 
 
+def local_ray_env(**extra: str) -> dict[str, str]:
+    """This process's environment, plus ``extra``, for a child that starts its own local Ray
+    (every Ray peer does): the cluster's address goes, and so does the job config Ray gives
+    a job's entrypoint (run as a Ray job, its runtime_env names a working_dir package that
+    only the job's cluster holds, which a local Ray's workers would fail to download)."""
+    env = dict(os.environ, **extra)
+    for name in ("RAY_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        env.pop(name, None)
+    return env
+
+
 def run_job(job: Job, *, epochs: int, cores: int, seed: int, timeout_s: float,
             spec_extra: dict[str, Any], logs: str, say: Callable[[str], None]) -> dict[str, Any]:
     """Run one child, watch its tree, and return its raw result with CPU and memory added.
@@ -82,9 +93,8 @@ def run_job(job: Job, *, epochs: int, cores: int, seed: int, timeout_s: float,
     # numpy's BLAS on one thread in every peer's processes, as Ray sets it in its workers:
     # W7's jitter calls it per image, and a second BLAS thread in each of the peers' worker
     # processes competes with the other workers for the same cores.
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
-               RAY_USAGE_STATS_ENABLED="0", OPENBLAS_NUM_THREADS="1")
-    env.pop("RAY_ADDRESS", None)  # every Ray peer starts its own local Ray
+    env = local_ray_env(PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2",
+                        RAY_USAGE_STATS_ENABLED="0", OPENBLAS_NUM_THREADS="1")
     read_fd, write_fd = os.pipe()
     load_before = os.getloadavg()
     t0 = time.monotonic()

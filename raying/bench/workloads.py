@@ -239,8 +239,10 @@ def _pack_all(todo: list[tuple[Path, Path, int | None]], say: Callable[[str], No
         shutil.rmtree(d, ignore_errors=True)
     say("packing " + ", ".join(f"{Path(j['dst']).name[:-4]}" for j in jobs) + " (raying.pack)")
     t0 = time.perf_counter()
+    from raying.bench.launch import local_ray_env
+
     subprocess.run([sys.executable, "-m", "raying.bench.workloads", "pack", json.dumps(jobs)],
-                   check=True, stdout=sys.stderr)
+                   check=True, stdout=sys.stderr, env=local_ray_env())
     for (src, dst, k), job in zip(todo, jobs, strict=True):
         params = _packed(dst.parent, src, k)[1]
         tmp = Path(job["dst"])

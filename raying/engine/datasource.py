@@ -354,8 +354,11 @@ def merge_dataset_account(out: dict[str, Any], reads: dict[str, Any]) -> None:
     if "error" in reads:
         out["dataset"] = reads
         return
+    # What the read tasks did; what their consumers took (rows delivered, rates, stalls)
+    # happens in Ray Data's iterators, out of this account's sight.
     out["dataset"] = {k: v for k, v in reads.items()
-                      if k not in ("throughput_rows_per_s", "stall_s", "stall_share")}
+                      if k not in ("rows_delivered", "throughput_rows_per_s", "stall_s",
+                                   "stall_share")}
     out["skip_events"] = out.get("skip_events", 0) + reads.get("skip_events", 0)
     by_reason = out["skipped_by_reason"]
     where = {s["id"]: k for k, s in enumerate(out["skipped"])}

@@ -147,8 +147,9 @@ def check_ray_address(address: str, timeout_s: float = DEFAULT_RAY_CONNECT_TIMEO
     scheme, sep, rest = address.partition("://")
     if sep and scheme in ("http", "https"):
         msg = (f"RAY_ADDRESS={address} is the job API's HTTP address (what `ray job submit` "
-               "takes); a driver attaches to the head's GCS address, host:6379 (`ray status` "
-               "on the head prints it), or to ray://host:10001. Set RAY_ADDRESS to that, or "
+               "takes); a driver attaches to the head's GCS address, host:port (6379 for `ray "
+               "start`'s default, 6380 for `raying cluster start`'s; `ray status` on the head "
+               "and `raying cluster status` print it), or to ray://host:10001. Set RAY_ADDRESS to that, or "
                "unset it to start a local Ray")
         raise ConfigError(msg)
     hostport = rest if sep else address

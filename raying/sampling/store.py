@@ -365,6 +365,7 @@ def stats(handle: StoreHandle) -> dict[str, Any]:
                                          if s["last_snapshot_error"]), None),
             "updates_since_snapshot": sum(s["updates_since_snapshot"] for s in shards),
             "restores": total_of("restores"), "restored_updates": total_of("restored_updates"),
+            "restarts": total_of("restarts"),
             "total": math.fsum(s["leaves"]["total"] for s in shards),
             "ess": 1.0 / sum_p2, "ess_fraction": 1.0 / sum_p2 / handle.n,
             "min_prob": min_prob, "age": age, "guard": _guard_stats(shards)}

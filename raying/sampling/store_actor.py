@@ -117,17 +117,19 @@ class StoreActor:
         self._snapshot_lock = threading.Lock()  # one snapshot write at a time
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self.counters = {"received": 0, "coalesced": 0, "ticks": 0, "snapshots": 0,
-                         "snapshot_errors": 0, "restores": 0, "restored_updates": 0}
+                         "snapshot_errors": 0, "restores": 0, "restored_updates": 0,
+                         "restarts": 0}
         self.last_snapshot_time: float | None = None
         self.last_snapshot_error: str | None = None
         self._applied_at_snapshot = 0  # updates applied when the last snapshot was taken
         self._applied_at_saved = 0  # ... and when the last successful one was taken
         self._last_cap_refresh = 0.0
         self._snapshot: tuple[Any, str] | None = None
+        restarted = _restarted()
         if snapshot_path is not None:
             fs, path = storage.resolve(snapshot_path, options.get("storage"))
             self._snapshot = (fs, path)
-            if (options.get("restore", True) or _restarted()) and storage.exists(fs, path):
+            if (options.get("restore", True) or restarted) and storage.exists(fs, path):
                 state, counters = decode_snapshot(storage.read_bytes(fs, path))
                 self.table.load_state_dict(state)
                 self.counters.update(counters)
@@ -138,6 +140,18 @@ class StoreActor:
                 self.last_snapshot_time = time.time()
                 logger.info("priority store %s restored %s from %s", name,
                             self.table.counters["updates_applied"], snapshot_path)
+        if restarted:
+            self.counters["restarts"] += 1
+            if not self.counters["restores"]:
+                # Ray restarted the shard (its process or node was lost) with nothing to
+                # restore: training goes on, but on the initial priorities. Said, not hidden.
+                logger.warning(
+                    "priority store %s was restarted (its process or node was lost) %s: its "
+                    "priorities start again from their initial values; set "
+                    "StoreConfig(snapshot_uri=...) (PrioritizedSampler(store={'snapshot_uri': "
+                    "...})) to restore them from the last snapshot", name,
+                    "without a snapshot_uri" if snapshot_path is None else
+                    f"and found no snapshot at {snapshot_path} yet")
         self._last_snapshot_clock = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._tick_loop, name=f"{name}-tick", daemon=True)

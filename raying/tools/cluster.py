@@ -120,6 +120,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _port_free(port: int) -> bool:
+    """Nothing listens on ``port`` (on any interface, as the GCS binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
 def _ensure_token(path: Path) -> None:
     if path.exists() and path.read_text().strip():
         return
@@ -205,6 +216,12 @@ def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DAS
         extra.append(f"--resources={json.dumps(dict(resources))}")
     if labels:
         extra.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+    for given, option in ((port, "--port"), (dashboard_port, "--dashboard-port")):
+        if given and not _port_free(given):
+            msg = (f"port {given} is in use (another Ray head, or `raying cluster start` "
+                   f"with another --state-dir?); pass {option} 0 to pick a free one, or stop "
+                   f"what holds it")
+            raise ClusterError(msg)
     # `ray start` gives its raylet a fixed 30 s to register; a loaded machine can miss that.
     for attempt in range(1, DEFAULT_START_ATTEMPTS + 1):
         try:
@@ -312,6 +329,43 @@ def _wait_gone(cluster_id: str, grace_s: float) -> list[int]:
     return left
 
 
+def _descendants(pid: int) -> list[Any]:
+    """The processes under ``pid`` now (psutil handles: a reused pid is not taken for one)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _running(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _signal_procs(procs: list[Any], sig: int) -> None:
+    import psutil
+
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(sig)  # checks the process is still the one listed
+
+
+def _wait_procs(procs: list[Any], grace_s: float) -> list[Any]:
+    """Wait up to ``grace_s`` for ``procs`` to end; returns those still running."""
+    deadline = time.monotonic() + grace_s
+    left = [p for p in procs if _running(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = [p for p in left if _running(p)]
+    return left
+
+
 def stop(cluster: LocalCluster | None = None, *,
          state_dir: str | os.PathLike = DEFAULT_STATE_DIR,
          grace_s: float = DEFAULT_STOP_GRACE_S) -> int:
@@ -321,18 +375,27 @@ def stop(cluster: LocalCluster | None = None, *,
     used, because it stops every Ray process of the machine.
     """
     cluster = cluster or load(state_dir)
+    tree: list[Any] = []
     if _head_alive(cluster):  # `ray start --block` stops its node's processes on SIGTERM
+        # Its process tree as it is now, besides the markers: a process that rewrites its
+        # title (Ray's agents) may overwrite the environment /proc shows, marker included.
+        tree = _descendants(cluster.pid)
         _signal_all([cluster.pid], signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while pid_alive(cluster.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
     stragglers = marked_pids(cluster.cluster_id)  # workers, job drivers (own sessions)
+    unmarked = [p for p in tree if p.pid not in stragglers and _running(p)]
     _signal_all(stragglers, signal.SIGTERM)
-    _signal_all(_wait_gone(cluster.cluster_id, min(grace_s, DEFAULT_STRAGGLER_GRACE_S)),
-                signal.SIGKILL)
+    _signal_procs(unmarked, signal.SIGTERM)
+    straggler_grace = min(grace_s, DEFAULT_STRAGGLER_GRACE_S)
+    _signal_all(_wait_gone(cluster.cluster_id, straggler_grace), signal.SIGKILL)
+    _signal_procs(_wait_procs(unmarked, straggler_grace), signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(cluster.pid, os.WNOHANG)  # reap it when this process started it
     _wait_gone(cluster.cluster_id, grace_s)
+    _wait_procs(unmarked, grace_s)
+    stragglers = stragglers + [p.pid for p in unmarked]
     keep_logs(cluster)
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
@@ -355,6 +418,9 @@ def keep_logs(cluster: LocalCluster) -> None:
     shutil.rmtree(kept, ignore_errors=True)
     with contextlib.suppress(OSError):
         shutil.move(str(logs.resolve()), str(kept))
+        # Ray makes its log folders world-writable under /tmp; kept beside the token, only
+        # their owner reads them (a job's driver log holds what the job printed).
+        kept.chmod(0o700)
 
 
 def status(state_dir: str | os.PathLike = DEFAULT_STATE_DIR) -> dict[str, Any]:

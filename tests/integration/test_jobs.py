@@ -48,12 +48,21 @@ def head(tmp_path_factory):
     try:
         yield cluster
     finally:
+        # Every process under the head (its agents rewrite their titles, and with them the
+        # environment /proc shows, marker included), listed as the jobs left it.
+        import psutil
+
+        tree = psutil.Process(cluster.pid).children(recursive=True)
         rc.stop(cluster)
         assert rc.marked_pids(cluster.cluster_id) == [], "processes of the head were left"
+        left = [f"{p.pid} {p.name()}" for p in tree
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, f"processes of the head outlived the stop: {left}"
         # The session's logs outlive the stop, for a look into a failed job; the secrets
         # of the head's environment are in none of them.
         kept = rc.logs_kept(cluster)
         assert list(kept.glob("job-driver-*.log")), sorted(p.name for p in kept.iterdir())
+        assert kept.stat().st_mode & 0o077 == 0, oct(kept.stat().st_mode)  # owner only
         assert not os.path.exists(cluster.temp_dir)
         for path in kept.rglob("*"):
             if path.is_file():
@@ -148,6 +157,26 @@ def test_secret_in_runtime_env_shows_in_job_info(head):
                                runtime_env={"env_vars": {"SOME_TOKEN": leak}})
     assert str(_wait(client, job_id, 120)) == "SUCCEEDED"
     assert leak in json.dumps(client.get_job_info(job_id).dict(), default=str)
+
+
+def test_coverage_counts_each_rank_s_last_read_of_an_epoch_after_a_restart():
+    import numpy as np
+
+    def rec(rank, epoch, ids):
+        return {"rank": rank, "epoch": epoch, "rows": len(ids), "loss_sum": 0.0,
+                "ids": np.asarray(ids)}
+
+    # Ranks 0 and 1 read epochs 0 and 1; the group failed and restarted from the epoch-0
+    # checkpoint, so epoch 1 was read again whole (in another order), then epoch 2.
+    first = [rec(0, 0, [0, 2]), rec(1, 0, [1, 3]), rec(0, 1, [3, 0]), rec(1, 1, [1, 2])]
+    retry = [rec(1, 1, [0, 1]), rec(0, 1, [2, 3]), rec(0, 2, [1, 0]), rec(1, 2, [3, 2])]
+    cov = _common.epoch_coverage(first + retry, 4)
+    assert [cov[e]["exactly_once"] for e in (0, 1, 2)] == [True, True, True]
+    assert [cov[e]["reread"] for e in (0, 1, 2)] == [0, 2, 0]
+    assert cov[1]["rows"] == 4 and cov[1]["workers"] == 2
+    # A rank that read an id twice within its last read is still caught.
+    cov = _common.epoch_coverage([rec(0, 0, [0, 0]), rec(1, 0, [1, 3])], 4)
+    assert not cov[0]["exactly_once"] and cov[0]["repeated"] == 1 and cov[0]["missing"] == 1
 
 
 def test_config_file_sets_defaults_the_command_line_overrides(tmp_path):

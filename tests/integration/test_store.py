@@ -97,7 +97,7 @@ def test_killed_store_restarts_from_its_snapshot(tmp_path):
     while after["restores"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
         after = st.stats(handle)
-    assert after["restores"] == 1
+    assert after["restores"] == 1 and after["restarts"] == 1
     lost = before["updates_applied"] - after["updates_applied"]
     assert 0 <= lost <= before["updates_since_snapshot"] < every
     # The restored table is exactly the first `restored` updates replayed.
@@ -121,6 +121,23 @@ def test_killed_store_restarts_from_its_snapshot(tmp_path):
     np.testing.assert_array_equal(st.priorities(again), expected)
     assert st.stats(again)["restores"] == 2
     st.kill_store(again, snapshot=False)
+
+
+def test_a_store_restarted_without_a_snapshot_says_its_priorities_started_again():
+    handle = st.create_store("no-snapshots", 1000, config={"tick_s": TICK_S})
+    st.update_async(handle, np.arange(10), np.full(10, 5.0))
+    st.flush(handle)
+    assert st.stats(handle)["restarts"] == 0
+    ray.kill(handle.actors[0], no_restart=False)
+    deadline = time.monotonic() + 30.0
+    after = st.stats(handle)
+    while after["restarts"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = st.stats(handle)
+    # Counted (and warned in the store's log), not hidden: the table is the initial one.
+    assert after["restarts"] == 1 and after["restores"] == 0
+    assert after["updates_applied"] == 0
+    st.kill_store(handle, snapshot=False)
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])

@@ -192,3 +192,17 @@ def test_output_to_a_closed_pipe_stops_quietly(tmp_path):
         os.close(write)
     assert done.returncode == 1
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_cluster_start_on_a_port_in_use_names_the_fix(capsys, tmp_path):
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert cli.main(["cluster", "start", "--state-dir", str(tmp_path / "s"),
+                         "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port} is in use" in err and "--port 0" in err and "Traceback" not in err
+    assert not (tmp_path / "s" / "cluster.json").exists()  # nothing was started

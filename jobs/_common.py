@@ -230,21 +230,22 @@ def epoch_coverage(records: list[dict[str, Any]], n: int) -> dict[int, dict[str,
     """Per epoch: rows over all workers and whether every id came exactly once.
 
     A worker group that Ray Train restarted (``max_failures``) reads again the epochs after
-    the checkpoint it restored, whole: each rank's last record of an epoch (``records`` in
-    the order they arrived) is the read that counts, and ``reread`` says how many records of
-    an earlier attempt it replaced.
+    the checkpoint it restored, whole, in new processes: of each rank's records of an epoch
+    (``records`` in the order they arrived) those of its last ``attempt`` (the worker
+    process's run) count, and ``reread`` says how many of earlier attempts they replaced. Two
+    records of one rank, epoch and attempt are both counted: a double read, not a restart.
     """
     out: dict[int, dict[str, Any]] = {}
     for epoch in sorted({r["epoch"] for r in records}):
-        last: dict[int, dict[str, Any]] = {}
         every = [r for r in records if r["epoch"] == epoch]
-        for r in every:
-            last[int(r["rank"])] = r
-        mine = list(last.values())
+        last_attempt = {int(r["rank"]): r.get("attempt") for r in every}
+        mine = [r for r in every if r.get("attempt") == last_attempt[int(r["rank"])]]
         rows = sum(r["rows"] for r in mine)
-        entry: dict[str, Any] = {"rows": rows, "workers": len(mine),
+        entry: dict[str, Any] = {"rows": rows, "workers": len(last_attempt),
                                  "reread": len(every) - len(mine),
-                                 "rows_by_rank": {int(r["rank"]): r["rows"] for r in mine},
+                                 "rows_by_rank": {rank: sum(r["rows"] for r in mine
+                                                            if int(r["rank"]) == rank)
+                                                  for rank in sorted(last_attempt)},
                                  "loss": sum(r["loss_sum"] for r in mine) / max(rows, 1)}
         if all(r.get("ids") is not None for r in mine):
             ids = np.concatenate([np.asarray(r["ids"], np.int64) for r in mine] or

@@ -112,6 +112,9 @@ def train_loop(config: dict[str, Any]) -> None:
     loader = raying.train.loader()
     rank = ray.train.get_context().get_world_rank()
     node = ray.get_runtime_context().get_node_id()
+    # This worker process's run of the loop: a worker group that Ray Train restarts runs in
+    # new processes, whose records then replace this one's in the coverage.
+    attempt = f"{node}:{os.getpid()}:{time.time_ns()}"
     torch.manual_seed(config["seed"])
     model = _model(config["classes"])
     if loader.restored is not None:
@@ -146,7 +149,8 @@ def train_loop(config: dict[str, Any]) -> None:
         raying.sampling.feedback.flush_all()
         ids = np.concatenate(seen) if seen else np.zeros(0, np.int64)
         reads = loader.stats()
-        ledger.add.remote({"rank": rank, "epoch": epoch, "node": node, "rows": rows,
+        ledger.add.remote({"rank": rank, "epoch": epoch, "node": node, "attempt": attempt,
+                           "rows": rows,
                            "loss_sum": loss_sum, "ids": ids if config["keep_ids"] else None,
                            "rows_by_node": reads["rows_by_node"],
                            "skipped": reads["skipped"], "read_retries": reads["read_retries"]})

@@ -324,7 +324,7 @@ class Pipeline:
                                              decoded_cache_admit=admit,
                                              decoded_cache_fill=self.config.decoded_cache_fill,
                                              cache_namespace=dataset_key(
-                self.manifest.fingerprint(), self.manifest.storage))
+                self.manifest.fingerprint(), self._spec.storage))
             self._spec_ready = True
         return self._spec
 

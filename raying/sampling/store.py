@@ -148,6 +148,7 @@ def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | 
         >>> update_async(h, ids, losses); plan = sample_plan(h, 4096)
     """
     from raying.storage import files as storage
+    from raying.storage.spec import travelling_options
 
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         msg = f"n must be an integer >= 1 (the number of samples), got {n!r}"
@@ -168,16 +169,19 @@ def create_store(name: str, n: int, *, table: TableConfig | Mapping[str, Any] | 
                f"StoreConfig(shard_rows={cfg.shard_rows}); raise shard_rows to at least {n}")
         raise ConfigError(msg)
     directory = None
+    snapshot_storage = cfg.storage
     if cfg.snapshot_uri is not None:
         # Fail here, not inside the actor.
         storage.resolve(cfg.snapshot_uri, StorageOptions.coerce(cfg.storage))
+        # The actors are Ray workers: they get the endpoint this process resolved.
+        snapshot_storage = travelling_options(cfg.snapshot_uri, cfg.storage)
         directory = cfg.snapshot_uri.rstrip("/")
         if "://" not in directory:  # the actor's working directory may differ from ours
             directory = os.path.abspath(os.path.expanduser(directory))
     layout = {"bounds": bounds, "uniform_mix": table_cfg.uniform_mix}
     options = {"coalesce": cfg.coalesce, "ema": cfg.ema, "tick_s": cfg.tick_s,
                "snapshot_every_updates": cfg.snapshot_every_updates,
-               "snapshot_interval_s": cfg.snapshot_interval_s, "storage": cfg.storage,
+               "snapshot_interval_s": cfg.snapshot_interval_s, "storage": snapshot_storage,
                "restore": cfg.restore}
     actors = []
     placement = _placement(cfg.actor_options)

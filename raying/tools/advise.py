@@ -43,6 +43,8 @@ MEMORY_TIER_SHARE = 0.25
 DISK_TIER_SHARE = 0.5
 # Decode work per read task (blocks of ~100 ms keep Ray's per-task overheads small).
 TASK_DECODE_MS = 100.0
+# The smallest block advised for a small image set (see the block rows' rule).
+MIN_SMALL_SET_BLOCK_ROWS = 8
 # Side of pre-decoded pixels (`raying pack --decode-size`), so 224 crops can still move.
 DECODED_SIDE = 256
 BATCH = 256
@@ -221,8 +223,9 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
     samples = int(data.get("samples") or 0)
     if not parquet and samples and rows * window > samples:
         # A small dataset: blocks that size would leave read tasks of the window, and cores,
-        # without rows; as large as still gives every one of them a block.
-        rows = 2 ** int(math.log2(max(1, samples // window)))
+        # without rows; as large as still gives every one of them a block (at least 8 rows:
+        # below that, Ray's cost per task outweighs the decode).
+        rows = max(MIN_SMALL_SET_BLOCK_ROWS, 2 ** int(math.log2(max(1, samples // window))))
         why_rows = (f"{samples:,} samples over the window's {window} read tasks: larger "
                     f"blocks would leave cores idle")
     line("block_rows", rows, why_rows,

@@ -58,7 +58,7 @@ def cmd_scan(ns: argparse.Namespace) -> int:
     from raying.dataset.manifest import Manifest
 
     label = None if ns.label == "none" else ns.label
-    classes = [c.strip() for c in ns.classes.split(",")] if ns.classes else None
+    classes = [c.strip() for c in ns.classes.split(",") if c.strip()] if ns.classes else None
     m = Manifest.scan(ns.uri, format=ns.format, label=label, storage=_storage(ns),
                       classes=classes)
     if ns.save:
@@ -282,7 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.formatwarning = (lambda message, category, *a, **k:
                               f"raying {ns.command}: warning: {message}\n")
     try:
-        return int(ns.func(ns) or 0)
+        code = int(ns.func(ns) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+        return code
     except RayingError as exc:
         print(f"raying {ns.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -290,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"raying {ns.command}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe or socket broke: an error to show
         # The reader of stdout went away (`raying scan ... | head`): stop quietly, and keep
         # the interpreter's exit flush from failing on the closed pipe again.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -297,6 +301,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         warnings.formatwarning = previous
+
+
+def _stdout_closed() -> bool:
+    """stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real file behind stdout
+        return False
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

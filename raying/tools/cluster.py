@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import secrets
@@ -121,14 +122,27 @@ def free_port() -> int:
 
 
 def _port_free(port: int) -> bool:
-    """Nothing listens on ``port`` (on any interface, as the GCS binds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT
+    """No socket holds TCP ``port`` on any IPv4 or IPv6 address (the GCS binds them all);
+    connections in TIME_WAIT do not count."""
+    families = [(socket.AF_INET, "")]
+    if socket.has_ipv6:
+        families.append((socket.AF_INET6, "::"))
+    for family, host in families:
         try:
-            s.bind(("", port))
-        except OSError:
-            return False
-        return True
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host
+            continue
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                if family == socket.AF_INET6 and exc.errno == errno.EADDRNOTAVAIL:
+                    continue  # IPv6 disabled
+                return False
+    return True
 
 
 def _ensure_token(path: Path) -> None:
@@ -339,6 +353,15 @@ def _descendants(pid: int) -> list[Any]:
         return []
 
 
+def _ancestors() -> list[Any]:
+    import psutil
+
+    try:
+        return psutil.Process().parents()
+    except psutil.Error:
+        return []
+
+
 def _running(proc: Any) -> bool:
     import psutil
 
@@ -371,8 +394,9 @@ def stop(cluster: LocalCluster | None = None, *,
          grace_s: float = DEFAULT_STOP_GRACE_S) -> int:
     """Stop the head and every process it started; returns how many outlived `ray start`.
 
-    Only processes of this head are signalled (found by their marker); ``ray stop`` is never
-    used, because it stops every Ray process of the machine.
+    Only processes of this head are signalled: those carrying its marker, and those under it
+    when the stop began (never the caller or its parents); ``ray stop`` is never used,
+    because it stops every Ray process of the machine.
     """
     cluster = cluster or load(state_dir)
     tree: list[Any] = []
@@ -385,7 +409,10 @@ def stop(cluster: LocalCluster | None = None, *,
         while pid_alive(cluster.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
     stragglers = marked_pids(cluster.cluster_id)  # workers, job drivers (own sessions)
-    unmarked = [p for p in tree if p.pid not in stragglers and _running(p)]
+    # Never this process or the ones it runs under (a job's entrypoint may stop its head).
+    spared = {os.getpid(), *(p.pid for p in _ancestors())}
+    unmarked = [p for p in tree if p.pid not in stragglers and p.pid not in spared
+                and _running(p)]
     _signal_all(stragglers, signal.SIGTERM)
     _signal_procs(unmarked, signal.SIGTERM)
     straggler_grace = min(grace_s, DEFAULT_STRAGGLER_GRACE_S)

@@ -159,23 +159,30 @@ def test_secret_in_runtime_env_shows_in_job_info(head):
     assert leak in json.dumps(client.get_job_info(job_id).dict(), default=str)
 
 
-def test_coverage_counts_each_rank_s_last_read_of_an_epoch_after_a_restart():
+def test_coverage_counts_each_rank_s_last_attempt_and_still_catches_a_double_read():
     import numpy as np
 
-    def rec(rank, epoch, ids):
+    def rec(rank, epoch, ids, attempt):
         return {"rank": rank, "epoch": epoch, "rows": len(ids), "loss_sum": 0.0,
-                "ids": np.asarray(ids)}
+                "ids": np.asarray(ids), "attempt": f"{attempt}-{rank}"}
 
-    # Ranks 0 and 1 read epochs 0 and 1; the group failed and restarted from the epoch-0
-    # checkpoint, so epoch 1 was read again whole (in another order), then epoch 2.
-    first = [rec(0, 0, [0, 2]), rec(1, 0, [1, 3]), rec(0, 1, [3, 0]), rec(1, 1, [1, 2])]
-    retry = [rec(1, 1, [0, 1]), rec(0, 1, [2, 3]), rec(0, 2, [1, 0]), rec(1, 2, [3, 2])]
+    # Ranks 0 and 1 read epochs 0 and 1; the group failed and restarted (new processes) from
+    # the epoch-0 checkpoint, so epoch 1 was read again whole (in another order), then 2.
+    first = [rec(0, 0, [0, 2], "a"), rec(1, 0, [1, 3], "a"), rec(0, 1, [3, 0], "a"),
+             rec(1, 1, [1, 2], "a")]
+    retry = [rec(1, 1, [0, 1], "b"), rec(0, 1, [2, 3], "b"), rec(0, 2, [1, 0], "b"),
+             rec(1, 2, [3, 2], "b")]
     cov = _common.epoch_coverage(first + retry, 4)
     assert [cov[e]["exactly_once"] for e in (0, 1, 2)] == [True, True, True]
     assert [cov[e]["reread"] for e in (0, 1, 2)] == [0, 2, 0]
     assert cov[1]["rows"] == 4 and cov[1]["workers"] == 2
-    # A rank that read an id twice within its last read is still caught.
-    cov = _common.epoch_coverage([rec(0, 0, [0, 0]), rec(1, 0, [1, 3])], 4)
+    # One process that read an epoch twice (no restart) is a double read, not hidden.
+    cov = _common.epoch_coverage([rec(0, 0, [0, 2], "a"), rec(1, 0, [1, 3], "a"),
+                                  rec(0, 0, [2, 0], "a")], 4)
+    assert not cov[0]["exactly_once"] and cov[0]["repeated"] == 2 and cov[0]["reread"] == 0
+    assert cov[0]["rows_by_rank"] == {0: 4, 1: 2}
+    # A rank that read an id twice within its read is caught.
+    cov = _common.epoch_coverage([rec(0, 0, [0, 0], "a"), rec(1, 0, [1, 3], "a")], 4)
     assert not cov[0]["exactly_once"] and cov[0]["repeated"] == 1 and cov[0]["missing"] == 1
 
 

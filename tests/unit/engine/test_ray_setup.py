@@ -17,7 +17,7 @@ def _closed_port() -> int:
 
 
 def test_the_job_api_s_http_address_is_refused_with_the_fix():
-    with pytest.raises(ConfigError, match=r"job API's HTTP address .* host:6379"):
+    with pytest.raises(ConfigError, match=r"job API's HTTP address .* host:port \(6379 .*6380 for `raying cluster start`'s"):
         check_ray_address("http://127.0.0.1:8265")
 
 

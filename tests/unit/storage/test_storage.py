@@ -719,3 +719,27 @@ def test_a_retried_call_without_an_account_warns_once_then_succeeds(caplog, tmp_
                                 on_retry=lambda *a: counted.append(a)) == "ok"
     assert len(counted) == 2
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_options_for_workers_carry_the_environment_s_endpoint_and_region_not_its_keys(
+        monkeypatch):
+    from raying.options import StorageOptions
+    from raying.storage.spec import travelling_options
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
+    got = travelling_options("s3://bucket/train", None)
+    assert (got.endpoint_url, got.region) == ("http://127.0.0.1:9000", "eu-west-3")
+    assert got.access_key_id is None and got.secret_access_key is None  # workers' own chain
+    assert "env-secret" not in repr(got) and "env-secret" not in str(pickle.dumps(got))
+    # What the user gave wins over the environment, and the rest of it is kept.
+    given = {"endpoint_url": "http://10.0.0.1:9000", "anonymous": True, "slow": "hdd"}
+    got = travelling_options("s3a://bucket/train", given)
+    assert got.endpoint_url == "http://10.0.0.1:9000" and got.region == "eu-west-3"
+    assert got.anonymous and got.slow == "hdd"
+    # Local and HDFS options travel as they are.
+    for uri in ("/data/train", "hdfs://nn:8020/train"):
+        opts = StorageOptions(slow="hdd", hdfs_user="alice")
+        assert travelling_options(uri, opts) == opts

@@ -71,6 +71,10 @@ def test_a_small_image_set_gets_blocks_that_give_every_read_task_of_the_window_r
     assert a["window"]["value"] == 4
     assert config["block_rows"] == 16 and 16 * 4 <= 120 < 32 * 4
     assert "120 samples over the window's 4 read tasks" in a["block_rows"]["reason"]
+    # A tiny set: blocks of at least 8 rows, not one task per image.
+    _, config = _advice(_data(files=10, samples=10, bytes=2**20), store,
+                        _machine(cores=2, decode_ms_per_image=0.5))
+    assert config["block_rows"] == 8
     # A large set keeps the per-task decode target.
     a, config = _advice(_data(), store, _machine(cores=2, decode_ms_per_image=0.5))
     assert config["block_rows"] >= 64 and "per-task cost" in a["block_rows"]["reason"]

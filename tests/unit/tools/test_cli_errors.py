@@ -154,9 +154,13 @@ def _cli(*args: str, **kwargs):
     import subprocess
 
     code = "import sys; from raying.tools import cli; sys.exit(cli.main(sys.argv[1:]))"
+    import os
+
     kwargs.setdefault("stdout", subprocess.PIPE)
+    # stdout buffered, as it is for a pipe unless PYTHONUNBUFFERED says otherwise.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     return subprocess.run([sys.executable, "-c", code, *args], stderr=subprocess.PIPE,
-                          text=True, timeout=120, check=False, **kwargs)
+                          text=True, timeout=120, check=False, env=env, **kwargs)
 
 
 def test_scan_warns_in_one_line_and_takes_class_names(tmp_path):

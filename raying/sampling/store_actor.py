@@ -89,9 +89,15 @@ def decode_snapshot(data: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _restarted() -> bool:
     """Whether Ray is re-running this actor's constructor after the actor died."""
+    import warnings
+
     import ray
 
-    return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    # Ray's property reads its own deprecated ``actor_id``, whose warning would reach the
+    # driver's console from every store that starts.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 class StoreActor:

@@ -252,3 +252,24 @@ def test_reporter_takes_bfloat16_losses_and_refuses_bool_or_text_ids():
         assert st.priorities(handle, np.array([4, 5, 6])).tolist() == [1.5, 0.25, 0.75]
     finally:
         st.kill_store(handle)
+
+
+@ray.remote(num_cpus=0)
+class _RestartProbe:
+    def restarted(self) -> tuple[bool, list[str]]:
+        import warnings
+
+        from raying.sampling.store_actor import _restarted
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = _restarted()
+        return value, [str(w.message) for w in caught]
+
+
+def test_a_store_asks_whether_it_restarted_without_a_warning_on_the_console():
+    # Ray's answer reads its own deprecated actor_id; its warning would reach the driver's
+    # console from every prioritized pipeline's store.
+    probe = _RestartProbe.remote()
+    assert ray.get(probe.restarted.remote()) == (False, [])
+    ray.kill(probe)

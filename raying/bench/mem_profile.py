@@ -171,7 +171,7 @@ def profile(data: str, *, epochs: int = 3, batch_size: int = 256, decoded_cache:
     import ray
 
     import raying
-    from raying.read.decoded_cache import root as decoded_root
+    from raying.read.decoded_dirs import root as decoded_root
 
     kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False,
                               "num_cpus": cores or len(os.sched_getaffinity(0))}

@@ -302,6 +302,7 @@ class Pipeline:
         """The read spec with what is resolved once, in the driver: the decoded-cache budget."""
         if not self._spec_ready:
             from raying.read import decoded_cache as decoded
+            from raying.read import decoded_dirs
 
             def size_of(ids):
                 return decoded.header_sizes(self.manifest, ids)
@@ -311,12 +312,12 @@ class Pipeline:
             admit = 1.0  # "auto" is on only when the whole decoded set fits
             if budget and self.config.decoded_cache != "auto":
                 admit = decoded.admit_share(budget, self.manifest, size_of)
-            owner = decoded.owner_id()
+            owner = decoded_dirs.owner_id()
             if budget:
-                decoded.claim(self._cache_name, owner)
+                decoded_dirs.claim(self._cache_name, owner)
                 # A pipeline dropped without close() frees this node's decoded pixels when it
                 # is collected (tmpfs is memory), not only when the process exits.
-                weakref.finalize(self, decoded.release, self._cache_name)
+                weakref.finalize(self, decoded_dirs.release, self._cache_name)
             self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
                                              decoded_cache_name=self._cache_name,
                                              decoded_cache_auto=self.config.decoded_cache == "auto",
@@ -655,9 +656,9 @@ class Pipeline:
         tmpfs = self._footprint.sample([])["tmpfs_mb"]
         cache = 0.0
         if self._spec_ready and self._spec.decoded_cache_bytes:
-            from raying.read import decoded_cache as decoded
+            from raying.read import decoded_dirs
 
-            cache = dir_bytes(decoded.cache_dir(self._cache_name)) / (1024.0 * 1024.0)
+            cache = dir_bytes(decoded_dirs.cache_dir(self._cache_name)) / (1024.0 * 1024.0)
         frameworks: dict[str, list[str]] = {}
         for part in (out["read_workers"], out.get("dataset", {}).get("read_workers", {})):
             for worker, names in part.get("frameworks", {}).items():
@@ -753,7 +754,7 @@ class Pipeline:
             self._dataset_reads.release()  # the dataset() reads' account actor; account kept
         self.sampler.close(release_store=release_store)
         if self._spec.decoded_cache_bytes:
-            from raying.read import decoded_cache as decoded
+            from raying.read import decoded_dirs
 
             # Read tasks still running (the next epoch's first units) would write cache
             # entries after the release and leave the directory behind: let them finish.
@@ -761,7 +762,7 @@ class Pipeline:
                 logger.warning("pipeline %s: %d read tasks still ran %.0f s after close(); "
                                "the decoded cache is released without them", self.name,
                                len(running), DEFAULT_CLOSE_WAIT_S)
-            decoded.release_everywhere(self._cache_name)  # every node's copy
+            decoded_dirs.release_everywhere(self._cache_name)  # every node's copy
         self._bound = False
         self._closed = True
 
@@ -776,9 +777,9 @@ class Pipeline:
         if forget is not None:
             forget()
         if self._spec_ready and self._spec.decoded_cache_bytes:
-            from raying.read import decoded_cache as decoded
+            from raying.read import decoded_dirs
 
-            decoded.release(self._cache_name)
+            decoded_dirs.release(self._cache_name)
         self._bound = False
         self._closed = True
 

@@ -21,36 +21,23 @@ epochs follow, and the whole decoded dataset fits in a share of free memory, jud
 of a sample of files; otherwise the read path is unchanged. A budget in bytes turns it on
 regardless.
 
-Every node keeps its own copy, in its own tmpfs: a read task caches what it decodes on the
-node it runs on, under ``RAYING_DECODED_CACHE_DIR`` (default ``/dev/shm/raying-decoded``) as
-that node's environment sets it. With ``"auto"``, each node also caps the driver's budget at
-its own share of free memory. ``Pipeline.close`` removes the pipeline's directory on every
-node that is alive; a pipeline's start sweeps, on every node, the directories of pipelines
-whose driver died without closing (its process gone, or its Ray job finished), never a live
-one's.
+Where each node keeps its copy, who owns it and when it goes: :mod:`raying.read.decoded_dirs`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import time
 from typing import Any
 
 import numpy as np
 
 from raying.errors import ConfigError, DecodeError
 from raying.read.cache.arrays import decode_array, encode_array, new_array_payload
-from raying.read.cache.pids import alive as pid_alive
+from raying.read.decoded_dirs import cache_dir, close_released, mark_owner, released, root
 
 # Share of the node's available memory (and of free tmpfs) the auto budget may take.
 DEFAULT_DECODED_CACHE_MEMORY_SHARE = 0.25
-DEFAULT_DECODED_CACHE_DIR = "/dev/shm/raying-decoded"
-# The environment variable that moves a node's decoded-cache root (read on that node).
-DECODED_CACHE_DIR_ENV = "RAYING_DECODED_CACHE_DIR"
-# Seconds close() and the start's sweep wait for the other nodes' clean-up tasks.
-DEFAULT_NODE_TASK_TIMEOUT_S = 30.0
 # "auto" turns the cache on only for jobs of at least this many epochs (see the module doc).
 DEFAULT_DECODED_CACHE_MIN_EPOCHS = 32
 # Headers sampled to estimate the decoded size of a dataset.
@@ -68,11 +55,6 @@ def _available_memory() -> int:
     except OSError:
         pass
     return 0
-
-
-def root() -> str:
-    """This node's decoded-cache root (``RAYING_DECODED_CACHE_DIR`` or the default)."""
-    return os.environ.get(DECODED_CACHE_DIR_ENV) or DEFAULT_DECODED_CACHE_DIR
 
 
 def auto_budget(directory: str | None = None) -> int:
@@ -151,221 +133,6 @@ def admitted(ids: np.ndarray, share: float) -> np.ndarray:
     with np.errstate(over="ignore"):
         mixed = ids * np.uint64(0x9E3779B97F4A7C15)
     return (mixed >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < share
-
-
-def cache_dir(pipeline_name: str) -> str:
-    """The pipeline's own tier directory on this node (removed by ``Pipeline.close``)."""
-    return os.path.join(root(), pipeline_name)
-
-
-_OWNER = ".owner"
-# A directory without an owner file this old is a leftover (removed at the next start).
-DEFAULT_ORPHAN_AGE_S = 600
-# Pipelines released on this node: read tasks still running (keep_warm, the window in flight)
-# must not re-create their directory after close.
-_RELEASED = ".released"
-
-
-def _tombstone(pipeline_name: str) -> str:
-    return os.path.join(root(), _RELEASED, pipeline_name)
-
-
-def release(pipeline_name: str) -> None:
-    """Remove the pipeline's decoded pixels from this node's memory; its read tasks still in
-    flight stop using the cache (see :meth:`DecodedCache.of`)."""
-    try:
-        os.makedirs(os.path.dirname(_tombstone(pipeline_name)), exist_ok=True)
-        with open(_tombstone(pipeline_name), "w"):
-            pass
-    except OSError:
-        pass
-    shutil.rmtree(cache_dir(pipeline_name), ignore_errors=True)
-
-
-def released(directory: str) -> bool:
-    """Whether the pipeline that owns the decoded-cache ``directory`` was closed."""
-    return os.path.exists(_tombstone(os.path.basename(directory.rstrip("/"))))
-
-
-def close_released() -> int:
-    """Close this process's handles on the decoded caches of closed pipelines (their index
-    and lock files; see ``tiered.close_finished``). Every read of a decoded cache calls it,
-    so a read worker lets go of a closed pipeline's files at its next read of any pipeline."""
-    from raying.read.cache.tiered import close_finished
-
-    base = os.path.abspath(root())
-    return close_finished(lambda d: os.path.dirname(os.path.abspath(d)) == base
-                          and released(d))
-
-
-def owner_id() -> str:
-    """Who owns the directories this process's pipelines create, as the owner file holds it:
-    ``host pid [gcs-address job-id]`` (the Ray part when Ray is up)."""
-    import socket
-
-    owner = f"{socket.gethostname()} {os.getpid()}"
-    try:
-        import ray
-
-        if ray.is_initialized():
-            ctx = ray.get_runtime_context()
-            owner += f" {ctx.gcs_address} {ctx.get_job_id()}"
-    except Exception:  # noqa: BLE001 - the host and pid still identify the owner here
-        pass
-    return owner
-
-
-def _owner_dead(owner: str, dead_jobs: frozenset[str], gcs: str | None) -> bool:
-    """Whether the owner recorded as ``owner`` is gone, as far as this node can tell: its
-    process, when it ran on this host; else its Ray job, when it ran on this cluster."""
-    import socket
-
-    parts = owner.split()
-    if len(parts) < 2:
-        raise ValueError(owner)
-    host, pid = parts[0], int(parts[1])
-    if host == socket.gethostname():
-        return not pid_alive(pid)
-    if len(parts) >= 4 and gcs is not None and parts[2] == gcs:
-        return parts[3] in dead_jobs
-    return False  # another host of another cluster: nothing here can tell
-
-
-def mark_owner(directory: str, owner: str) -> None:
-    """Record ``owner`` in a pipeline's directory on this node, unless one is recorded."""
-    path = os.path.join(directory, _OWNER)
-    if owner and not os.path.exists(path):
-        try:
-            os.makedirs(directory, exist_ok=True)
-            with open(path, "w") as fh:
-                fh.write(owner)
-        except OSError:
-            pass
-
-
-def sweep(dead_jobs: frozenset[str] = frozenset(), gcs: str | None = None) -> list[str]:
-    """Remove this node's directories of pipelines whose owner died without closing them, and
-    old tombstones; returns the names removed."""
-    removed = []
-    base = root()
-    if not os.path.isdir(base):
-        return removed
-    for entry in os.listdir(base):
-        path = os.path.join(base, entry)
-        if entry == _RELEASED:
-            _sweep_tombstones(path)
-            continue
-        try:
-            with open(os.path.join(path, _OWNER)) as fh:
-                stale = _owner_dead(fh.read(), dead_jobs, gcs)
-        except (OSError, ValueError):  # no owner: a late writer re-created it after close
-            try:
-                stale = time.time() - os.path.getmtime(path) > DEFAULT_ORPHAN_AGE_S
-            except OSError:
-                stale = False
-        if stale:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(entry)
-    return removed
-
-
-def claim(pipeline_name: str, owner: str) -> None:
-    """Mark the pipeline's directory on this node as owned by ``owner`` (this process, see
-    :func:`owner_id`), free it at exit, and sweep every node of directories whose owner died
-    without closing its pipeline (tmpfs is memory: a crashed driver must not keep gigabytes
-    of pixels)."""
-    import atexit
-
-    # A closed pipeline of the same name (a fixed PipelineConfig(name=...), run again) left a
-    # tombstone for its late read tasks: this pipeline's reads must not take it for theirs.
-    on_every_node(_sweep_node, *_dead_jobs(), pipeline_name)
-    path = cache_dir(pipeline_name)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, _OWNER), "w") as fh:
-        fh.write(owner)
-    atexit.register(release, pipeline_name)
-
-
-def release_everywhere(pipeline_name: str) -> None:
-    """:func:`release` on this node and on every other node that is alive."""
-    on_every_node(release, pipeline_name)
-
-
-def _sweep_node(dead_jobs: frozenset[str], gcs: str | None,
-                revive: str | None = None) -> list[str]:
-    if revive is not None:  # a new pipeline of a closed one's name: its tombstone goes
-        with contextlib.suppress(OSError):
-            os.unlink(_tombstone(revive))
-    return sweep(dead_jobs, gcs)
-
-
-def _dead_jobs() -> tuple[frozenset[str], str | None]:
-    """The finished Ray jobs of this cluster and its GCS address (empty without Ray)."""
-    try:
-        import ray
-        from ray._private import state
-
-        if not ray.is_initialized():
-            return frozenset(), None
-        dead = frozenset(j["JobID"] for j in state.jobs() if j.get("IsDead"))
-        return dead, ray.get_runtime_context().gcs_address
-    except Exception:  # noqa: BLE001 - without the job table only the pid rule applies
-        return frozenset(), None
-
-
-def on_every_node(fn: Any, *args: Any) -> None:
-    """Run ``fn(*args)`` here, and in a zero-CPU task pinned to each other alive Ray node.
-
-    Waits up to ``DEFAULT_NODE_TASK_TIMEOUT_S`` for them; a node that does not answer is
-    logged (its leftovers are swept by the next pipeline started there).
-    """
-    import logging
-
-    fn(*args)
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        here = ray.get_runtime_context().get_node_id()
-        others = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != here]
-        if not others:
-            return
-        task = ray.remote(num_cpus=0, max_retries=1)(fn)
-        refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            node, soft=False)).remote(*args) for node in others]
-        ready, pending = ray.wait(refs, num_returns=len(refs),
-                                  timeout=DEFAULT_NODE_TASK_TIMEOUT_S)
-        errors = []
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append(repr(exc))
-        if pending or errors:
-            logging.getLogger("raying").warning(
-                "decoded cache: %s on %d of %d other nodes did not finish (%s); their "
-                "leftovers go at the next pipeline's start there", fn.__name__,
-                len(pending) + len(errors), len(others), "; ".join(errors[:3]) or "timeout")
-    except Exception as exc:  # noqa: BLE001 - clean-up must not fail the caller
-        logging.getLogger("raying").warning("decoded cache: %s on other nodes failed: %r",
-                                            fn.__name__, exc)
-
-
-def _sweep_tombstones(path: str) -> None:
-    now = time.time()
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return
-    for name in names:
-        try:
-            if now - os.path.getmtime(os.path.join(path, name)) > DEFAULT_ORPHAN_AGE_S:
-                os.unlink(os.path.join(path, name))
-        except OSError:
-            pass
 
 
 _NODE_BUDGET: list[int] = []

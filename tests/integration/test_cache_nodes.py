@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from raying.read import decoded_cache
+from raying.read import decoded_dirs
 from raying.read.memory import dir_bytes
 
 _MB = 1024 * 1024
@@ -38,14 +38,14 @@ def nodes(tmp_path_factory):
     base = f"/dev/shm/raying-test-nodes-{uuid.uuid4().hex[:8]}"
     roots = {name: os.path.join(base, name) for name in _NODES}
     store = 128 * _MB
-    old = os.environ.get(decoded_cache.DECODED_CACHE_DIR_ENV)
-    os.environ[decoded_cache.DECODED_CACHE_DIR_ENV] = roots["head"]  # the driver's node
+    old = os.environ.get(decoded_dirs.DECODED_CACHE_DIR_ENV)
+    os.environ[decoded_dirs.DECODED_CACHE_DIR_ENV] = roots["head"]  # the driver's node
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False, "object_store_memory": store,
-        "env_vars": {decoded_cache.DECODED_CACHE_DIR_ENV: roots["head"]}})
+        "env_vars": {decoded_dirs.DECODED_CACHE_DIR_ENV: roots["head"]}})
     for name in _NODES[1:]:
         cluster.add_node(num_cpus=1, object_store_memory=store,
-                         env_vars={decoded_cache.DECODED_CACHE_DIR_ENV: roots[name]})
+                         env_vars={decoded_dirs.DECODED_CACHE_DIR_ENV: roots[name]})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     folder = make_image_folder(tmp_path_factory.mktemp("nodes-images"), n=96, classes=3,
@@ -57,9 +57,9 @@ def nodes(tmp_path_factory):
         cluster.shutdown()
         shutil.rmtree(base, ignore_errors=True)
         if old is None:
-            os.environ.pop(decoded_cache.DECODED_CACHE_DIR_ENV, None)
+            os.environ.pop(decoded_dirs.DECODED_CACHE_DIR_ENV, None)
         else:
-            os.environ[decoded_cache.DECODED_CACHE_DIR_ENV] = old
+            os.environ[decoded_dirs.DECODED_CACHE_DIR_ENV] = old
 
 
 def _pipeline(folder, name: str):
@@ -115,7 +115,7 @@ _DRIVER = textwrap.dedent("""
 
 def _start_driver(cluster, roots, folder, name: str) -> subprocess.Popen:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, decoded_cache.DECODED_CACHE_DIR_ENV: roots["head"]}
+    env = {**os.environ, decoded_dirs.DECODED_CACHE_DIR_ENV: roots["head"]}
     code = _DRIVER.format(repo=repo, address=cluster.address, folder=str(folder), name=name)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
                             env=env)

@@ -7,7 +7,7 @@ import pytest
 
 import raying
 from raying.options import CacheConfig, IOConfig
-from raying.read import decoded_cache, fetch
+from raying.read import decoded_dirs, fetch
 from raying.read.spec import ReadSpec
 from raying.read.task import run_unit
 from raying.sampling.plan import ManifestLookup, chunk_units
@@ -141,7 +141,7 @@ def test_decoded_cache_serves_later_epochs_with_the_same_pixels(manifest, ray_lo
         # part had not finished yet).
         assert st["cache_decoded_lookups"] == 180
         assert st["cache_decoded_hits"] >= 90 and st["decoded_cache_hit_ratio"] >= 0.5
-        directory = decoded_cache.cache_dir(pipe._ready_spec().decoded_cache_name)
+        directory = decoded_dirs.cache_dir(pipe._ready_spec().decoded_cache_name)
         assert os.path.isdir(directory)
     finally:
         base.close()
@@ -159,7 +159,7 @@ def test_reads_in_flight_at_close_do_not_bring_the_decoded_pixels_back(manifest,
                                config=raying.PipelineConfig(block_rows=8, decoded_cache=64 << 20,
                                                             decoded_cache_fill=None,
                                                             keep_warm=True))
-        directory = decoded_cache.cache_dir(pipe._ready_spec().decoded_cache_name)
+        directory = decoded_dirs.cache_dir(pipe._ready_spec().decoded_cache_name)
         for k, _ in enumerate(pipe.iter_batches(batch_size=8, epoch=0)):
             if stop_after is not None and k + 1 >= stop_after:
                 break

@@ -554,7 +554,7 @@ def test_close_waits_for_running_reads_before_it_frees_the_decoded_cache(image_f
     import ray
 
     from raying.engine.stream import BlockStream
-    from raying.read import decoded_cache
+    from raying.read import decoded_dirs
 
     m = raying.Manifest.scan(str(image_folder))
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
@@ -575,7 +575,7 @@ def test_close_waits_for_running_reads_before_it_frees_the_decoded_cache(image_f
     assert dropped, "the next epoch's reads were in flight at close()"
     done, _ = ray.wait([t.completed() for t in dropped], num_returns=len(dropped), timeout=0)
     assert len(done) == len(dropped)
-    assert not os.path.exists(decoded_cache.cache_dir(pipe._cache_name))
+    assert not os.path.exists(decoded_dirs.cache_dir(pipe._cache_name))
 
 
 def test_a_pipeline_dropped_without_close_frees_its_decoded_cache_when_collected(image_folder,
@@ -584,7 +584,7 @@ def test_a_pipeline_dropped_without_close_frees_its_decoded_cache_when_collected
     frees this node's decoded pixels once it is garbage, not at the process's exit."""
     import gc
 
-    from raying.read import decoded_cache
+    from raying.read import decoded_dirs
 
     m = raying.Manifest.scan(str(image_folder))
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
@@ -593,7 +593,7 @@ def test_a_pipeline_dropped_without_close_frees_its_decoded_cache_when_collected
     with pytest.raises(KeyError):
         for _ in pipe.iter_batches(batch_size=16, epoch=0):
             raise KeyError("the trainer's own bug")
-    path = decoded_cache.cache_dir(pipe._cache_name)
+    path = decoded_dirs.cache_dir(pipe._cache_name)
     assert os.path.isdir(path)
     del pipe
     gc.collect()

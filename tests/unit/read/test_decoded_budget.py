@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from raying.errors import ConfigError
-from raying.read import decoded_cache
+from raying.read import decoded_cache, decoded_dirs
 
 
 class _M:
@@ -81,10 +81,10 @@ def test_a_bad_setting_names_the_choices(bad):
 
 # -- per node: the root, the owner rule, the node's own cap --------------------------------------
 def test_each_node_reads_its_root_from_its_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv(decoded_cache.DECODED_CACHE_DIR_ENV, str(tmp_path / "node"))
-    assert decoded_cache.cache_dir("p") == str(tmp_path / "node" / "p")
-    monkeypatch.delenv(decoded_cache.DECODED_CACHE_DIR_ENV)
-    assert decoded_cache.cache_dir("p") == decoded_cache.DEFAULT_DECODED_CACHE_DIR + "/p"
+    monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(tmp_path / "node"))
+    assert decoded_dirs.cache_dir("p") == str(tmp_path / "node" / "p")
+    monkeypatch.delenv(decoded_dirs.DECODED_CACHE_DIR_ENV)
+    assert decoded_dirs.cache_dir("p") == decoded_dirs.DEFAULT_DECODED_CACHE_DIR + "/p"
 
 
 def test_the_sweep_removes_dead_owners_only(monkeypatch, tmp_path):
@@ -92,7 +92,7 @@ def test_the_sweep_removes_dead_owners_only(monkeypatch, tmp_path):
     import socket
     import subprocess
 
-    monkeypatch.setenv(decoded_cache.DECODED_CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(tmp_path))
     gone = subprocess.Popen(["true"])
     gone.wait()
     here = socket.gethostname()
@@ -105,9 +105,9 @@ def test_the_sweep_removes_dead_owners_only(monkeypatch, tmp_path):
         "old-format-here": f"{here} {gone.pid}",  # written before the Ray part existed
     }
     for name, owner in owners.items():
-        decoded_cache.mark_owner(str(tmp_path / name), owner)
-    decoded_cache.mark_owner(str(tmp_path / "live-here"), "someone else")  # first owner stays
-    removed = decoded_cache.sweep(frozenset({"02000000"}), "10.0.0.1:6379")
+        decoded_dirs.mark_owner(str(tmp_path / name), owner)
+    decoded_dirs.mark_owner(str(tmp_path / "live-here"), "someone else")  # first owner stays
+    removed = decoded_dirs.sweep(frozenset({"02000000"}), "10.0.0.1:6379")
     assert sorted(removed) == ["dead-here", "dead-job", "old-format-here"]
     assert sorted(os.listdir(tmp_path)) == ["live-here", "live-job", "other-cluster"]
     with open(tmp_path / "live-here" / ".owner") as fh:
@@ -117,7 +117,7 @@ def test_the_sweep_removes_dead_owners_only(monkeypatch, tmp_path):
 def test_auto_caps_the_budget_at_the_nodes_own_share(monkeypatch, tmp_path):
     from raying.read.spec import ReadSpec
 
-    monkeypatch.setenv(decoded_cache.DECODED_CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(decoded_cache, "_NODE_BUDGET", [5 << 20])
     opened = []
     monkeypatch.setattr(decoded_cache.DecodedCache, "__init__",
@@ -259,7 +259,7 @@ def test_the_cache_fills_over_epochs_within_its_budget_with_unchanged_pixels(tmp
         return np.concatenate(images), hits
 
     def entries(p):
-        d = os.path.join(decoded_cache.cache_dir(p._ready_spec().decoded_cache_name), "data")
+        d = os.path.join(decoded_dirs.cache_dir(p._ready_spec().decoded_cache_name), "data")
         return sum(len(f) for _, _, f in os.walk(d))
 
     off, budgeted, eager = pipe(decoded_cache="off"), pipe(decoded_cache=64 << 20), pipe(
@@ -305,38 +305,38 @@ def test_a_closed_pipeline_s_cache_files_are_let_go_at_the_next_read(monkeypatch
     worker's next decoded-cache read of any pipeline closes the released one's index, WAL and
     lock files (deleted, their tmpfs pages would stay allocated while they are open) and
     forgets it; another pipeline's cache stays open and keeps its entries."""
-    monkeypatch.setenv(decoded_cache.DECODED_CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(tmp_path))
     pixels = [np.full((8, 8, 3), i, np.uint8) for i in range(20)]
     caches = {}
     for name in ("closed", "open"):
-        cache = decoded_cache.DecodedCache(decoded_cache.cache_dir(name), 1 << 20, name)
+        cache = decoded_cache.DecodedCache(decoded_dirs.cache_dir(name), 1 << 20, name)
         cache.put(list(range(20)), pixels)
         cache._tier.flush(10.0)
         caches[name] = cache
     assert _open_files_under(tmp_path / "closed")
-    assert decoded_cache.close_released() == 0  # nothing released yet: nothing closed
-    decoded_cache.release("closed")
+    assert decoded_dirs.close_released() == 0  # nothing released yet: nothing closed
+    decoded_dirs.release("closed")
     assert not os.path.exists(tmp_path / "closed")
-    assert decoded_cache.close_released() == 1
+    assert decoded_dirs.close_released() == 1
     assert _open_files_under(tmp_path / "closed") == []
     assert _open_files_under(tmp_path / "open")
     got = caches["open"].get(np.arange(20))
     assert all(np.array_equal(g, p) for g, p in zip(got, pixels, strict=True))
-    assert decoded_cache.close_released() == 0
-    decoded_cache.release("open")
-    assert decoded_cache.close_released() == 1
+    assert decoded_dirs.close_released() == 0
+    decoded_dirs.release("open")
+    assert decoded_dirs.close_released() == 1
     assert _open_files_under(tmp_path) == []
 
 
 def test_a_claim_takes_up_a_closed_pipeline_s_name_again(monkeypatch, tmp_path):
     # A Train worker's share directory keeps its name from run to run: the tombstone the last
     # run's close left (for its late read tasks) must not turn the next run's cache off.
-    monkeypatch.setenv(decoded_cache.DECODED_CACHE_DIR_ENV, str(tmp_path / "node"))
+    monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(tmp_path / "node"))
     name = "job-0of2"
-    decoded_cache.claim(name, decoded_cache.owner_id())
-    decoded_cache.release(name)
-    assert decoded_cache.released(decoded_cache.cache_dir(name))
-    decoded_cache.claim(name, decoded_cache.owner_id())
-    assert not decoded_cache.released(decoded_cache.cache_dir(name))
-    assert os.path.isdir(decoded_cache.cache_dir(name))
-    decoded_cache.release(name)
+    decoded_dirs.claim(name, decoded_dirs.owner_id())
+    decoded_dirs.release(name)
+    assert decoded_dirs.released(decoded_dirs.cache_dir(name))
+    decoded_dirs.claim(name, decoded_dirs.owner_id())
+    assert not decoded_dirs.released(decoded_dirs.cache_dir(name))
+    assert os.path.isdir(decoded_dirs.cache_dir(name))
+    decoded_dirs.release(name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RayingError(Exception):
     """Base class of every error raying raises on purpose."""
@@ -85,26 +87,28 @@ class UserFunctionError(RayingError, RuntimeError):
     Attributes:
         function: the function's qualified name.
         epoch: the epoch being read.
-        ids: the sample ids of the call's rows (up to ``IDS_SHOWN``).
+        ids: the sample ids of the call's rows (the first ``IDS_SHOWN``).
+        rows: how many rows the call had.
         traceback_text: the formatted traceback of the user's code ("" for a bad result).
     """
 
-    def __init__(self, function: str, epoch: int, ids: list[int], problem: str,
-                 traceback_text: str = "") -> None:
+    def __init__(self, function: str, epoch: int, ids: Any, problem: str,
+                 traceback_text: str = "", rows: int | None = None) -> None:
         self.function = function
         self.epoch = epoch
-        self.ids = list(ids)
+        self.rows = len(ids) if rows is None else int(rows)  # the call's rows, all of them
+        self.ids = [int(i) for i in ids[:IDS_SHOWN]]
         self.problem = problem
         self.traceback_text = traceback_text
         text = f"map_batches function {function} {problem} (epoch {epoch}, ids {self.ids}"
-        text += "...)" if len(self.ids) >= IDS_SHOWN else ")"
+        text += f"... of {self.rows} rows)" if self.rows > len(self.ids) else ")"
         if traceback_text:
             text += f"\n\nTraceback of {function}:\n{traceback_text.rstrip()}"
         super().__init__(text)
 
     def __reduce__(self):
         return (UserFunctionError, (self.function, self.epoch, self.ids, self.problem,
-                                    self.traceback_text))
+                                    self.traceback_text, self.rows))
 
 
 RAISE_FIX = ("replace or remove the sample (then Manifest.scan again), or build the Pipeline "

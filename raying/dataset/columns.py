@@ -116,6 +116,10 @@ def to_numpy(values: pa.Array | pa.ChunkedArray, desc: dict[str, Any], *, name: 
         return out
     _check_range(items, desc["dtype"], name=name, where=where)
     flat = items.to_numpy(zero_copy_only=False).astype(desc["dtype"], copy=False)
+    if not flat.flags.writeable:
+        # Arrow's buffer, shared and read-only: each row's list is a view of it, and a stage
+        # may change values in place as it may every other column's.
+        flat = flat.copy()
     if kind == "array":
         return flat.reshape(n, int(desc["width"]))
     offsets = values.offsets.to_numpy()

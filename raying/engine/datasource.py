@@ -13,7 +13,7 @@ from raying.errors import ConfigError, DataError, UserFunctionError
 from raying.options import use
 from raying.read.account import UnitAccount
 from raying.read.spec import ReadSpec
-from raying.read.stages import column_template, shown_ids, stage_names
+from raying.read.stages import column_template, stage_names
 from raying.read.task import empty_block, iter_unit
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
 from raying.sampling.protocol import Sampler
@@ -191,15 +191,28 @@ def empty_arrow_block(size: int, columns: tuple[tuple[str, Any], ...] = ()):
 
 def _stage_refusal(spec: ReadSpec, block: dict[str, Any], epoch: int,
                    problem: str) -> UserFunctionError:
-    return UserFunctionError(stage_names(spec.stages), epoch, shown_ids(block["id"]), problem)
+    return UserFunctionError(stage_names(spec.stages), epoch, block["id"], problem)
+
+
+# Time units Arrow's timestamp and duration types have (numpy's others are converted).
+_ARROW_UNITS = ("s", "ms", "us", "ns")
 
 
 def _refuse_unarrowable(spec: ReadSpec, block: dict[str, Any], epoch: int) -> None:
     """Refuse, as the iterator path does, stage output Ray Data would change without a word:
     a column holding None (it comes back NaN) or complex numbers (no Arrow type: they come
-    back as Python objects). Columns that differ from the epoch's first block's (Ray Data
-    fills a missing one with nulls and unifies dtypes) are checked by the account actor."""
+    back as Python objects), dates and durations in units Arrow has no type for (a
+    ``datetime64[D]`` comes back as ``datetime64[s]``, a ``timedelta64[D]`` as Python
+    objects). Columns that differ from the epoch's first block's (Ray Data fills a missing
+    one with nulls and unifies dtypes) are checked by the account actor."""
     for name, value in block.items():
+        if value.dtype.kind in "mM" and np.datetime_data(value.dtype)[0] not in _ARROW_UNITS:
+            kind = "datetime64" if value.dtype.kind == "M" else "timedelta64"
+            raise _stage_refusal(
+                spec, block, epoch,
+                f"returned column {name!r} as {value.dtype}, which pipe.dataset(e) (Ray Data's "
+                f"Arrow blocks) would change to another unit or to Python objects; return it "
+                f"as {kind}[s] (or ms, us, ns: .astype('{kind}[s]'))")
         if value.dtype.kind == "c":
             raise _stage_refusal(
                 spec, block, epoch,

@@ -45,7 +45,6 @@ from raying.read.stages import (
     check_stage,
     column_template,
     columns_problem,
-    shown_ids,
     stage_names,
 )
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
@@ -457,7 +456,7 @@ class Pipeline:
         problem = columns_problem(keys, block)
         if problem is not None:
             raise UserFunctionError(stage_names(self._spec.stages), epoch,
-                                    shown_ids(block["id"]), problem)
+                                    block["id"], problem)
         return keys
 
     def _begin_iteration(self) -> int:

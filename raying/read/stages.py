@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from raying.errors import IDS_SHOWN, ConfigError, UserFunctionError
+from raying.errors import ConfigError, UserFunctionError
 from raying.image.rng import epoch_key
 
 # Random streams of user stages start here, away from the built-in transform's streams.
@@ -117,14 +117,14 @@ def join(stages: tuple[UserStage, ...], parts: list[dict[str, np.ndarray]], *,
     for part in parts[1:]:
         if sorted(part) != sorted(keys):
             name = " then ".join(s.name for s in stages)
-            raise UserFunctionError(name, epoch, shown_ids(part["id"]),
+            raise UserFunctionError(name, epoch, part["id"],
                                     f"returned columns {sorted(part)} for some rows and "
                                     f"{sorted(keys)} for others; return the same columns "
                                     f"for every batch")
     bad = layout_mismatch(parts)
     if bad is not None:
         name = " then ".join(s.name for s in stages)
-        raise UserFunctionError(name, epoch, shown_ids(parts[bad[0]]["id"]), bad[1])
+        raise UserFunctionError(name, epoch, parts[bad[0]]["id"], bad[1])
     return {k: image if k == "image" and image is not None else
             np.concatenate([p[k] for p in parts]) for k in keys}
 
@@ -206,7 +206,7 @@ def run_chunk(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, se
             out = stage.fn(block, **kwargs)
         except Exception as exc:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-            err = UserFunctionError(stage.name, epoch, shown_ids(ids),
+            err = UserFunctionError(stage.name, epoch, ids,
                                     f"raised {type(exc).__name__}: {exc}", text)
             raise err from exc
         block = _checked(stage, out, ids, n, size, epoch)
@@ -216,7 +216,7 @@ def run_chunk(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, se
 def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
              epoch: int) -> dict[str, np.ndarray]:
     def bad(problem: str) -> UserFunctionError:
-        return UserFunctionError(stage.name, epoch, shown_ids(ids), problem)
+        return UserFunctionError(stage.name, epoch, ids, problem)
 
     if not isinstance(out, Mapping):
         raise bad(f"returned {type(out).__name__}; expected the batch: a dict of numpy "
@@ -266,11 +266,6 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
                   f"(the size is ImageTransform(size=...); convert to float on the device: "
                   f"iter_torch_batches(normalize=True), or add another column)")
     return out
-
-
-def shown_ids(ids: np.ndarray) -> list[int]:
-    """The ids a UserFunctionError names: every id of a chunk (a call sees one or part of one)."""
-    return [int(i) for i in ids[:IDS_SHOWN]]
 
 
 def check_stage(stage: UserStage) -> None:

@@ -265,6 +265,10 @@ def test_stage_output_ray_data_would_change_is_refused_on_the_dataset_path_too(p
         batch["z"] = np.ones(len(batch["id"]), np.complex64)
         return batch
 
+    def days(batch):  # Arrow has no day unit: Ray Data would hand back datetime64[s]
+        batch["day"] = np.full(len(batch["id"]), np.datetime64("2026-01-02", "D"))
+        return batch
+
     def row_dtypes(batch):  # per-row arrays of float32 for some calls, float64 for others
         low = int(batch["id"].min()) < len(batch["id"]) * 2
         rows = np.empty(len(batch["id"]), dtype=object)
@@ -278,6 +282,8 @@ def test_stage_output_ray_data_would_change_is_refused_on_the_dataset_path_too(p
              (sometimes, r"returned columns \[.*\] for some blocks and \[.*\] for others"),
              (nones, r"returned column 'maybe' with None in it"),
              (complexes, r"returned column 'z' as complex64"),
+             (days, r"returned column 'day' as datetime64\[D\], .* return it as "
+                    r"datetime64\[s\]"),
              (row_dtypes, r"returned column 'rows' with rows of 1-D float\d\d arrays for some "
                           r"blocks and of 1-D float\d\d arrays for others"))
     for fn, problem in cases:
@@ -290,6 +296,16 @@ def test_stage_output_ray_data_would_change_is_refused_on_the_dataset_path_too(p
         with pytest.raises(raying.UserFunctionError, match=pattern):
             list(pipe.dataset(0).iter_batches(batch_size=8))
         pipe.close()
+
+    def millis(batch):  # a unit Arrow has: carried as it is
+        batch["at"] = np.full(len(batch["id"]), np.datetime64("2026-01-02T03:04:05.678", "ms"))
+        return batch
+
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE)).map_batches(millis)
+    got = [b["at"] for b in pipe.dataset(0).iter_batches(batch_size=8)]
+    assert {a.dtype for a in got} == {np.dtype("datetime64[ms]")}
+    assert (np.concatenate(got) == np.datetime64("2026-01-02T03:04:05.678", "ms")).all()
+    pipe.close()
 
 
 def test_a_stage_that_imports_torch_shows_in_the_workers_memory(parquet_set, ray_local):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import logging
 import os
 import pickle
 import shutil
@@ -103,6 +104,15 @@ class Loader:
         self._complete = False
         if checkpoint is not None:
             self._restore_priorities(self._restore(checkpoint))
+            if self._first >= self.feed.epochs and self.rank == 0:
+                # Ray Train restores a run from RunConfig(name, storage_path) whenever one is
+                # there, a finished one too: the loop would then read nothing, in silence.
+                logging.getLogger("raying").warning(
+                    "raying.train.loader(): the checkpoint this run was given is at the end "
+                    "of all %d epochs, so no epoch is left to read. Ray Train resumes a run "
+                    "from RunConfig(name=..., storage_path=...) when one is stored there: "
+                    "give the run a new name to train again, or raise epochs in "
+                    "raying.train.datasets(pipe, epochs=...) to train on", self.feed.epochs)
         if self._first < self.feed.epochs:
             # The first epoch's reads start now, while the loop builds its model: on a fresh
             # Train cluster Ray's idle workers went to Train's own actors, and the first read

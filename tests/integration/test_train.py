@@ -309,12 +309,13 @@ def test_a_new_driver_resuming_a_prioritized_run_gets_the_checkpoint_s_prioritie
 
 
 def test_a_tf_loop_of_steps_checkpointed_at_its_epoch_end_resumes_at_the_next_epoch(
-        image_folder, ray_local, tmp_path):
+        image_folder, ray_local, tmp_path, caplog):
     """The TF loop of the guide (islice over loader.to_tf, steps_per_epoch steps) never ends
     the dataset's generator: its epoch-end checkpoint still counts the epoch done, and a
     worker whose own share was not read to its end follows the others to the next epoch."""
     pytest.importorskip("tensorflow")
     import itertools
+    import logging
     import shutil
 
     from ray.train import Checkpoint
@@ -333,6 +334,13 @@ def test_a_tf_loop_of_steps_checkpointed_at_its_epoch_end_resumes_at_the_next_ep
         break
     resumed = Loader(Feed.of(pipe, 3), rank=0, world_size=1, checkpoint=ck)
     assert resumed.restored == {"model": "m"} and list(resumed.epochs()) == [1, 2]
+    # A run of one epoch given that checkpoint (Ray Train restores a finished run of the same
+    # name) has nothing to read: it says so rather than end in silence.
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        done = Loader(Feed.of(pipe, 1), rank=0, world_size=1, checkpoint=ck)
+    assert list(done.epochs()) == []
+    assert "at the end of all 1 epochs, so no epoch is left to read" in caplog.text
+    assert "give the run a new name" in caplog.text
     # Two workers: rank 1 stopped two batches short of its share's end (steps_per_epoch is
     # the smallest share's), rank 0 read its share through. Both resume at epoch 1.
     both = tmp_path / "both"

@@ -88,7 +88,7 @@ class UserFunctionError(RayingError, RuntimeError):
         function: the function's qualified name.
         epoch: the epoch being read.
         ids: the sample ids of the call's rows (the first ``IDS_SHOWN``).
-        rows: how many rows the call had.
+        rows: how many rows the call (or the block a check refused) had.
         traceback_text: the formatted traceback of the user's code ("" for a bad result).
     """
 
@@ -96,7 +96,7 @@ class UserFunctionError(RayingError, RuntimeError):
                  traceback_text: str = "", rows: int | None = None) -> None:
         self.function = function
         self.epoch = epoch
-        self.rows = len(ids) if rows is None else int(rows)  # the call's rows, all of them
+        self.rows = len(ids) if rows is None else int(rows)  # all of them, shown or not
         self.ids = [int(i) for i in ids[:IDS_SHOWN]]
         self.problem = problem
         self.traceback_text = traceback_text

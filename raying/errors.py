@@ -18,7 +18,14 @@ class DependencyError(RayingError, ImportError):
 
 
 class StorageError(RayingError, OSError):
-    """A URI cannot be resolved, listed or read."""
+    """A URI cannot be resolved, listed or read.
+
+    ``outage`` is True when the storage itself could not be reached (a connection refused or
+    timed out, a host that does not resolve, an HDFS NameNode that does not answer): a
+    property of the storage at that moment, never of the file.
+    """
+
+    outage = False
 
 
 class CredentialsError(StorageError, PermissionError):

@@ -73,14 +73,27 @@ def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
 
 
 def refuse_outage(datas: Sequence[Any]) -> None:
-    """Raise when every read of a unit failed on the storage itself (not on a missing file).
+    """Raise when a read of the unit failed on the storage itself, not on its file.
 
     ``on_error="skip"`` sets bad files aside; an endpoint that is down or credentials that are
-    refused are not a property of the samples, and skipping them would end the epoch
-    "normally" with nothing delivered. A lone failure among good reads is still skipped and
-    reported (the rest of the unit is not lost with it); a unit of one read is left to that
-    policy too.
+    refused are not a property of the samples: skipping them would set good files aside (and
+    a sampler would never draw them again), or end the epoch "normally" with nothing
+    delivered. So one read that found the storage unreachable (``StorageError.outage``) stops
+    the unit, whatever the other reads did; other storage errors (an I/O error, a refusal)
+    stop it when every read of the unit failed so (at least two). A lone failure among good
+    reads is still skipped and reported, and a unit of one read is left to that policy.
     """
+    down = next((d for d in datas if isinstance(d, StorageError) and d.outage), None)
+    if down is not None:
+        failed = sum(isinstance(d, StorageError) and d.outage for d in datas)
+        msg = (f"{failed} of the {len(datas)} reads of this unit could not reach the storage; "
+               f"the first failed with: {str(down).splitlines()[0]}. on_error='skip' sets bad "
+               f"files aside, not outages: bring the storage back (or fix its address), then "
+               f"run the epoch again (an outage longer than the retries' few seconds of "
+               f"backoff: raise RAYING_READ_RETRIES)")
+        err = StorageError(msg)
+        err.outage = True
+        raise err
     if len(datas) < 2:
         return
     first = None

@@ -35,6 +35,10 @@ _MISSING_MARKERS = ("NO_SUCH_BUCKET", "NO_SUCH_KEY", "RESOURCE_NOT_FOUND", "NoSu
 _NETWORK_MARKERS = ("NETWORK_CONNECTION", "curlCode", "Could not connect", "Connection refused",
                     "Could not resolve host", "REQUEST_TIMEOUT", "timed out", "HDFS read failed")
 
+# Network errors that may be one file's: libhdfs gives up a read when no DataNode holding a
+# block answers, whether the DataNodes are down or that block lost every replica.
+_FILE_MARKERS = ("HDFS read failed",)
+
 # Filesystems built by StorageSpec.filesystem() and their specs, to name endpoints in errors.
 # Cached filesystems live as long as the process, so their ids are never reused.
 _SPECS: dict[int, object] = {}
@@ -91,7 +95,6 @@ def storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *,
     scheme = _scheme_of(fs, spec) if fs is not None else _scheme_of_uri(uri or path)
     if uri is None:
         uri = spec.uri(path) if spec is not None else _uri(scheme, path)
-    options = getattr(spec, "options", None)
     detail = _s3.scrub(str(exc))
     tries = f" (after {attempts} attempts)" if attempts > 1 else ""
     if (probe and scheme == "hdfs" and kind in ("missing", "network", "transient")
@@ -101,6 +104,18 @@ def storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *,
         down = _hdfs_unreachable(fs, uri, detail, tries)
         if down is not None:
             return down
+    err = _storage_error(exc, fs, path, kind=kind, scheme=scheme, spec=spec, uri=uri,
+                         action=action, detail=detail, tries=tries)
+    if (kind == "network" and isinstance(err, StorageError)
+            and not any(m in str(exc) for m in _FILE_MARKERS)):
+        err.outage = True
+    return err
+
+
+def _storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *, kind: str,
+                   scheme: str, spec, uri: str, action: str, detail: str,
+                   tries: str) -> Exception:
+    options = getattr(spec, "options", None)
     if kind == "missing":
         return NotFoundError(_missing_message(fs, scheme, path, uri, options))
     if kind == "credentials":
@@ -149,11 +164,13 @@ def _hdfs_unreachable(fs, uri: str, detail: str, tries: str) -> StorageError | N
         pass
     where = urllib.parse.urlsplit(uri).netloc or "fs.defaultFS"
     said = f": {detail.strip().splitlines()[0]}" if detail.strip() else ""
-    return StorageError(
+    err = StorageError(
         f"cannot connect to HDFS at {where} to reach {uri}{tries} (the NameNode did not "
         f"answer{said}). Check that the NameNode is up and the address "
-        "(hdfs://host:port/path; hdfs:///path uses fs.defaultFS from core-site.xml in "
-        "HADOOP_CONF_DIR)")
+        "(hdfs://host:port/path; hdfs:///path takes fs.defaultFS from the core-site.xml "
+        "that libhdfs finds on CLASSPATH)")
+    err.outage = True
+    return err
 
 
 def _missing_message(fs, scheme, path, uri, options) -> str:

@@ -289,6 +289,35 @@ def test_datanode_restarted_mid_epoch_loses_nothing(kind, planned, hdfs, tmp_pat
     assert stats["io"]["retries"] == stats["read_retries"]
 
 
+def test_a_datanode_down_for_longer_than_the_retries_stops_the_epoch_not_the_files(
+        hdfs, tmp_path, monkeypatch, ray_local):
+    """Reads that outlast their retries because no DataNode answers, every read of a unit:
+    even under on_error="skip" the epoch stops with a StorageError and no file is set aside
+    (a sampler would never draw a set-aside file again); with the DataNode back, the next
+    epoch reads every file."""
+    n = 12
+    folder = make_image_folder(tmp_path / "down", n=n, classes=2, size=(24, 24), seed=3)
+    uri = upload(hdfs, folder, "/data/down")
+    m = raying.Manifest.scan(uri)
+    monkeypatch.setenv("RAYING_READ_RETRIES", "2")
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16), on_error="skip",
+                           sampler=raying.WeightedSampler(weights=np.ones(n)),
+                           config=raying.PipelineConfig(block_rows=3, window=2,
+                                                        decoded_cache="off"))
+    hdfs.stop_datanode()
+    try:
+        with pytest.raises(raying.StorageError, match=r"reads of this unit.*on_error='skip' "
+                                                      r"sets bad files aside, not outages"):
+            list(pipe.iter_batches(batch_size=4, epoch=0))
+        stats = pipe.stats(sampling=False)
+    finally:
+        hdfs.start_datanode()
+    assert stats["skipped_count"] == 0, stats["skipped"]
+    ids = [int(i) for b in pipe.iter_batches(batch_size=4, epoch=1) for i in b["id"]]
+    pipe.close()
+    assert len(ids) == n  # the storage back, the next epoch reads in full
+
+
 # --- advise ---------------------------------------------------------------------------------
 
 
@@ -389,8 +418,11 @@ def test_a_namenode_that_does_not_answer_is_named_not_a_missing_path(hdfs, hdfs_
     port = free_port()
     with pytest.raises(raying.StorageError,
                        match=rf"cannot connect to HDFS at 127\.0\.0\.1:{port} to reach "
-                             rf"hdfs://127\.0\.0\.1:{port}/ds .*NameNode is up"):
+                             rf"hdfs://127\.0\.0\.1:{port}/ds .*NameNode is up") as info:
         raying.Manifest.scan(f"hdfs://127.0.0.1:{port}/ds")
+    # An outage, not a property of the path: a read that meets it stops its unit, whatever
+    # on_error says (raying.read.fetch.refuse_outage), rather than setting the file aside.
+    assert info.value.outage
     with pytest.raises(raying.StorageError, match=r"/nope/ds does not exist; check the path"):
         raying.Manifest.scan(hdfs.uri("/nope/ds"))
     assert len(raying.Manifest.scan(hdfs_images)) == 60

@@ -614,6 +614,29 @@ def test_a_unit_whose_every_read_failed_on_the_storage_raises():
     refuse_outage([])
 
 
+def test_a_read_that_could_not_reach_the_storage_stops_its_unit_beside_good_reads():
+    """A NameNode or endpoint that went down mid-epoch: the reads that failed on it are not
+    bad files, whether the unit's other reads succeeded or it had only one."""
+    from raying.errors import StorageError
+    from raying.read.fetch import refuse_outage
+    from raying.storage.errors import storage_error
+
+    lost = storage_error(OSError("Connection refused"), None, "b/k", uri="s3://b/k",
+                         attempts=5)
+    assert isinstance(lost, StorageError) and lost.outage
+    io_error = storage_error(OSError("Input/output error"), None, "/d/f.jpg", uri="/d/f.jpg")
+    assert isinstance(io_error, StorageError) and not io_error.outage
+    missing = storage_error(FileNotFoundError("/d/f.jpg"), None, "/d/f.jpg", uri="/d/f.jpg")
+    assert not missing.outage
+    for datas in ([b"jpeg", lost, b"jpeg"], [lost], [io_error, lost]):
+        with pytest.raises(StorageError, match=r"\d of the \d reads of this unit could not "
+                                               r"reach the storage.*Connection refused") as info:
+            refuse_outage(datas)
+        assert info.value.outage
+    refuse_outage([b"jpeg", io_error])  # a file's own I/O error stays under the policy
+    refuse_outage([missing])
+
+
 def test_a_symlink_loop_lists_each_file_once_and_says_so(tmp_path, caplog):
     root = tmp_path / "root"
     (root / "cat").mkdir(parents=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from raying.errors import RayingError, SupersededError
+from raying.errors import ConfigError, RayingError, SupersededError
 from raying.read.account import UnitAccount
 from raying.read.spec import ReadSpec
 from raying.read.stages import DEFAULT_STAGE_ROWS
@@ -44,6 +44,9 @@ DEFAULT_FIRST_BLOCK_ROWS = 64
 
 _remote_fn = None
 
+CLOSED = ("the Pipeline was closed while this iterator ran: its reads stopped; build a new "
+          "Pipeline (load_state_dict(...) of a state_dict() taken before close() continues "
+          "where it stood)")
 SUPERSEDED = ("this iterator was superseded: a newer iteration of the same Pipeline "
               "(iter_batches, iter_torch_batches, to_tf, iter_blocks) has started, and a "
               "Pipeline streams one iteration at a time. Finish or drop the old iterator "
@@ -159,6 +162,7 @@ class BlockStream:
         # still be pulling); the lock keeps their steps on the shared state apart.
         self._lock = threading.RLock()
         self._generation = 0
+        self._closed = False  # close(): iterators still running stop with CLOSED
 
     # -- submission ----------------------------------------------------------------------------
     def _split(self, unit: ReadUnit) -> None:
@@ -335,6 +339,8 @@ class BlockStream:
 
     def _check(self, mine: int) -> None:
         if self._generation != mine:
+            if self._closed:
+                raise ConfigError(CLOSED)
             raise SupersededError(SUPERSEDED)
 
     def cancel(self) -> None:
@@ -362,6 +368,7 @@ class BlockStream:
         for a caller that must wait for them, e.g. before removing files they write."""
         with self._lock:
             self._generation += 1
+            self._closed = True
             running = [*self._inflight.values(), *self._reading.values()]
             self._cancel()
         return running

@@ -26,7 +26,7 @@ from raying.dataset.manifest import Manifest
 from raying.engine.datasource import DatasetReads, merge_dataset_account
 from raying.engine.metrics import EpochTally, RunAccount
 from raying.engine.ray_setup import ensure_ray, ray_session
-from raying.engine.stream import SUPERSEDED
+from raying.engine.stream import CLOSED, SUPERSEDED
 from raying.errors import ConfigError, SupersededError, UserFunctionError
 from raying.image.transform import ImageTransform
 from raying.loader.batches import BatchAssembler, TorchConverter, prefetch
@@ -467,6 +467,8 @@ class Pipeline:
     def _still_current(self, mine: int) -> None:
         """Refuse the batches an older iteration had prefetched once a newer one started:
         they would count in the newer one's position (a resume would skip their rows)."""
+        if self._closed:
+            raise ConfigError(CLOSED)
         if self._iterations != mine:
             raise SupersededError(SUPERSEDED)
 

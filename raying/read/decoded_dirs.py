@@ -17,6 +17,7 @@ import shutil
 import time
 from typing import Any
 
+from raying.errors import ConfigError
 from raying.read.cache.pids import alive as pid_alive
 
 DEFAULT_DECODED_CACHE_DIR = "/dev/shm/raying-decoded"
@@ -158,9 +159,18 @@ def claim(pipeline_name: str, owner: str) -> None:
     # tombstone for its late read tasks: this pipeline's reads must not take it for theirs.
     on_every_node(_sweep_node, *_dead_jobs(), pipeline_name)
     path = cache_dir(pipeline_name)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, _OWNER), "w") as fh:
-        fh.write(owner)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, _OWNER), "w") as fh:
+            fh.write(owner)
+    except OSError as exc:
+        set_by = (f"{DECODED_CACHE_DIR_ENV}={os.environ[DECODED_CACHE_DIR_ENV]!r}"
+                  if os.environ.get(DECODED_CACHE_DIR_ENV) else f"the default {root()!r}")
+        msg = (f"the decoded cache cannot make its folder {path} ({exc.strerror or exc}): "
+               f"{set_by} must name a folder this process may create and write, on a memory "
+               f"filesystem such as /dev/shm; set {DECODED_CACHE_DIR_ENV} to one, or build "
+               f"the Pipeline with PipelineConfig(decoded_cache='off')")
+        raise ConfigError(msg) from exc
     atexit.register(release, pipeline_name)
 
 

@@ -546,6 +546,20 @@ def _slow(batch):
     return batch
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_an_iterator_of_a_pipeline_closed_under_it_says_it_was_closed(image_folder, ray_local,
+                                                                      prefetch):
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=8, decoded_cache="off"))
+    it = pipe.iter_batches(batch_size=4, epoch=0, prefetch_batches=prefetch)
+    next(it)
+    pipe.close()
+    with pytest.raises(raying.ConfigError, match=r"closed while this iterator ran"):
+        for _ in it:
+            pass
+
+
 def test_close_waits_for_running_reads_before_it_frees_the_decoded_cache(image_folder,
                                                                          ray_local, monkeypatch):
     """The next epoch's first read tasks still run when the trainer closes the pipeline; they

@@ -340,3 +340,13 @@ def test_a_claim_takes_up_a_closed_pipeline_s_name_again(monkeypatch, tmp_path):
     assert not decoded_dirs.released(decoded_dirs.cache_dir(name))
     assert os.path.isdir(decoded_dirs.cache_dir(name))
     decoded_dirs.release(name)
+
+
+def test_a_decoded_cache_root_that_cannot_hold_folders_is_named_with_the_fix(tmp_path,
+                                                                            monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(afile))
+    with pytest.raises(ConfigError, match=r"RAYING_DECODED_CACHE_DIR='.*afile' must name a "
+                                          r"folder .*PipelineConfig\(decoded_cache='off'\)"):
+        decoded_dirs.claim("p-1", decoded_dirs.owner_id())

@@ -117,7 +117,8 @@ def test_s3_outage_raises_instead_of_skipping_every_sample(image_folder, ray_loc
         pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
                                config=raying.PipelineConfig(block_rows=16,
                                                             decoded_cache="off"))
-        with pytest.raises(raying.StorageError, match=r"none of the 16 reads.*not outages"):
+        with pytest.raises(raying.StorageError, match=r"16 of the 16 reads of this unit could "
+                                                      r"not reach the storage.*not outages"):
             for _ in pipe.iter_batches(batch_size=16, epoch=0):
                 pass
         pipe.close()

@@ -158,11 +158,17 @@ class RunAccount:
         if not new:
             return
         self._logged = len(self.skipped)
-        reasons = collections.Counter(s["reason"] for s in new)
-        shown = "; ".join(f"id {s['id']} {s['path']}: {s['reason']}" for s in new[:5])
-        more = f" (+{len(new) - 5} more)" if len(new) > 5 else ""
-        logger.warning("raying skipped %d bad samples in epoch %d (%s): %s%s; see "
-                       "pipe.stats()['skipped']", len(new), epoch, dict(reasons), shown, more)
+        # Under the epoch each was read in: an epoch that raised logs its skips at the next
+        # epoch's end.
+        by_epoch: dict[int, list[dict[str, Any]]] = {}
+        for s in new:
+            by_epoch.setdefault(int(s.get("epoch", epoch)), []).append(s)
+        for e, some in sorted(by_epoch.items()):
+            reasons = collections.Counter(s["reason"] for s in some)
+            shown = "; ".join(f"id {s['id']} {s['path']}: {s['reason']}" for s in some[:5])
+            more = f" (+{len(some) - 5} more)" if len(some) > 5 else ""
+            logger.warning("raying skipped %d bad samples in epoch %d (%s): %s%s; see "
+                           "pipe.stats()['skipped']", len(some), e, dict(reasons), shown, more)
 
     def iterated(self, seconds: float) -> None:
         """Wall time of one iteration loop, from its first request to its end."""

@@ -90,3 +90,22 @@ def test_a_run_account_keeps_each_workers_largest_memory_and_every_framework_it_
     a = UnitAccount(epoch=0, unit=0, final=False, frameworks=())
     b = UnitAccount(epoch=0, unit=0, frameworks=("torch",))
     assert a.merge(b).frameworks == ("torch",)
+
+
+def test_skips_are_logged_under_the_epoch_they_were_read_in(caplog):
+    """An epoch that raised never reached its end: its skips are logged at the next epoch's
+    end, under their own epoch's number."""
+    import logging
+
+    run = RunAccount()
+    run.add(UnitAccount(epoch=0, unit=0, rows_in=2, rows_out=1,
+                        skipped=[(3, "a/3.jpg", "read_error", "x")]))
+    run.add(UnitAccount(epoch=1, unit=0, rows_in=2, rows_out=1,
+                        skipped=[(5, "a/5.jpg", "decode_error", "y")]))
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        run.end_epoch(1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0].startswith("raying skipped 1 bad samples in epoch 0 ({'read_error': 1}): "
+                               "id 3 a/3.jpg")
+    assert lines[1].startswith("raying skipped 1 bad samples in epoch 1 ({'decode_error': 1})")

@@ -210,7 +210,9 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
             p, g = distinct[i]
             msg = f"{p}: cannot read row group {g} ({raw[i]})"
             if isinstance(raw[i], StorageError) and not isinstance(raw[i], FileNotFoundError):
-                raise type(raw[i])(msg) from raw[i]  # the storage failed, not the file
+                err = type(raw[i])(msg)  # the storage failed, not the file
+                err.outage = raw[i].outage
+                raise err from raw[i]
             raise DataError(msg) from raw[i]
     arrays: dict[tuple[str, int], pa.Array] = {}
     for path in metas:
@@ -478,8 +480,10 @@ def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseExcepti
     if isinstance(exc, StorageError) and not isinstance(exc, FileNotFoundError):
         # Unreachable or refused storage says nothing about the file: keep the storage error.
         kind = type(exc) if isinstance(exc, CredentialsError) else StorageError
-        return kind(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups}: "
-                    f"{_first_line(exc)}")
+        err = kind(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups}: "
+                   f"{_first_line(exc)}")
+        err.outage = exc.outage
+        return err
     return DataError(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups} "
                      f"({_first_line(exc)}); the file may be corrupt or changed since the "
                      f"manifest was scanned: rescan it")

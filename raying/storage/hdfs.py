@@ -187,7 +187,9 @@ def hdfs_filesystem(host: str, port: int, user: str | None) -> pafs.HadoopFileSy
     except (OSError, RuntimeError) as exc:
         where = "fs.defaultFS" if host == DEFAULT_FS_HOST else f"{host}:{port}"
         msg = (f"cannot connect to HDFS at {where}: {exc}. Check the namenode address "
-               "(hdfs://host:port/path; hdfs:///path uses fs.defaultFS from core-site.xml in "
-               "HADOOP_CONF_DIR) and that libhdfs, JAVA_HOME and CLASSPATH match one Hadoop "
-               "install")
-        raise StorageError(msg) from None
+               "(hdfs://host:port/path; hdfs:///path takes fs.defaultFS from the "
+               "core-site.xml that libhdfs finds on CLASSPATH) and that libhdfs, JAVA_HOME and "
+               "CLASSPATH match one Hadoop install")
+        err = StorageError(msg)
+        err.outage = True
+        raise err from None

@@ -29,8 +29,8 @@ from raying.tools import advise_measure as _m
 
 # A typical file read whole within 1 ms (and, where a long read measured it, 400 MB/s or
 # more), or, for files too large to read whole in 1 ms (Parquet), a first byte within 0.25 ms
-# and a long read at 400 MB/s or more: local SSD or page cache; defaults do. Network storage
-# answers its first byte in a millisecond or more.
+# and 400 MB/s or more: local SSD or page cache; defaults do. Network storage answers its
+# first byte in a millisecond or more.
 FAST_READ_S = 1e-3
 FAST_FIRST_BYTE_S = 0.25e-3
 FAST_BANDWIDTH_BYTES_PER_S = 400e6
@@ -88,11 +88,11 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
     """The decision table: one line per setting, each with its reason and measurement."""
     lat, bw = store["latency_s"], store["bandwidth_bytes_per_s"]
     long_read = store["bandwidth_from"].startswith("one ")  # else a lower bound from small reads
-    fast_bw = long_read and bw >= FAST_BANDWIDTH_BYTES_PER_S
+    fast_bw = bw >= FAST_BANDWIDTH_BYTES_PER_S  # measured, or a lower bound already above
     fast = ((store["whole_file_s"] < FAST_READ_S and (not long_read or fast_bw))
             or (lat < FAST_FIRST_BYTE_S and fast_bw))
-    speedup = store["parallel_speedup"]  # None: too few files to measure it
-    serial = speedup is not None and speedup < SERIAL_SPEEDUP
+    speedup = store["parallel_speedup"]
+    serial = speedup < SERIAL_SPEEDUP
     parquet = data["format"] == "parquet"
     size = data["bytes"]
     d_ms = mach.get("decode_ms_per_image")
@@ -106,7 +106,7 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
                     "measured": measured})
 
     io_m = (f"latency {lat * 1e3:.2f} ms, bandwidth {'' if long_read else '>= '}"
-            f"{bw / 1e6:.1f} MB/s, {_parallel(store)}")
+            f"{bw / 1e6:.1f} MB/s, 16 parallel reads {speedup:.1f}x serial")
     # 1. pack to Parquet
     p50 = data["file_bytes_p50"]
     if parquet:
@@ -198,10 +198,9 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
                f"requests of {_kb(req)}, with 2x headroom")
     else:
         conc = UNSATURATED_CONCURRENCY
-        scaled = (f"16 parallel reads scaled {speedup:.1f}x and never reached" if speedup
-                  is not None else "small reads never reached")
-        why = (f"{scaled} the link's bandwidth (files of {_kb(req)}): many more requests can "
-               f"be in flight, as on S3")
+        why = (f"16 parallel reads scaled {speedup:.1f}x and never reached the link's "
+               f"bandwidth (files of {_kb(req)}): many more requests can be in flight, as on "
+               f"S3")
     line("read_concurrency", conc, why, io_m)
     # 5. prefetch depth (batches of 256)
     per_read = lat + req / bw
@@ -258,15 +257,6 @@ def _kb(n: float) -> str:
     return f"{n / 1024**2:.1f} MiB" if n >= 1024**2 else f"{n / 1024:.1f} KiB"
 
 
-def _parallel(store: dict[str, Any]) -> str:
-    """What the parallel probe found, in words."""
-    if store["parallel_speedup"] is None:
-        n = store.get("parallel_reads", 0)
-        return (f"parallel reads not measured ({n} file{'s' if n != 1 else ''} small enough "
-                f"to probe)")
-    return f"16 parallel reads {store['parallel_speedup']:.1f}x serial"
-
-
 def format_report(report: dict[str, Any]) -> str:
     """The report as text: what was measured, then one line per recommendation."""
     d, s, m = (report["measured"][k] for k in ("dataset", "storage", "machine"))
@@ -275,8 +265,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"{_mb(d['bytes'])}; file size p10/p50/p90 {_kb(d['file_bytes_p10'])} / "
              f"{_kb(d['file_bytes_p50'])} / {_kb(d['file_bytes_p90'])}",
              f"  storage  {s['kind']}: first byte {s['latency_s'] * 1e3:.2f} ms, bandwidth "
-             f"{s['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s ({s['bandwidth_from']}), "
-             f"{_parallel(s)} ({s['probe_reads']} reads)",
+             f"{s['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s ({s['bandwidth_from']}), 16 "
+             f"parallel reads {s['parallel_speedup']:.1f}x serial ({s['probe_reads']} reads)",
              f"  machine  {m['cores']} cores, {_mb(m['memory_bytes'])} memory "
              f"({_mb(m['memory_available_bytes'])} available), GPU: "
              f"{(str(m['gpus']) + 'x ' + str(m['gpu_name'])) if m['gpus'] else 'none'}, "

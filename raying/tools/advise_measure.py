@@ -26,8 +26,6 @@ from raying.storage.slow import SlowFileSystemHandler
 PROBE_SERIAL_READS = 8
 PROBE_PARALLEL_READS = 32
 PROBE_PARALLEL_THREADS = 16
-# Fewer files than this small enough for the parallel probe leave its gain unmeasured.
-PROBE_MIN_PARALLEL_READS = 4
 PROBE_LONG_READ_BYTES = 8 * 1024**2
 PROBE_DECODE_IMAGES = 8
 PROBE_FOOTERS = 32
@@ -143,6 +141,10 @@ def measure_storage(fs: pafs.FileSystem, data: dict[str, Any], *, seed: int = 0
     latency = statistics.median(first)
     whole_s = statistics.median(whole)
     par = [int(i) for i in order[:PROBE_PARALLEL_READS] if sizes[int(i)] <= 4 * 1024**2]
+    if par and len(par) < PROBE_PARALLEL_THREADS:
+        # Few small files: read them again, so that 16 reads are in flight (one read on 16
+        # threads would measure no gain, as of a device serving one request at a time).
+        par = [par[k % len(par)] for k in range(PROBE_PARALLEL_THREADS)]
     par = par or small
     with ThreadPoolExecutor(PROBE_PARALLEL_THREADS) as pool:
         # Start the threads first: their creation is not storage time (on a fast local disk
@@ -153,9 +155,6 @@ def measure_storage(fs: pafs.FileSystem, data: dict[str, Any], *, seed: int = 0
         par_s = time.perf_counter() - t0
     par_rate = len(par) / par_s
     serial_rate = 1.0 / whole_s
-    # A few reads on 16 threads say nothing of what parallel reads gain (one Parquet file of
-    # 8 MiB: one read, "1.0x"): left unmeasured, it is not taken for a serial device.
-    speedup = par_rate / serial_rate if len(par) >= PROBE_MIN_PARALLEL_READS else None
     big = int(np.argmax(sizes))
     long_bytes = int(min(sizes[big], PROBE_LONG_READ_BYTES))
     bandwidth, how = sum(got) / par_s, "parallel small reads (a lower bound)"
@@ -181,7 +180,7 @@ def measure_storage(fs: pafs.FileSystem, data: dict[str, Any], *, seed: int = 0
             "latency_share": min(1.0, latency / whole_s) if whole_s > 0 else 1.0,
             "bandwidth_bytes_per_s": bandwidth, "bandwidth_from": how,
             "serial_files_per_s": serial_rate, "parallel_files_per_s": par_rate,
-            "parallel_speedup": speedup, "parallel_reads": len(par),
+            "parallel_speedup": par_rate / serial_rate,
             "probe_reads": len(pick) + len(small) + len(par) + 1}
 
 

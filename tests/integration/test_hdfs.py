@@ -294,7 +294,9 @@ def test_a_datanode_down_for_longer_than_the_retries_stops_the_epoch_not_the_fil
     """Reads that outlast their retries because no DataNode answers, every read of a unit:
     even under on_error="skip" the epoch stops with a StorageError and no file is set aside
     (a sampler would never draw a set-aside file again); with the DataNode back, the next
-    epoch reads every file."""
+    epoch reads every file. ("HDFS read failed" may be one file's lost block, so this is the
+    every-read-failed rule; a NameNode that does not answer, an outage by itself, is checked
+    in test_a_namenode_that_does_not_answer_is_named_not_a_missing_path.)"""
     n = 12
     folder = make_image_folder(tmp_path / "down", n=n, classes=2, size=(24, 24), seed=3)
     uri = upload(hdfs, folder, "/data/down")

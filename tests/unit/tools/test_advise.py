@@ -64,21 +64,21 @@ def test_fast_local_storage_keeps_the_defaults():
 
 def test_local_parquet_of_one_large_file_keeps_the_defaults():
     """One 8 MiB file in the page cache: read whole in 4.7 ms (not "within 1 ms"), and the
-    parallel probe has one file to read, so it measures nothing; it is still fast local
-    storage, not a serial device behind a cache."""
+    parallel probe reads the one file (no gain: "serial"); its first byte and bandwidth still
+    make it fast local storage, not a serial device to put a cache in front of."""
     data = _data(format="parquet", files=1, samples=1500, bytes=8 * 2**20,
                  rows_per_row_group=256, row_group_bytes=1400 * 1024, sample_bytes=5500)
     store = _store(kind="local", latency_s=4e-5, whole_file_s=4.7e-3, latency_share=0.01,
                    bandwidth_bytes_per_s=1.9e9, bandwidth_from="one 8.0 MiB read",
-                   parallel_speedup=None, parallel_reads=1)
+                   parallel_speedup=1.0)
     a, config = _advice(data, store, _machine(cores=2))
     assert a["cache"]["value"] == "none" and config["io"]["cache"] is None
     assert a["read_concurrency"]["value"] == 1 and a["window"]["value"] == 4
-    assert "parallel reads not measured (1 file small enough to probe)" in a["cache"]["measured"]
-    # The same numbers from a slow first byte (a network filesystem) are not local and fast.
-    slow = dict(store, latency_s=2e-3)
-    a, config = _advice(data, slow, _machine(cores=2))
-    assert a["cache"]["value"] != "none" and a["read_concurrency"]["value"] != 2
+    # The same reads behind a slow first byte (a disk head, a network filesystem) are not.
+    a, config = _advice(data, dict(store, latency_s=2e-3), _machine(cores=2))
+    assert a["cache"]["value"] != "none" and a["read_concurrency"]["value"] == 2
+    assert "one request at a time" in a["read_concurrency"]["reason"]
+    assert a["window"]["value"] == 2
 
 
 def test_a_small_image_set_gets_blocks_that_give_every_read_task_of_the_window_rows():

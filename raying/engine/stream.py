@@ -61,8 +61,19 @@ def read_task(spec: ReadSpec, unit: ReadUnit, paths: list[str] | None, block_row
     Each yielded value is copied into the object store before the generator resumes, so the
     worker's output buffer is reused from block to block.
     """
-    yield from iter_unit(spec, unit, paths, block_rows=block_rows, reuse_output=True,
-                         first_block_rows=first_block_rows)
+    from raying.storage.errors import counted_retries
+
+    # An error takes the unit's account with it: it carries the retries made since the last
+    # block's account (``read_retries``), which the driver adds to the pipeline's.
+    mark = counted_retries()
+    try:
+        for part in iter_unit(spec, unit, paths, block_rows=block_rows, reuse_output=True,
+                              first_block_rows=first_block_rows):
+            yield part
+            mark = counted_retries()
+    except RayingError as exc:
+        exc.read_retries = counted_retries() - mark
+        raise
 
 
 def _remote():
@@ -314,9 +325,10 @@ class BlockStream:
                                 self.cancel()
                             else:
                                 others = []
-                        _read_out_failures(others, DEFAULT_READ_OUT_S)
+                        more = _read_out_failures(others, DEFAULT_READ_OUT_S)
                         cause = getattr(exc, "cause", None)
                         if isinstance(cause, RayingError):
+                            cause.read_retries = getattr(cause, "read_retries", 0) + more
                             raise cause from None
                         raise
                     with self._lock:
@@ -388,22 +400,24 @@ class BlockStream:
         return len(ready) == len(done)
 
 
-def _read_out_failures(tasks: list[Any], timeout_s: float) -> None:
+def _read_out_failures(tasks: list[Any], timeout_s: float) -> int:
     """After a read error stopped the epoch: wait up to ``timeout_s`` for the other dropped
     ``tasks`` (at most a window of units) and read each one's parts, logging, by file, the
     errors of those that failed too. Read, their errors are handled; freed unread, Ray would
     print each as an "Unhandled error" traceback. Tasks still running after ``timeout_s``
     are dropped unread. Done before the first error is raised, in this thread, so nothing
-    outlives the pipeline or races Ray's shutdown."""
+    outlives the pipeline or races Ray's shutdown. Returns the read retries the failed ones
+    made (their accounts are lost with them)."""
     import ray
 
+    retries = 0
     if not tasks:
-        return
+        return retries
     try:
         done, _ = ray.wait([t.completed() for t in tasks], num_returns=len(tasks),
                            timeout=timeout_s)
     except ray.exceptions.RayError:
-        return  # a task lost with its worker: nothing more to read here
+        return retries  # a task lost with its worker: nothing more to read here
     finished = {d.hex() for d in done}
     failed: dict[str, int] = {}  # each distinct error once, with how many parts had it
     try:
@@ -417,15 +431,17 @@ def _read_out_failures(tasks: list[Any], timeout_s: float) -> None:
                     except ray.exceptions.RayError as exc:
                         text = str(getattr(exc, "cause", None) or exc)
                         failed[text] = failed.get(text, 0) + 1
+                        retries += int(getattr(getattr(exc, "cause", None), "read_retries", 0))
             except Exception:  # noqa: BLE001 - Ray itself gone: nothing left to read
                 logger.debug("a dropped read task not read out", exc_info=True)
                 if not ray.is_initialized():
-                    return
+                    return retries
     finally:
         for text, count in failed.items():
             times = f" ({count} times)" if count > 1 else ""
             logger.warning("another read task of the stopped epoch failed too%s: %s", times,
                            text)
+    return retries
 
 
 def first_block_rows(batch_rows: int | None, unit_rows: int, *, aligned: bool) -> int | None:

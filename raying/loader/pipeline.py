@@ -422,6 +422,8 @@ class Pipeline:
             except StopIteration:
                 break
             except Exception as exc:
+                # The failed read tasks' retries, lost with their accounts (see read_task).
+                self.account.retries += int(getattr(exc, "read_retries", 0) or 0)
                 if self._session_ended():  # shut down while this block was being read
                     raise self._ended_error() from exc
                 raise

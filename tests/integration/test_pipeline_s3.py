@@ -121,6 +121,9 @@ def test_s3_outage_raises_instead_of_skipping_every_sample(image_folder, ray_loc
                                                       r"not reach the storage.*not outages"):
             for _ in pipe.iter_batches(batch_size=16, epoch=0):
                 pass
+        # The failed tasks' retries are counted, though their accounts were lost with them:
+        # each of the raising unit's 16 reads was tried RAYING_READ_RETRIES (5) times.
+        assert pipe.stats(sampling=False)["read_retries"] >= 16 * 4
         pipe.close()
         # Parquet: the unreachable endpoint is a storage error, not "the file may be corrupt".
         server.start()

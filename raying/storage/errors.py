@@ -249,11 +249,12 @@ def _warn_now() -> bool:
 # Retries this process made for a caller that counts them (``on_retry``): a read task that
 # raises loses its account, and with it the retries it made (see ``counted_retries``).
 _COUNTED_RETRIES = [0]
+_COUNTED_RETRIES_LOCK = threading.Lock()
 
 
 def counted_retries() -> int:
     """Retries this process has made so far for callers that count them (reads)."""
-    with _SPECS_LOCK:
+    with _COUNTED_RETRIES_LOCK:
         return _COUNTED_RETRIES[0]
 
 
@@ -289,7 +290,7 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
                        "retrying in %.2fs (attempt %d of %d): %s", delay, attempt + 1,
                        attempts, error)
             if on_retry is not None:
-                with _SPECS_LOCK:
+                with _COUNTED_RETRIES_LOCK:
                     _COUNTED_RETRIES[0] += 1
                 on_retry(path, attempt, error)
             time.sleep(delay)

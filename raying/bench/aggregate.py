@@ -137,7 +137,8 @@ def combine(runs: list[dict[str, Any]], workloads: dict[str, dict[str, Any]],
                                "rounds": len(ms), "rows_ok": all(m["rows_ok"] for m in ms),
                                "rows_per_epoch": [m["rows_per_epoch"] for m in ms],
                                "expected_rows": ms[0]["expected_rows"],
-                               "problems": [p for m in ms for p in m["problems"]][:5]}
+                               "problems": [p for m in ms for p in m["problems"]][:5],
+                               "round_ids": [m["round"] for m in ms]}
         for k in _MEDIAN_KEYS:
             row[k] = _median([m[k] for m in ms])
             row[k + "_rounds"] = [m[k] for m in ms]
@@ -170,6 +171,16 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _paired_ratio(row: dict[str, Any], base: dict[str, Any]) -> float | None:
+    """Median over rounds of row's steady rate over base's in the same round: W5 and W1 run
+    back to back in one process, so each round's pair shares the machine's state of the
+    moment, which the ratio of the two medians (rounds apart) does not."""
+    mine = dict(zip(row.get("round_ids", []), row.get("steady_img_s_rounds", []), strict=True))
+    theirs = dict(zip(base.get("round_ids", []), base.get("steady_img_s_rounds", []), strict=True))
+    ratios = [mine[k] / theirs[k] for k in mine if mine[k] and theirs.get(k)]
+    return _median(ratios) if ratios else _ratio(row["steady_img_s"], base["steady_img_s"])
+
+
 def _ratios(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         wl, batch, mode = r["workload"], r["batch_size"], r["mode"]
@@ -197,7 +208,9 @@ def _ratios(rows: list[dict[str, Any]]) -> None:
                                         if best_cold else None)
         if wl == "W5":
             uni = _find(rows, "W1", r["peer"], batch, mode)
-            r["ratio_to_uniform"] = _ratio(r["steady_img_s"], uni["steady_img_s"]) if uni else None
+            r["ratio_to_uniform"] = _paired_ratio(r, uni) if uni else None
+            r["ratio_of_medians_to_uniform"] = (_ratio(r["steady_img_s"], uni["steady_img_s"])
+                                                if uni else None)
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -154,7 +154,8 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
 
     W5 (raying prioritized) shares raying's W1 process and its cells alternate with W1's
     (same batch size and mode back to back), so the prioritized / uniform ratio compares
-    neighbours in time rather than the two ends of a round.
+    neighbours in time rather than the two ends of a round; the pair's order flips every
+    round, so neither arm always runs second in its process.
     """
 
     def modes(peer: str, wl: str) -> tuple[str, ...]:
@@ -164,7 +165,7 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
             return cfg.modes[:1]                               # workload only
         return cfg.modes
 
-    def cells(peer: str, wls: tuple[str, ...]) -> list[dict[str, Any]]:
+    def cells(peer: str, wls: tuple[str, ...], r: int) -> list[dict[str, Any]]:
         paired = "W1" in wls and "W5" in wls
         out = []
         for w in wls:
@@ -172,9 +173,10 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
                 continue
             for b in cfg.batch_sizes:
                 for m in modes(peer, w):
-                    out.append({"workload": w, "batch_size": b, "mode": m})
+                    pair = [{"workload": w, "batch_size": b, "mode": m}]
                     if w == "W1" and paired and m in modes(peer, "W5"):
-                        out.append({"workload": "W5", "batch_size": b, "mode": m})
+                        pair.append({"workload": "W5", "batch_size": b, "mode": m})
+                    out.extend(pair[::-1] if r % 2 else pair)
         return out
 
     rounds = []
@@ -186,7 +188,7 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
             for p in peers:
                 wls = tuple(w for w in cfg.workloads if w in peer_workloads(p, quick=cfg.quick))
                 if wls:
-                    jobs.append(Job(r, p, wls, cells(p, wls)))
+                    jobs.append(Job(r, p, wls, cells(p, wls, r)))
         else:
             for w in cfg.workloads:
                 for p in peers:
@@ -195,7 +197,7 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
                         continue
                     wls = (w, "W5") if (w == "W1" and "W5" in cfg.workloads
                                         and "W5" in mine) else (w,)
-                    jobs.append(Job(r, p, wls, cells(p, wls)))
+                    jobs.append(Job(r, p, wls, cells(p, wls, r)))
         rounds.append(jobs)
     return rounds
 

@@ -19,6 +19,8 @@ from raying.storage import files as _storage
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 PARQUET_EXTENSIONS = (".parquet", ".pq")
 MANIFEST_VERSION = 1
+# Names a manifest file is refused under: it is Parquet whatever its name says.
+_NOT_PARQUET = frozenset({"json", "csv", "txt", "yaml", "yml", "jsonl", "pkl", "pickle"})
 _FORMATS = ("auto", "images", "parquet")
 
 LabelSpec = str | Callable[[str], Any] | None
@@ -159,6 +161,13 @@ class Manifest:
     # -- persistence ---------------------------------------------------------------------------
     def save(self, uri: str, storage: StorageOptions | dict | None = None) -> None:
         """Write the manifest as one Parquet file (columns per sample, the rest as metadata)."""
+        name = os.fspath(uri)
+        suffix = name.rstrip("/").rsplit("/", 1)[-1].rpartition(".")[2].lower()
+        if suffix in _NOT_PARQUET:
+            stem = name[:len(name) - len(suffix)]
+            msg = (f"a manifest is written as Parquet, not {suffix.upper()}: {name!r} would be "
+                   f"a Parquet file under a .{suffix} name; save it as {stem + 'parquet'!r}")
+            raise ConfigError(msg)
         opts = StorageOptions.coerce(storage) if storage is not None else self.storage
         fs, path = _storage.resolve(uri, opts)
         table = pa.table({name: pa.array(col) for name, col in self._cols.items()})

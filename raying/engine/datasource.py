@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from raying.engine.metrics import RunAccount, all_bad_message
-from raying.errors import ConfigError, DataError, UserFunctionError
+from raying.errors import ConfigError, DataError, RayingError, UserFunctionError
 from raying.options import use
 from raying.read.account import UnitAccount
 from raying.read.spec import ReadSpec
@@ -98,6 +98,10 @@ def _account_actor_cls():
                             f"in every batch (Ray Data would unify them)")
             return None
 
+        def add_retries(self, retries: int) -> None:
+            """Retries of a read task that failed, lost with its account."""
+            self.account.retries += int(retries)
+
         def summary(self) -> dict[str, Any]:
             return self.account.summary()
 
@@ -119,8 +123,9 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
     set aside (a wrong image column, say), as the iterator path does: Ray Data would
     otherwise hand the trainer an empty epoch."""
     import ray
-    from ray.data.block import BlockAccessor
     from ray.exceptions import RayActorError
+
+    from raying.storage.errors import counted_retries
 
     spec: ReadSpec = ray.get(spec_ref) if isinstance(spec_ref, ray.ObjectRef) else spec_ref
     use(spec.settings)  # before a lazy unit is drawn: the driver's plan chunk and retries
@@ -132,8 +137,35 @@ def _read(spec_ref: Any, unit: ReadUnit, lookup_ref: Any, sampler: Any, accounts
             raise _closed(exc) from None
     lookup: ManifestLookup = ray.get(lookup_ref)
     unit, paths = lookup.complete(unit)
+    mark = [counted_retries()]  # the retry count when the last block's account was taken
+    try:
+        yield from _read_blocks(spec, unit, paths, accounts, block_rows, epoch_units, samples,
+                                root, mark)
+    except RayingError:
+        # An error takes the unit's account with it: its retries since the last block's
+        # account go to the account actor, as the iterator path's driver adds them.
+        lost = counted_retries() - mark[0]
+        if lost and accounts is not None:
+            try:
+                ray.get(accounts.add_retries.remote(lost))
+            except RayActorError:
+                pass  # the pipeline was closed: nobody reads its account any more
+        raise
+
+
+def _read_blocks(spec: ReadSpec, unit: ReadUnit, paths: list[str], accounts: Any,
+                 block_rows: int, epoch_units: int, samples: int, root: str,
+                 mark: list[int]):
+    """``_read``'s blocks as Arrow; ``mark[0]`` is set to the retry count at each account."""
+    import ray
+    from ray.data.block import BlockAccessor
+    from ray.exceptions import RayActorError
+
+    from raying.storage.errors import counted_retries
+
     yielded = False
     for block, account in iter_unit(spec, unit, paths, block_rows=block_rows):
+        mark[0] = counted_retries()  # this block's retries are in its account
         staged = bool(spec.stages) and len(block["id"]) > 0
         if staged:
             _refuse_unarrowable(spec, block, unit.epoch)
@@ -373,6 +405,7 @@ def merge_dataset_account(out: dict[str, Any], reads: dict[str, Any]) -> None:
                       if k not in ("rows_delivered", "throughput_rows_per_s", "stall_s",
                                    "stall_share")}
     out["skip_events"] = out.get("skip_events", 0) + reads.get("skip_events", 0)
+    out["read_retries"] = out.get("read_retries", 0) + reads.get("read_retries", 0)
     by_reason = out["skipped_by_reason"]
     where = {s["id"]: k for k, s in enumerate(out["skipped"])}
     for s in reads["skipped"]:

@@ -9,6 +9,7 @@ from typing import Any
 from raying.errors import ConfigError
 from raying.tools.cluster import (
     DEFAULT_STATE_DIR,
+    STATE_FILE,
     LocalCluster,
     load,
     logs_kept,
@@ -80,6 +81,10 @@ def main(ns: Any) -> int:
         _print_started(cluster, getattr(ns, "state_dir", None))
         return 0
     if ns.action == "stop":
+        if not (Path(state_dir).expanduser() / STATE_FILE).exists():
+            # Stopping what is not running is done (as `ray stop`): a script may stop twice.
+            print(f"no local head recorded in {state_dir}: nothing to stop")
+            return 0
         cluster = load(state_dir)
         left = stop(cluster)
         print(f"stopped the head at {cluster.address}"

@@ -101,6 +101,11 @@ def test_plan_pairs_prioritized_with_uniform_cells():
     assert [j.tag for j in jobs] == ["r0-torch-W1", "r0-raying-W1+W5"]
     assert [(c["workload"], c["mode"]) for c in jobs[1].cells] == [
         ("W1", "iterate"), ("W5", "iterate"), ("W1", "sleep"), ("W5", "sleep")]
+    cfg = run.config_from_args(argparse.Namespace(workloads="W1,W5", peers="raying", rounds=2,
+                                                  modes="iterate,sleep", batch_sizes="64"))
+    second = run.plan_jobs(cfg)[1][0]  # the pair's order flips every round
+    assert [(c["workload"], c["mode"]) for c in second.cells] == [
+        ("W5", "iterate"), ("W1", "iterate"), ("W5", "sleep"), ("W1", "sleep")]
 
 
 def test_combine_medians_and_ratios():
@@ -126,6 +131,33 @@ def test_combine_medians_and_ratios():
     assert torch["cpu_s_per_1k"] == pytest.approx(100.0)
     assert torch["cold_img_s"] == pytest.approx(10.0)  # 10 rows by the end of epoch 0, 1 s
     assert torch["job_1_s"] == pytest.approx(1.0)
+
+
+def test_prioritized_over_uniform_pairs_each_round():
+    """W5 / W1 is the median of each round's own ratio (the two ran back to back), not the
+    ratio of the two medians: a slow round slows both arms and cancels out."""
+    wl = {"W1": {"rows": 10, "decoded": None}, "W5": {"rows": 10, "decoded": None}}
+
+    def cell(w: str, rate_s: float) -> dict:
+        return {"workload": w, "batch_size": 64, "mode": "iterate", "setup_s": 0.1,
+                "cpu_steady_s": 1.0, "peak_pss_mb": 100.0, "errors": [],
+                "epochs": [{"rows": 10, "problems": [], "request_s": 0.0, "first_s": 0.5,
+                            "end_s": 1.0, "ttfb_s": 0.5},
+                           {"rows": 10, "problems": [], "request_s": 1.0, "first_s": 1.1,
+                            "end_s": 1.0 + rate_s, "ttfb_s": 0.1}]}
+
+    # steady img/s per round: W1 10 / 5 / 2.5, W5 9.5 / 4.75 / 2.5 (0.95, 0.95, 1.0 each)
+    runs = [{"peer": "raying", "round": 0, "cells": [cell("W1", 1.0), cell("W5", 1 / 0.95)]},
+            {"peer": "raying", "round": 1, "cells": [cell("W5", 2 / 0.95), cell("W1", 2.0)]},
+            {"peer": "raying", "round": 2, "cells": [cell("W1", 4.0), cell("W5", 4.0)]}]
+    rows = aggregate.combine(runs, wl, epochs=2)
+    w5 = next(r for r in rows if r["workload"] == "W5")
+    assert w5["ratio_to_uniform"] == pytest.approx(0.95)
+    assert w5["ratio_of_medians_to_uniform"] == pytest.approx(4.75 / 5.0)
+    runs[2]["cells"] = [cell("W1", 1.0), cell("W5", 4.0)]  # one slow W5 round: 0.25
+    runs[0]["cells"] = [cell("W1", 4.0), cell("W5", 1 / 0.95)]  # and a slow W1 one: 3.8
+    w5 = next(r for r in aggregate.combine(runs, wl, epochs=2) if r["workload"] == "W5")
+    assert w5["ratio_to_uniform"] == pytest.approx(0.95)  # the median of 3.8, 0.95, 0.25
 
 
 def test_a_cache_row_is_labelled_not_anyone_s_best_peer():

@@ -123,7 +123,14 @@ def test_s3_outage_raises_instead_of_skipping_every_sample(image_folder, ray_loc
                 pass
         # The failed tasks' retries are counted, though their accounts were lost with them:
         # each of the raising unit's 16 reads was tried RAYING_READ_RETRIES (5) times.
-        assert pipe.stats(sampling=False)["read_retries"] >= 16 * 4
+        before = pipe.stats(sampling=False)["read_retries"]
+        assert before >= 16 * 4
+        # The same on pipe.dataset(e), Ray Train's path: the read task hands them to the
+        # account actor before it raises.
+        with pytest.raises(Exception, match=r"could not reach the storage"):
+            for _ in pipe.dataset(1).iter_batches(batch_size=16):
+                pass
+        assert pipe.stats(sampling=False)["read_retries"] >= before + 16 * 4
         pipe.close()
         # Parquet: the unreachable endpoint is a storage error, not "the file may be corrupt".
         server.start()

@@ -70,6 +70,16 @@ def test_save_load_roundtrip(folder, tmp_path):
     assert back.fingerprint() == m.fingerprint()
 
 
+def test_save_refuses_a_name_that_says_another_format(folder, tmp_path):
+    """A manifest is Parquet: saving it as m.json would hand a reader of m.json binary."""
+    m = raying.Manifest.scan(str(folder))
+    with pytest.raises(raying.ConfigError, match=r"written as Parquet, not JSON.*m\.parquet"):
+        m.save(str(tmp_path / "m.json"))
+    assert not (tmp_path / "m.json").exists()
+    m.save(tmp_path / "manifest")  # no suffix, or any other, is the user's choice
+    assert len(raying.Manifest.load(tmp_path / "manifest")) == len(m)
+
+
 def test_images_at_top_level_need_label_none(tmp_path):
     make_image_folder(tmp_path, n=2, classes=1, size=(8, 8))
     (tmp_path / "stray.jpg").write_bytes((tmp_path / "class_00" / "000000.jpg").read_bytes())

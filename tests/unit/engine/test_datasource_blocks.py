@@ -64,19 +64,23 @@ def test_an_empty_block_has_the_arrow_types_of_blocks_with_rows(tmp_path, kind):
 
 def test_skips_of_both_paths_are_listed_once_at_their_first_epoch_and_counted():
     """stats(): a sample set aside by pipe.dataset(1) and again by the iterator's epoch 2 is
-    listed once, with epoch 1, and the dataset path's skip events count in the top level."""
+    listed once, with epoch 1, and the dataset path's skip events and retries count in the top
+    level."""
     from raying.engine.datasource import merge_dataset_account
 
     def skip(i, epoch, reason="truncated"):
         return {"id": i, "path": f"f{i}.jpg", "reason": reason, "detail": "", "epoch": epoch}
 
     out = {"skipped": [skip(1, 2), skip(2, 2, "not_an_image")], "skipped_count": 2,
-           "skipped_by_reason": {"truncated": 1, "not_an_image": 1}, "skip_events": 2}
+           "skipped_by_reason": {"truncated": 1, "not_an_image": 1}, "skip_events": 2,
+           "read_retries": 4}
     reads = {"skipped": [skip(1, 1), skip(2, 3, "not_an_image"), skip(3, 1, "not_an_image")],
-             "skip_events": 3, "rows_read": 10, "rows_delivered": 0, "stall_s": 0.0}
+             "skip_events": 3, "rows_read": 10, "rows_delivered": 0, "stall_s": 0.0,
+             "read_retries": 6}
     merge_dataset_account(out, reads)
     assert [(s["id"], s["epoch"]) for s in out["skipped"]] == [(1, 1), (2, 2), (3, 1)]
     assert out["skipped_count"] == 3 and out["skip_events"] == 5
+    assert out["read_retries"] == 10 and out["dataset"]["read_retries"] == 6
     assert out["skipped_by_reason"] == {"truncated": 1, "not_an_image": 2}
     assert out["dataset"]["rows_read"] == 10
     # What Ray Data's iterators delivered is not the read tasks' to say: not shown as 0.

@@ -210,3 +210,12 @@ def test_cluster_start_on_a_port_in_use_names_the_fix(capsys, tmp_path):
     err = capsys.readouterr().err
     assert f"port {port} is in use" in err and "--port 0" in err and "Traceback" not in err
     assert not (tmp_path / "s" / "cluster.json").exists()  # nothing was started
+
+
+def test_cluster_stop_without_a_head_is_done(capsys, tmp_path):
+    """Stopping what is not running (a second `raying cluster stop`) succeeds and says so;
+    status still fails for a head that was never started."""
+    assert cli.main(["cluster", "stop", "--state-dir", str(tmp_path / "s")]) == 0
+    assert "nothing to stop" in capsys.readouterr().out
+    assert cli.main(["cluster", "status", "--state-dir", str(tmp_path / "s")]) == 2
+    assert "no local head recorded" in capsys.readouterr().err

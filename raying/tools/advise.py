@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from raying.options import StorageOptions
+from raying.options import DEFAULT_MEMORY_CACHE_DIR, StorageOptions
 from raying.storage import files as _storage
 from raying.storage.tiers import fill_concurrency
 from raying.tools import advise_measure as _m
@@ -77,15 +77,19 @@ def advise(uri: str, storage: StorageOptions | Mapping[str, Any] | None = None, 
     sample = _m.sample_images(fs, data) if not data.get("pre_decoded") else []
     mach = _m.measure_machine(sample, pre_decoded=bool(data.get("pre_decoded")))
     mach.update(machine or {})
-    advice, config = recommend(data, store, mach)
+    advice, config = recommend(data, store, mach, uri=uri)
     public = {k: v for k, v in data.items() if k not in ("paths", "sizes")}
     return {"uri": uri, "measured": {"dataset": public, "storage": store, "machine": mach},
             "advice": advice, "config": config}
 
 
-def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
-              ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The decision table: one line per setting, each with its reason and measurement."""
+def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any], *,
+              uri: str = "") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The decision table: one line per setting, each with its reason and measurement.
+
+    A cache it advises lives in folders of the dataset's own (named from ``uri``): a tier
+    folder's pipelines must agree on its capacity, and another dataset's advice sizes its
+    tier for that dataset."""
     lat, bw = store["latency_s"], store["bandwidth_bytes_per_s"]
     long_read = store["bandwidth_from"].startswith("one ")  # else a lower bound from small reads
     fast_bw = bw >= FAST_BANDWIDTH_BYTES_PER_S  # measured, or a lower bound already above
@@ -169,9 +173,11 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
         line("cache", "none", "storage is local and fast: the OS page cache serves repeats",
              io_m)
     else:
+        own = _dataset_folder(uri)
         cache = {"memory_bytes": mem_cap, "disk_bytes": disk_cap,
-                 "disk_dir": (mach["disk_dir"].rstrip("/") + "/raying-cache") if disk_cap
-                 else None, "policy": "priority"}
+                 "memory_dir": f"{DEFAULT_MEMORY_CACHE_DIR}/{own}",
+                 "disk_dir": (mach["disk_dir"].rstrip("/") + f"/raying-cache/{own}")
+                 if disk_cap else None, "policy": "priority"}
         fits = (f"the whole dataset ({_mb(size)}) fits the memory tier" if mem_cap >= held
                 else f"the dataset ({_mb(size)}) exceeds the memory tier, so a disk tier "
                      f"holds {disk_cap / held:.0%} of it")
@@ -180,7 +186,8 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any]
              f"every read from this storage costs {lat * 1e3:.1f} ms + transfer; {fits}; the "
              f"priority policy keeps what PrioritizedSampler draws most, and under uniform "
              f"sampling a fixed subset (hits = capacity share, where LRU over a permutation "
-             f"hits almost never)",
+             f"hits almost never); in folders of this dataset's own, sized for it alone (a "
+             f"tier folder's pipelines must agree on its capacity)",
              f"{io_m}; {_mb(mach['memory_available_bytes'])} memory available, "
              f"{_mb(mach['disk_free_bytes'])} disk free")
     # 4. read concurrency
@@ -285,12 +292,24 @@ def format_report(report: dict[str, Any]) -> str:
     c = report["config"]
     cache = c["io"]["cache"]
     io = (f"IOConfig(concurrency={c['io']['concurrency']}"
-          + (f", cache=CacheConfig(memory_bytes={cache['memory_bytes']}, disk_bytes="
-             f"{cache['disk_bytes']}, disk_dir={cache['disk_dir']!r}, policy='priority')"
+          + (f", cache=CacheConfig(memory_bytes={cache['memory_bytes']}, memory_dir="
+             f"{cache['memory_dir']!r}, disk_bytes={cache['disk_bytes']}, disk_dir="
+             f"{cache['disk_dir']!r}, policy='priority')"
              if cache else "") + ")")
     lines.append(f"as code:\n  PipelineConfig(block_rows={c['block_rows']}, window={c['window']}, "
                  f"io={io})  # iter_*_batches(prefetch_batches={c['prefetch_batches']})")
     return "\n".join(lines)
+
+
+def _dataset_folder(uri: str) -> str:
+    """A folder name of the dataset's own: its last path part (readable) and a hash of the
+    whole URI (two datasets named alike stay apart)."""
+    import hashlib
+    import re
+
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "-", uri.rstrip("/").rsplit("/", 1)[-1]).strip("-.")
+    digest = hashlib.sha256(uri.encode()).hexdigest()[:10]
+    return f"{tail[:40] or 'dataset'}-{digest}"
 
 
 def main(ns: Any) -> int:

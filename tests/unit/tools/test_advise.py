@@ -206,3 +206,26 @@ def test_sampled_images_that_cannot_be_read_or_decoded_are_counted_and_named(tmp
            "rest)" in text
     bad = m.measure_machine(m.ImageSample([b"junk"], ["x.jpg"]))
     assert bad["decode_ms_per_image"] is None and bad["decode_failures"][0].startswith("x.jpg: ")
+
+
+def test_each_dataset_s_cache_gets_folders_of_its_own():
+    """Pipelines sharing a tier folder must agree on its capacity, and the advice sizes a
+    tier for one dataset: two datasets' advice names two folders (the same one again for
+    the same URI), each in the code the report prints."""
+    from raying.options import DEFAULT_MEMORY_CACHE_DIR, CacheConfig
+
+    big = _data(bytes=600 * GIB)  # past the memory tier: a disk tier too
+    dirs = {}
+    for uri in ("s3://bucket/train", "s3://other/train", "s3://bucket/train"):
+        advice, config = recommend(big, _store(), _machine(), uri=uri)
+        cache = config["io"]["cache"]
+        assert cache["memory_dir"].startswith(DEFAULT_MEMORY_CACHE_DIR + "/train-")
+        assert cache["disk_dir"].startswith("/tmp/raying-cache/train-")
+        CacheConfig(**cache)  # a valid config as it stands
+        text = format_report({"uri": uri, "advice": advice, "config": config, "measured": {
+            "dataset": big, "storage": _store(), "machine": _machine()}})
+        assert f"memory_dir={cache['memory_dir']!r}" in text
+        dirs.setdefault(uri, set()).add((cache["memory_dir"], cache["disk_dir"]))
+    assert len(dirs["s3://bucket/train"]) == 1  # the same dataset, the same folders
+    (a,), (b,) = dirs["s3://bucket/train"], dirs["s3://other/train"]
+    assert a[0] != b[0] and a[1] != b[1]

@@ -133,29 +133,31 @@ def test_combine_medians_and_ratios():
     assert torch["job_1_s"] == pytest.approx(1.0)
 
 
+def _cell(w: str, rate_s: float) -> dict:
+    """A cell of 10 rows per epoch: epoch 0 in 1 s, epoch 1 in ``rate_s``."""
+    return {"workload": w, "batch_size": 64, "mode": "iterate", "setup_s": 0.1,
+            "cpu_steady_s": 1.0, "peak_pss_mb": 100.0, "errors": [],
+            "epochs": [{"rows": 10, "problems": [], "request_s": 0.0, "first_s": 0.5,
+                        "end_s": 1.0, "ttfb_s": 0.5},
+                       {"rows": 10, "problems": [], "request_s": 1.0, "first_s": 1.1,
+                        "end_s": 1.0 + rate_s, "ttfb_s": 0.1}]}
+
+
 def test_prioritized_over_uniform_pairs_each_round():
     """W5 / W1 is the median of each round's own ratio (the two ran back to back), not the
     ratio of the two medians: a slow round slows both arms and cancels out."""
     wl = {"W1": {"rows": 10, "decoded": None}, "W5": {"rows": 10, "decoded": None}}
 
-    def cell(w: str, rate_s: float) -> dict:
-        return {"workload": w, "batch_size": 64, "mode": "iterate", "setup_s": 0.1,
-                "cpu_steady_s": 1.0, "peak_pss_mb": 100.0, "errors": [],
-                "epochs": [{"rows": 10, "problems": [], "request_s": 0.0, "first_s": 0.5,
-                            "end_s": 1.0, "ttfb_s": 0.5},
-                           {"rows": 10, "problems": [], "request_s": 1.0, "first_s": 1.1,
-                            "end_s": 1.0 + rate_s, "ttfb_s": 0.1}]}
-
     # steady img/s per round: W1 10 / 5 / 2.5, W5 9.5 / 4.75 / 2.5 (0.95, 0.95, 1.0 each)
-    runs = [{"peer": "raying", "round": 0, "cells": [cell("W1", 1.0), cell("W5", 1 / 0.95)]},
-            {"peer": "raying", "round": 1, "cells": [cell("W5", 2 / 0.95), cell("W1", 2.0)]},
-            {"peer": "raying", "round": 2, "cells": [cell("W1", 4.0), cell("W5", 4.0)]}]
+    runs = [{"peer": "raying", "round": 0, "cells": [_cell("W1", 1.0), _cell("W5", 1 / 0.95)]},
+            {"peer": "raying", "round": 1, "cells": [_cell("W5", 2 / 0.95), _cell("W1", 2.0)]},
+            {"peer": "raying", "round": 2, "cells": [_cell("W1", 4.0), _cell("W5", 4.0)]}]
     rows = aggregate.combine(runs, wl, epochs=2)
     w5 = next(r for r in rows if r["workload"] == "W5")
     assert w5["ratio_to_uniform"] == pytest.approx(0.95)
     assert w5["ratio_of_medians_to_uniform"] == pytest.approx(4.75 / 5.0)
-    runs[2]["cells"] = [cell("W1", 1.0), cell("W5", 4.0)]  # one slow W5 round: 0.25
-    runs[0]["cells"] = [cell("W1", 4.0), cell("W5", 1 / 0.95)]  # and a slow W1 one: 3.8
+    runs[2]["cells"] = [_cell("W1", 1.0), _cell("W5", 4.0)]  # one slow W5 round: 0.25
+    runs[0]["cells"] = [_cell("W1", 4.0), _cell("W5", 1 / 0.95)]  # and a slow W1 one: 3.8
     w5 = next(r for r in aggregate.combine(runs, wl, epochs=2) if r["workload"] == "W5")
     assert w5["ratio_to_uniform"] == pytest.approx(0.95)  # the median of 3.8, 0.95, 0.25
 
@@ -195,18 +197,10 @@ def test_a_target_above_the_crop_window_kernel_s_own_rate_is_marked_unreachable(
     than L-crop's steady rate is marked unreachable, one within it reachable."""
     wl = {"W1": {"rows": 10, "decoded": None}, "W2": {"rows": 10, "decoded": None}}
 
-    def cell(w: str, rate_s: float) -> dict:
-        return {"workload": w, "batch_size": 64, "mode": "iterate", "setup_s": 0.1,
-                "cpu_steady_s": 1.0, "peak_pss_mb": 100.0, "errors": [],
-                "epochs": [{"rows": 10, "problems": [], "request_s": 0.0, "first_s": 0.5,
-                            "end_s": 1.0, "ttfb_s": 0.5},
-                           {"rows": 10, "problems": [], "request_s": 1.0, "first_s": 1.1,
-                            "end_s": 1.0 + rate_s, "ttfb_s": 0.1}]}
-
     # Steady img/s: tf 10 on both; L-crop 20 on W1 (1.15 x 10 fits), 11 on W2 (it does not).
-    runs = [{"peer": "tf", "round": 0, "cells": [cell("W1", 1.0), cell("W2", 1.0)]},
-            {"peer": "raying", "round": 0, "cells": [cell("W1", 0.8), cell("W2", 0.8)]},
-            {"peer": "L-crop", "round": 0, "cells": [cell("W1", 0.5), cell("W2", 1 / 1.1)]}]
+    runs = [{"peer": "tf", "round": 0, "cells": [_cell("W1", 1.0), _cell("W2", 1.0)]},
+            {"peer": "raying", "round": 0, "cells": [_cell("W1", 0.8), _cell("W2", 0.8)]},
+            {"peer": "L-crop", "round": 0, "cells": [_cell("W1", 0.5), _cell("W2", 1 / 1.1)]}]
     rows = aggregate.combine(runs, wl, epochs=2)
     assert all(r["best_peer"] == "tf" for r in rows if r["peer"] == "raying")
     checks = {c["target"]: c for c in aggregate.targets(rows)}

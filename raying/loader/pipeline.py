@@ -401,6 +401,13 @@ class Pipeline:
         start_unit, skip, base = 0, 0, 0
         if self._resume is not None and self._resume[0] == epoch:
             _, start_unit, skip, base = self._resume
+        elif self._resume is not None and any(self._resume[1:]):
+            # A loop whose epoch counter is off by one would lose the resume in silence.
+            logger.warning("pipeline %s: the loaded state resumes epoch %d after %d rows, but "
+                           "epoch %d was asked: it is read from its start and the resume "
+                           "point is dropped; iterate epoch=state['epoch'] to continue where "
+                           "the state stands", self.name, self._resume[0], self._resume[3],
+                           epoch)
         self._resume = None
         units: list[tuple[int, int, int, bool]] = []
         cursor = self._cursor = {"epoch": int(epoch), "units": units, "delivered": base,
@@ -435,7 +442,8 @@ class Pipeline:
             self.account.observe_block(int(epoch), block)
             yield block
         self.account.end_epoch(int(epoch))
-        tally.refuse_all_bad(len(self.manifest), self.manifest.root, int(epoch))
+        if not base:  # a resumed epoch delivered rows before its checkpoint: not all bad
+            tally.refuse_all_bad(len(self.manifest), self.manifest.root, int(epoch))
         cursor["blocks_done"] = True  # every block of the epoch received
 
     def _depth(self, prefetch_batches: int | None) -> int:

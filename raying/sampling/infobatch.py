@@ -16,6 +16,7 @@ import numpy as np
 
 from raying.errors import ConfigError
 from raying.options import DEFAULT_GUARD_AFTER, settings
+from raying.sampling.aside import SetAside
 from raying.sampling.plan import (
     EpochPlan,
     ReadUnit,
@@ -164,7 +165,7 @@ class InfoBatchSampler:
         self._created = False
         self._n = 0
         self._scores: dict[int, np.ndarray] = {}
-        self._set_aside = np.zeros(0, dtype=np.int64)
+        self._aside = SetAside()
         self._per_epoch: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -256,7 +257,7 @@ class InfoBatchSampler:
             raise ConfigError(msg)
         rng = np.random.default_rng([self.seed, int(epoch), _PLAN_STREAM])
         active = np.ones(n, dtype=bool)
-        active[self._set_aside] = False
+        active[self._aside.for_plan(epoch)] = False
         candidates = np.flatnonzero(active)
         start = anneal_start(self.epochs, self.anneal)
         annealed = start is not None and epoch >= start
@@ -365,8 +366,7 @@ class InfoBatchSampler:
 
     def set_aside(self, ids: Any) -> None:
         """Samples that failed to read or decode are left out of later plans."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        self._set_aside = np.union1d(self._set_aside, ids)
+        self._aside.add(ids)
 
     def flush(self) -> None:
         if self._reporter is not None:
@@ -398,7 +398,7 @@ class InfoBatchSampler:
                 "anneal": self.anneal, "epochs": self.epochs,
                 "samples_per_epoch": self.samples_per_epoch, "prior": self.prior is not None,
                 "tables": tables,
-                "plan_scores": plans, "set_aside": self._set_aside.copy()}
+                "plan_scores": plans, **self._aside.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`: same scores, so a resumed epoch has the same plan."""
@@ -423,7 +423,7 @@ class InfoBatchSampler:
         with self._lock:
             self._scores = {int(e): np.asarray(s, dtype=np.float64)
                             for e, s in state.get("plan_scores", {}).items()}
-        self._set_aside = np.asarray(state.get("set_aside", []), dtype=np.int64)
+        self._aside.load(state)
 
     def forget_store(self) -> None:
         """Let go of the store of a Ray session that has ended (the store went with it):

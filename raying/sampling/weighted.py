@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError
+from raying.sampling.aside import SetAside
 from raying.sampling.plan import EpochPlan, ReadUnit, chunk_units
 from raying.sampling.weights import importance_weights, to_numpy
 
@@ -173,7 +174,7 @@ class WeightedSampler:
         self.samples_per_epoch = samples_per_epoch
         self.beta = float(beta)
         self._probs: np.ndarray | None = None
-        self._set_aside = np.zeros(0, dtype=np.int64)
+        self._aside = SetAside()
 
     def __repr__(self) -> str:
         kind = "None" if self.weights is None else type(self.weights).__name__
@@ -193,9 +194,10 @@ class WeightedSampler:
     def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:
         """``samples_per_epoch`` draws with replacement, in units of about ``block_rows``."""
         probs = self._probs if self._probs is not None else self.probabilities(manifest)
-        if self._set_aside.size:
+        aside = self._aside.for_plan(epoch)
+        if aside.size:
             probs = probs.copy()
-            probs[self._set_aside] = 0.0
+            probs[aside] = 0.0
             if not probs.sum() > 0.0:
                 msg = ("WeightedSampler: every sample with a positive weight was set aside as "
                        "unreadable; nothing is left to draw")
@@ -223,9 +225,8 @@ class WeightedSampler:
         """Losses do not change static weights; they are accepted and dropped."""
 
     def set_aside(self, ids: Any) -> None:
-        """Samples that failed to read are not drawn in later epochs."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        self._set_aside = np.union1d(self._set_aside, ids)
+        """Samples that failed to read are not drawn in epochs planned later."""
+        self._aside.add(ids)
 
     def flush(self) -> None:
         """Nothing is buffered."""
@@ -242,7 +243,7 @@ class WeightedSampler:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.name, "seed": self.seed, "set_aside": self._set_aside.copy()}
+        return {"sampler": self.name, "seed": self.seed, **self._aside.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("sampler") != self.name or state.get("seed") != self.seed:
@@ -250,4 +251,4 @@ class WeightedSampler:
                    f"{state.get('seed')!r}; this pipeline has WeightedSampler(seed="
                    f"{self.seed}); build it with the saved sampler and seed")
             raise ConfigError(msg)
-        self._set_aside = np.asarray(state.get("set_aside", []), dtype=np.int64)
+        self._aside.load(state)

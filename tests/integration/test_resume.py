@@ -212,3 +212,93 @@ def test_an_epoch_whose_last_batch_ends_a_block_moves_on_without_asking_past_it(
     assert (state["epoch"], state["unit"], state["row"]) == (3, 0, 0)
     it.close()
     a.close()
+
+
+@pytest.fixture(scope="module")
+def with_bad(tmp_path_factory):
+    """40 good images and 30 empty .jpg files in 2 classes."""
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path_factory.mktemp("bad") / "img", n=40, classes=2,
+                             size=(20, 24), seed=4, formats=("png",))
+    for i in range(30):
+        (root / f"class_0{i % 2}" / f"zz_bad{i:02d}.jpg").write_bytes(b"")
+    m = raying.Manifest.scan(str(root))
+    bad = {i for i, p in enumerate(m.path_of(np.arange(len(m)))) if "zz_bad" in p}
+    return m, bad
+
+
+def _ids(batches):
+    return [i for b in batches for i in b["id"].tolist()]
+
+
+def test_weighted_resume_after_a_sample_set_aside_continues_the_same_epoch(with_bad, ray_local):
+    """A sample set aside before the checkpoint leaves later epochs' plans, not the resumed
+    epoch's: the continuation is the uninterrupted epoch's rest, row for row."""
+    m, bad = with_bad
+
+    def make():
+        return raying.Pipeline(m, transform=raying.ImageTransform(size=8),
+                               sampler=raying.WeightedSampler(class_balanced=True, seed=3),
+                               config=raying.PipelineConfig(block_rows=8))
+
+    p = make()
+    planned = [int(i) for u in p.plan(1).units for i in u.ids]
+    full = _ids(p.iter_batches(batch_size=10, epoch=1))
+    p.close()
+    assert set(planned[:30]) & bad, "a bad sample comes before the checkpoint"
+    p = make()
+    it = p.iter_batches(batch_size=10, epoch=1, prefetch_batches=0)
+    before = _ids(itertools.islice(it, 3))
+    state = p.state_dict()
+    it.close()
+    p.close()
+    assert set(state["sampler"]["set_aside"].tolist()) & bad
+    q = make()
+    q.load_state_dict(state)
+    after = _ids(q.iter_batches(batch_size=10, epoch=1))
+    assert before + after == full
+    # An epoch first planned after the set-aside leaves them out (epoch 2 may have been
+    # planned while epoch 1 was read, to start its reads early: it keeps that plan).
+    later = {int(i) for u in q.plan(3).units for i in u.ids}
+    assert not later & set(state["sampler"]["set_aside"].tolist()), "later epochs leave them out"
+    q.close()
+
+
+def test_a_resumed_epoch_whose_rest_is_all_bad_ends_quietly(with_bad, ray_local):
+    """The rows delivered before the checkpoint were good: a rest of the epoch with only bad
+    samples left is not 'nothing to train on' (the uninterrupted epoch ends quietly too)."""
+    m, bad = with_bad
+
+    def make():
+        return raying.Pipeline(m, transform=raying.ImageTransform(size=8),
+                               sampler=raying.UniformSampler(seed=0),
+                               config=raying.PipelineConfig(block_rows=1))
+
+    p = make()
+    for epoch in range(200):  # an epoch whose plan ends in 8 or more bad samples
+        order = [int(i) for u in p.plan(epoch).units for i in u.ids]
+        good_at = [k for k, i in enumerate(order) if i not in bad]
+        if len(order) - good_at[-1] - 1 >= 8:
+            break
+    assert len(_ids(p.iter_batches(batch_size=1, epoch=epoch))) == 40
+    p.close()
+    p = make()
+    it = p.iter_batches(batch_size=1, epoch=epoch, prefetch_batches=0)
+    before = _ids(itertools.islice(it, 40))  # every good row
+    state = p.state_dict()
+    it.close()
+    p.close()
+    q = make()
+    q.load_state_dict(state)
+    assert _ids(q.iter_batches(batch_size=1, epoch=epoch)) == [] and len(set(before)) == 40
+    q.close()
+
+
+def test_iterating_another_epoch_than_the_loaded_state_s_says_so(manifest, ray_local, caplog):
+    make = _make(manifest)
+    first, b = _loaded_mid_epoch(make)  # epoch 2, 24 rows in
+    with caplog.at_level("WARNING", logger="raying"):
+        assert len(_ids(b.iter_batches(batch_size=8, epoch=3))) == 60
+    assert "the loaded state resumes epoch 2 after 24 rows, but epoch 3 was asked" in caplog.text
+    b.close()

@@ -155,6 +155,16 @@ def test_set_aside_ids_leave_later_plans():
     assert sorted(ids.tolist()) == [i for i in range(50) if i not in (3, 7)]
 
 
+def test_an_epoch_planned_again_keeps_its_set_aside():
+    scores = np.ones(50)
+    m = FakeManifest(np.zeros(50, int))
+    s = raying.InfoBatchSampler(epochs=4)
+    first = _plan_ids(s.plan_from_scores(m, 1, scores, block_rows=16))
+    s.set_aside([3])  # met while epoch 1 is read
+    assert np.array_equal(_plan_ids(s.plan_from_scores(m, 1, scores, block_rows=16)), first)
+    assert 3 not in _plan_ids(s.plan_from_scores(m, 2, scores, block_rows=16)).tolist()
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"prune_ratio": 1.0}, r"prune_ratio=...\) must be in \[0, 1\), got 1.0"),
     ({"anneal": 0.0}, r"anneal=...\) must be in \(0, 1\], got 0.0"),

@@ -434,6 +434,12 @@ class Pipeline:
                 if self._session_ended():  # shut down while this block was being read
                     raise self._ended_error() from exc
                 raise
+            except SystemExit as exc:
+                # Ray's core raises SystemExit(0) from a wait on a session shut down under
+                # it: a training script would end as if it had finished.
+                if self._session_ended():
+                    raise self._ended_error() from exc
+                raise
             if len(block["id"]):
                 keys = self._same_columns(keys, block, int(epoch))
             begin = offset.get(index, 0)

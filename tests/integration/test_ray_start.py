@@ -132,6 +132,12 @@ begun = raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransf
                         config=raying.PipelineConfig(block_rows=4, window=2))
 it = begun.iter_batches(batch_size=4, epoch=0, prefetch_batches=0)
 next(it)
+# A prioritized one whose reader thread (prefetch) waits on a read when the session ends.
+prio_begun = raying.Pipeline(raying.Manifest.scan(root), transform=raying.ImageTransform(size=16),
+                             sampler=raying.PrioritizedSampler(seed=2),
+                             config=raying.PipelineConfig(block_rows=4, window=2))
+pit = prio_begun.iter_batches(batch_size=4, epoch=0)
+next(pit)
 ray.shutdown()  # the next epoch's first reads were already submitted (keep_warm)
 if sys.argv[2] == "again":
     ray.init(address="local", include_dashboard=False)
@@ -144,6 +150,11 @@ try:
 except raying.ConfigError as exc:
     print("begun refused:", "session that has ended" in str(exc))
 begun.close()
+try:  # Ray's core raised SystemExit(0) in the reader: the script ended as if done
+    print("prio begun drained:", sum(len(b["id"]) for b in pit))
+except raying.ConfigError as exc:
+    print("prio begun refused:", "session that has ended" in str(exc))
+prio_begun.close()
 # The prioritized pipeline's store went with the session: refused, no Ray started for it.
 calls = {"stats": prio.stats, "state_dict": prio.state_dict, "dataset": lambda: prio.dataset(1),
          "priorities": prio.priorities, "report": lambda: prio.report([1], [1.0])}
@@ -190,6 +201,7 @@ def test_a_pipeline_whose_ray_was_shut_down_says_so_and_a_new_one_works(tmp_path
     assert "new pipeline: 80" in out.stdout, out.stdout[-2000:]
     # An iteration begun before the shutdown is refused by name, not by Ray's internals.
     assert "begun refused: True" in out.stdout, out.stdout[-2000:]
+    assert "prio begun refused: True" in out.stdout, out.stdout[-2000:]
     # The old prioritized pipeline refuses what needs its store, starting no Ray for it;
     # what this process counted it still gives.
     for what in ("stats", "state_dict", "dataset", "priorities", "report"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -18,6 +19,21 @@ from raying.sampling.plan import EpochPlan, ReadUnit
 # it was drawn, or once it is this old (reports from other processes, e.g. Train workers).
 # Dropping the rest of a plan does not bias sampling: each draw was made from P at its time.
 DEFAULT_PLAN_MAX_AGE_S = 1.0
+# Epochs whose plans are kept at once: the one being read and the next (its first units are
+# submitted as this one ends).
+_PLAN_EPOCHS = 2
+
+
+@dataclasses.dataclass
+class _Plan:
+    """The rest of a plan drawn for one epoch (see PrioritizedSampler.fill)."""
+
+    ids: np.ndarray
+    probs: np.ndarray
+    weights: np.ndarray
+    sends: int  # the reports sent when it was drawn: any later one makes it stale
+    drawn: float  # time.monotonic() when it was drawn
+    length: int
 # Stores up to this many ids draw their first plans in the driver while the actor starts (a
 # table of n ids, 60-90 bytes per id, kept until the actor answers); beyond it the wait for
 # the actor is a small share of an epoch.
@@ -144,10 +160,11 @@ class PrioritizedSampler:
         self._reporter: Any = None
         self._final_stats: dict[str, Any] | None = None  # the store's last stats, after close
         self._starts: np.ndarray | None = None
-        self._buf: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        self._buf_sends = 0
-        self._buf_time = 0.0
-        self._buf_len = 0
+        # Per epoch: its current plan's ids, probabilities and weights not yet given to a
+        # unit, the reports sent and the time when it was drawn, and its length. An epoch's
+        # units draw only from its own plans: the next epoch's first units, submitted while
+        # this one ends (keep_warm), must not take the rest of this epoch's plan.
+        self._bufs: dict[int, _Plan] = {}
         self._live_chunk = 0
         self._lock = threading.Lock()
         self._n = 0
@@ -170,7 +187,7 @@ class PrioritizedSampler:
         # have started, within the start's own timeout (a copy's calls have a shorter one).
         self._await_start()
         state = dict(self.__dict__)
-        state.update(_reporter=None, _buf=None, _lock=None, _starting=None, _fresh=False,
+        state.update(_reporter=None, _bufs={}, _lock=None, _starting=None, _fresh=False,
                      _fresh_prior=None, _fresh_table=None)
         if state.get("handle") is not None and state.get("prior") is not None:
             # The bound store holds the prior; copies need not carry it.
@@ -207,7 +224,7 @@ class PrioritizedSampler:
         self._forget_start()
         self._fresh_samples = 0
         with self._lock:
-            self._buf, self._live_chunk = None, 0
+            self._bufs, self._live_chunk = {}, 0
         # Only a store without a snapshot to restore is known to hold its initial state until
         # a loss reaches it: its actor starts (a worker process, ~1 s) while the driver draws
         # the first plans (see _fresh_plan). Any other store is waited for here.
@@ -345,19 +362,24 @@ class PrioritizedSampler:
         with self._lock:
             sends = self._reporter.sends if self._reporter is not None else 0
             now = time.monotonic()
-            stale = sends != self._buf_sends or now - self._buf_time > DEFAULT_PLAN_MAX_AGE_S
-            if self._buf is None or len(self._buf[0]) < unit.draw or stale:
-                if stale and self._buf is not None:
+            buf = self._bufs.get(unit.epoch)
+            stale = buf is not None and (sends != buf.sends
+                                         or now - buf.drawn > DEFAULT_PLAN_MAX_AGE_S)
+            if buf is None or len(buf.ids) < unit.draw or stale:
+                if stale:
                     # Reports made the plan stale after this many of its ids: draw about
                     # twice that next (the store's work and the reply grow with it).
-                    self._live_chunk = max(2 * (self._buf_len - len(self._buf[0])), 1)
+                    self._live_chunk = max(2 * (buf.length - len(buf.ids)), 1)
                 elif self._live_chunk:  # served to its end: plans grow back
                     self._live_chunk = min(2 * self._live_chunk, settings().plan_chunk_ids)
-                self._buf = self._draw(unit.draw)
-                self._buf_sends, self._buf_time = sends, now
-                self._buf_len = len(self._buf[0])
-            ids, probs, weights = self._buf
-            self._buf = (ids[unit.draw:], probs[unit.draw:], weights[unit.draw:])
+                ids, probs, weights = self._draw(unit.draw)
+                buf = self._bufs[unit.epoch] = _Plan(ids, probs, weights, sends, now, len(ids))
+                for old in sorted(self._bufs)[:-_PLAN_EPOCHS]:
+                    if old != unit.epoch:
+                        del self._bufs[old]
+            ids, probs, weights = buf.ids, buf.probs, buf.weights
+            buf.ids, buf.probs, buf.weights = (ids[unit.draw:], probs[unit.draw:],
+                                               weights[unit.draw:])
         part = slice(0, unit.draw)
         if self._starts is not None:  # one unit reads whole row groups: keep its rows together
             order = np.argsort(ids[part], kind="stable")
@@ -414,7 +436,7 @@ class PrioritizedSampler:
         if state.get("tables") is not None and self.handle is not None:
             st.load_state_dict(self.handle, state["tables"])
         with self._lock:
-            self._buf = None
+            self._bufs = {}
 
     def set_aside(self, ids: Any) -> None:
         """Samples that failed to read or decode get priority 0, so only the uniform floor

@@ -68,6 +68,25 @@ def test_an_epoch_shorter_than_a_plan_is_stratified_over_the_epoch(manifest, ray
     pipe.close()
 
 
+def test_each_epoch_draws_from_plans_of_its_own(manifest, ray_local, monkeypatch):
+    """An epoch never takes the rest of the previous epoch's plan: after an epoch whose plans
+    went stale mid-way (their age limit at 0 here: every unit redraws), the next epoch, its
+    plan current, reads each id once under flat priorities."""
+    import raying.sampling.prioritized as prioritized
+
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16),
+                           sampler=raying.PrioritizedSampler(seed=4),
+                           config=raying.PipelineConfig(block_rows=16, keep_warm=False))
+    monkeypatch.setattr(prioritized, "DEFAULT_PLAN_MAX_AGE_S", 0.0)
+    stale = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=16, epoch=0)])
+    assert len(stale) == 60
+    monkeypatch.setattr(prioritized, "DEFAULT_PLAN_MAX_AGE_S", 3600.0)
+    for epoch in (1, 2):
+        ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=16, epoch=epoch)])
+        assert sorted(ids.tolist()) == list(range(60)), epoch
+    pipe.close()
+
+
 def test_reported_losses_reshape_later_reads(manifest, ray_local):
     s = raying.PrioritizedSampler(alpha=1.0, beta=1.0, uniform_mix=0.1, seed=1,
                                   samples_per_epoch=600)

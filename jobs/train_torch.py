@@ -182,7 +182,7 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     from raying.sampling import store as st
 
     args = resolve(args)
-    ensure_ray()
+    ensure_ray(dashboard=True)  # Ray Train reads its controller's state through the State API
     # Ray Train keeps run state and checkpoints there; shared storage on multi-node.
     per_worker = {"CPU": args.cpus_per_worker, "GPU": 1.0 if args.use_gpu else 0.0}
     if args.trainer_resource:

@@ -320,13 +320,15 @@ class BlockStream:
                     except ray.exceptions.RayTaskError as exc:
                         with self._lock:
                             if self._generation == mine:
-                                others = [r for r in (*self._inflight.values(),
-                                                      *self._reading.values()) if r is not ref]
+                                others = [(k, r) for k, r in (*self._inflight.items(),
+                                                              *self._reading.items())
+                                          if r is not ref]
                                 self.cancel()
                             else:
                                 others = []
-                        more = _read_out_failures(others, DEFAULT_READ_OUT_S)
                         cause = getattr(exc, "cause", None)
+                        more = _read_out_failures(others, DEFAULT_READ_OUT_S, epoch=epoch,
+                                                  raised=cause)
                         if isinstance(cause, RayingError):
                             cause.read_retries = getattr(cause, "read_retries", 0) + more
                             raise cause from None
@@ -400,26 +402,33 @@ class BlockStream:
         return len(ready) == len(done)
 
 
-def _read_out_failures(tasks: list[Any], timeout_s: float) -> int:
-    """After a read error stopped the epoch: wait up to ``timeout_s`` for the other dropped
-    ``tasks`` (at most a window of units) and read each one's parts, logging, by file, the
-    errors of those that failed too. Read, their errors are handled; freed unread, Ray would
-    print each as an "Unhandled error" traceback. Tasks still running after ``timeout_s``
-    are dropped unread. Done before the first error is raised, in this thread, so nothing
-    outlives the pipeline or races Ray's shutdown. Returns the read retries the failed ones
-    made (their accounts are lost with them)."""
+def _read_out_failures(keyed: list[tuple[tuple[int, int, int], Any]], timeout_s: float, *,
+                       epoch: int = -1, raised: BaseException | None = None) -> int:
+    """After a read error (``raised``) stopped ``epoch``: wait up to ``timeout_s`` for the
+    other dropped tasks (``keyed`` by (epoch, unit, part); at most a window of units) and read
+    each one's parts, logging the errors of those that failed too, each once, with the epoch
+    it was read for (the next epoch's first units are read ahead). The same user function
+    failing again is the raised error's bug: counted, not logged again. Read, their errors
+    are handled; freed unread, Ray would print each as an "Unhandled error" traceback. Tasks
+    still running after ``timeout_s`` are dropped unread. Done before the first error is
+    raised, in this thread, so nothing outlives the pipeline or races Ray's shutdown.
+    Returns the read retries the failed ones made (their accounts are lost with them)."""
     import ray
 
     retries = 0
-    if not tasks:
+    if not keyed:
         return retries
+    tasks = [t for _, t in keyed]
+    epochs = {id(t): k[0] for k, t in keyed}
+    same_bug = getattr(raised, "function", None)
     try:
         done, _ = ray.wait([t.completed() for t in tasks], num_returns=len(tasks),
                            timeout=timeout_s)
     except ray.exceptions.RayError:
         return retries  # a task lost with its worker: nothing more to read here
     finished = {d.hex() for d in done}
-    failed: dict[str, int] = {}  # each distinct error once, with how many parts had it
+    # Each distinct error once, with how many parts had it: by (its epoch, text).
+    failed: dict[tuple[int, str], int] = {}
     try:
         for task in tasks:
             try:
@@ -429,18 +438,22 @@ def _read_out_failures(tasks: list[Any], timeout_s: float) -> int:
                     try:
                         ray.get(part)
                     except ray.exceptions.RayError as exc:
-                        text = str(getattr(exc, "cause", None) or exc)
-                        failed[text] = failed.get(text, 0) + 1
-                        retries += int(getattr(getattr(exc, "cause", None), "read_retries", 0))
+                        cause = getattr(exc, "cause", None)
+                        retries += int(getattr(cause, "read_retries", 0))
+                        if same_bug is not None and getattr(cause, "function", None) == same_bug:
+                            continue
+                        key = (epochs.get(id(task), epoch), str(cause or exc))
+                        failed[key] = failed.get(key, 0) + 1
             except Exception:  # noqa: BLE001 - Ray itself gone: nothing left to read
                 logger.debug("a dropped read task not read out", exc_info=True)
                 if not ray.is_initialized():
                     return retries
     finally:
-        for text, count in failed.items():
+        for (of, text), count in failed.items():
             times = f" ({count} times)" if count > 1 else ""
-            logger.warning("another read task of the stopped epoch failed too%s: %s", times,
-                           text)
+            which = (f"of the stopped epoch {of}" if of == epoch
+                     else f"of epoch {of}, read ahead,")
+            logger.warning("another read task %s failed too%s: %s", which, times, text)
     return retries
 
 

@@ -161,8 +161,11 @@ def test_raise_reads_the_other_failing_tasks_errors_instead_of_leaving_them_unha
         others = [r.getMessage() for r in caplog.records if "failed too" in r.getMessage()]
     assert others, "no other read task failed: the corpus no longer has a bad file per unit"
     assert any(c.path in others[0] for c in corpus.bad), others[0]
-    errors = [o.split(": ", 1)[1] for o in others]
-    assert len(set(errors)) == len(errors), others  # each error once, with its count
+    assert len(set(others)) == len(others), others  # each error once, with its count
+    # Each says the epoch its task read (the next epoch's first units are read ahead).
+    assert all(o.startswith(("another read task of the stopped epoch 0 failed too",
+                             "another read task of epoch 1, read ahead, failed too"))
+               for o in others), others
     import gc
 
     gc.collect()

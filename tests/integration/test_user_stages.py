@@ -191,7 +191,8 @@ def test_per_row_arrays_stay_lists_on_the_ray_data_path_whatever_their_lengths(p
     pipe.close()
 
 
-def test_a_raising_stage_stops_both_paths_naming_itself_epoch_and_ids(parquet_set, ray_local):
+def test_a_raising_stage_stops_both_paths_naming_itself_epoch_and_ids(parquet_set, ray_local,
+                                                                       caplog):
     def scale_boxes(batch):
         batch["boxes"] = batch["boxes"] * 2.0  # object array of arrays: fine; then:
         raise ValueError("boxes must be normalised first")
@@ -202,9 +203,13 @@ def test_a_raising_stage_stops_both_paths_naming_itself_epoch_and_ids(parquet_se
     # block_rows=8: a call sees 8 rows, and the error names all of them.
     pattern = (r"map_batches function .*scale_boxes raised ValueError: boxes must be "
                r"normalised first \(epoch 3, ids \[\d+(, \d+){7}\]\)")
-    with pytest.raises(raying.UserFunctionError, match=pattern) as info:
+    with caplog.at_level("WARNING", logger="raying"), \
+            pytest.raises(raying.UserFunctionError, match=pattern) as info:
         list(pipe.iter_batches(batch_size=8, epoch=3))
     assert 'raise ValueError("boxes must be normalised first")' in str(info.value)
+    # The same function failing in the other read tasks (epoch 4's read ahead too) is the
+    # raised error's bug: not logged again as other failures.
+    assert "scale_boxes" not in caplog.text, caplog.text
     with pytest.raises(raying.UserFunctionError, match=pattern) as info:
         list(pipe.dataset(3).iter_batches(batch_size=8))
     assert 'raise ValueError("boxes must be normalised first")' in str(info.value)

@@ -55,6 +55,8 @@ def _print(data: Any, as_json: bool) -> None:
 
 
 def cmd_scan(ns: argparse.Namespace) -> int:
+    import numpy as np
+
     from raying.dataset.manifest import Manifest
 
     label = None if ns.label == "none" else ns.label
@@ -65,10 +67,15 @@ def cmd_scan(ns: argparse.Namespace) -> int:
         m.save(ns.save)
     sizes = m.sizes[m.sizes >= 0]
     out = {"uri": ns.uri, "format": m.format, "samples": len(m),
-           "classes": len(m.classes) if m.classes else 0,
+           # Integer labels of a Parquet column have no names: "labels" below says them.
+           "classes": len(m.classes) if m.classes else (None if ns.json else "none (no names)"),
            "bytes": int(sizes.sum()) if len(sizes) else 0,
-           "median_sample_bytes": int(sorted(sizes)[len(sizes) // 2]) if len(sizes) else 0,
            "files": len(m.files) if m.format == "parquet" else len(m)}
+    if m.format == "parquet":  # a Parquet row's size is its row group's mean: no median
+        out["mean_sample_bytes"] = int(sizes.mean()) if len(sizes) else 0
+    else:
+        out["median_sample_bytes"] = int(np.median(sizes)) if len(sizes) else 0
+    out["files"] = out.pop("files")
     if not m.classes:
         out["labels"] = _label_values(m)
     if m.format == "parquet":

@@ -4,6 +4,7 @@ starts: `raying cluster`, `raying bench`, and the jobs' arguments and entry poin
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -136,7 +137,10 @@ def test_scan_of_parquet_with_integer_labels_says_how_many_labels(capsys, tmp_pa
                    tmp_path / "a.parquet")
     assert cli.main(["scan", str(tmp_path), "--format", "parquet"]) == 0
     out = capsys.readouterr().out
-    assert "classes: 0" in out and "labels: 4 distinct integer labels (0 to 5), no names" in out
+    assert "classes: none (no names)" in out
+    assert "labels: 4 distinct integer labels (0 to 5), no names" in out
+    assert cli.main(["scan", str(tmp_path), "--format", "parquet", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["classes"] is None
 
 
 def _folders(root: Path, counts: dict[str, int]) -> Path:

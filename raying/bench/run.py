@@ -154,8 +154,8 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
 
     W5 (raying prioritized) shares raying's W1 process and its cells alternate with W1's
     (same batch size and mode back to back), so the prioritized / uniform ratio compares
-    neighbours in time rather than the two ends of a round; the pair's order flips every
-    round, so neither arm always runs second in its process.
+    neighbours in time rather than the two ends of a round. W1 runs first: its cold figures
+    come from a fresh process, as every other peer's do.
     """
 
     def modes(peer: str, wl: str) -> tuple[str, ...]:
@@ -165,7 +165,7 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
             return cfg.modes[:1]                               # workload only
         return cfg.modes
 
-    def cells(peer: str, wls: tuple[str, ...], r: int) -> list[dict[str, Any]]:
+    def cells(peer: str, wls: tuple[str, ...]) -> list[dict[str, Any]]:
         paired = "W1" in wls and "W5" in wls
         out = []
         for w in wls:
@@ -176,7 +176,7 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
                     pair = [{"workload": w, "batch_size": b, "mode": m}]
                     if w == "W1" and paired and m in modes(peer, "W5"):
                         pair.append({"workload": "W5", "batch_size": b, "mode": m})
-                    out.extend(pair[::-1] if r % 2 else pair)
+                    out.extend(pair)
         return out
 
     rounds = []
@@ -188,7 +188,7 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
             for p in peers:
                 wls = tuple(w for w in cfg.workloads if w in peer_workloads(p, quick=cfg.quick))
                 if wls:
-                    jobs.append(Job(r, p, wls, cells(p, wls, r)))
+                    jobs.append(Job(r, p, wls, cells(p, wls)))
         else:
             for w in cfg.workloads:
                 for p in peers:
@@ -197,7 +197,7 @@ def plan_jobs(cfg: BenchConfig) -> list[list[Job]]:
                         continue
                     wls = (w, "W5") if (w == "W1" and "W5" in cfg.workloads
                                         and "W5" in mine) else (w,)
-                    jobs.append(Job(r, p, wls, cells(p, wls, r)))
+                    jobs.append(Job(r, p, wls, cells(p, wls)))
         rounds.append(jobs)
     return rounds
 

@@ -162,7 +162,8 @@ class Manifest:
     def save(self, uri: str, storage: StorageOptions | dict | None = None) -> None:
         """Write the manifest as one Parquet file (columns per sample, the rest as metadata)."""
         name = os.fspath(uri)
-        suffix = name.rstrip("/").rsplit("/", 1)[-1].rpartition(".")[2].lower()
+        last = name.rstrip("/").rsplit("/", 1)[-1]
+        suffix = last.rpartition(".")[2].lower() if "." in last else ""
         if suffix in _NOT_PARQUET:
             stem = name[:len(name) - len(suffix)]
             msg = (f"a manifest is written as Parquet, not {suffix.upper()}: {name!r} would be "

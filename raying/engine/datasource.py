@@ -165,7 +165,6 @@ def _read_blocks(spec: ReadSpec, unit: ReadUnit, paths: list[str], accounts: Any
 
     yielded = False
     for block, account in iter_unit(spec, unit, paths, block_rows=block_rows):
-        mark[0] = counted_retries()  # this block's retries are in its account
         staged = bool(spec.stages) and len(block["id"]) > 0
         if staged:
             _refuse_unarrowable(spec, block, unit.epoch)
@@ -176,6 +175,7 @@ def _read_blocks(spec: ReadSpec, unit: ReadUnit, paths: list[str], accounts: Any
                                                                root, columns))
             except RayActorError as exc:
                 raise _closed(exc) from None
+            mark[0] = counted_retries()  # this block's retries are in its account now
             if refused:
                 raise DataError(refused)
             if problem is not None:

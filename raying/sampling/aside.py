@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
-# Epochs whose left-out sets are kept (and saved): the two planned most recently (the epoch
-# being read, and the next one when it is planned early).
-PLANS_KEPT = 2
+# Epochs whose left-out sets are kept (and saved): those planned most recently. The epoch
+# being read and the next one (planned early) are two; the rest leaves room for plans asked
+# for besides (``pipe.plan(e)``, ``pipe.dataset(e)``) without losing the epoch being read.
+PLANS_KEPT = 8
 
 
 class SetAside:
@@ -23,29 +25,44 @@ class SetAside:
     def __init__(self) -> None:
         self.ids = np.zeros(0, dtype=np.int64)
         self._at: dict[int, np.ndarray] = {}
+        # Plans are drawn on the pipeline's reader thread (the next epoch's, early) while the
+        # training thread may take a state.
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"ids": self.ids, "_at": dict(self._at)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+        self.ids, self._at = state["ids"], state["_at"]
 
     def add(self, ids: Any) -> None:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        self.ids = np.union1d(self.ids, ids)
+        with self._lock:
+            self.ids = np.union1d(self.ids, ids)
 
     def for_plan(self, epoch: int) -> np.ndarray:
         """The ids ``epoch``'s plan leaves out: those set aside when it was first planned."""
         epoch = int(epoch)
-        left_out = self._at.pop(epoch, None)
-        if left_out is None:
-            left_out = self.ids.copy()
-        self._at[epoch] = left_out  # the most recently planned last
-        for old in list(self._at)[:-PLANS_KEPT]:
-            del self._at[old]
+        with self._lock:
+            left_out = self._at.pop(epoch, None)
+            if left_out is None:
+                left_out = self.ids.copy()
+            self._at[epoch] = left_out  # the most recently planned last
+            for old in list(self._at)[:-PLANS_KEPT]:
+                del self._at[old]
         return left_out
 
     def state(self) -> dict[str, Any]:
-        return {"set_aside": self.ids.copy(),
-                "plan_set_aside": {e: a.copy() for e, a in self._at.items()}}
+        with self._lock:
+            return {"set_aside": self.ids.copy(),
+                    "plan_set_aside": {e: a.copy() for e, a in self._at.items()}}
 
     def load(self, state: dict[str, Any]) -> None:
         """From :meth:`state` (a state without per-epoch sets leaves every plan the whole
         set out)."""
-        self.ids = np.asarray(state.get("set_aside", []), dtype=np.int64).reshape(-1)
-        self._at = {int(e): np.asarray(a, dtype=np.int64).reshape(-1)
-                    for e, a in (state.get("plan_set_aside") or {}).items()}
+        ids = np.asarray(state.get("set_aside", []), dtype=np.int64).reshape(-1)
+        at = {int(e): np.asarray(a, dtype=np.int64).reshape(-1)
+              for e, a in (state.get("plan_set_aside") or {}).items()}
+        with self._lock:
+            self.ids, self._at = ids, at

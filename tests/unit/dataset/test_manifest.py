@@ -76,8 +76,9 @@ def test_save_refuses_a_name_that_says_another_format(folder, tmp_path):
     with pytest.raises(raying.ConfigError, match=r"written as Parquet, not JSON.*m\.parquet"):
         m.save(str(tmp_path / "m.json"))
     assert not (tmp_path / "m.json").exists()
-    m.save(tmp_path / "manifest")  # no suffix, or any other, is the user's choice
-    assert len(raying.Manifest.load(tmp_path / "manifest")) == len(m)
+    for name in ("manifest", "json", "train.manifest"):  # no suffix, or another: the user's
+        m.save(tmp_path / name)
+        assert len(raying.Manifest.load(tmp_path / name)) == len(m)
 
 
 def test_images_at_top_level_need_label_none(tmp_path):

@@ -145,9 +145,16 @@ def test_an_epoch_planned_again_keeps_the_samples_it_was_drawn_with():
     s.set_aside([bad])
     assert np.array_equal(ids(s, 1), first)
     assert bad not in ids(s, 2).tolist()
+    for inspected in (3, 4, 5):  # plans asked for besides (pipe.plan(e)) keep epoch 1's
+        ids(s, inspected)
     t = fresh()
-    t.load_state_dict(s.state_dict())  # a state taken in epoch 2, after the set-aside
+    t.load_state_dict(s.state_dict())  # a state taken in epoch 1, after the set-aside
     assert np.array_equal(ids(t, 1), first) and bad not in ids(t, 2).tolist()
+    import copy
+    import pickle
+
+    for copied in (copy.deepcopy(s), pickle.loads(pickle.dumps(s))):  # Ray Data read tasks
+        assert np.array_equal(ids(copied, 1), first)
     # Without the per-epoch sets (a state saved before they were kept), every plan leaves
     # the whole set out, as before.
     old = {k: v for k, v in s.state_dict().items() if k != "plan_set_aside"}

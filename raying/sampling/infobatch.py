@@ -39,6 +39,17 @@ def anneal_start(epochs: int | None, anneal: float) -> int | None:
     return int(math.ceil(anneal * epochs - 1e-9))
 
 
+# Scores within this relative distance of the mean count as at it, not below: the mean of
+# equal scores is off by a rounding error either way (1.0000000000000004 for all ones
+# under some priors), which would prune every sample of an epoch meant to keep them all.
+_MEAN_TIE = 1e-9
+
+
+def below_mean(scores: np.ndarray, mean: float) -> np.ndarray:
+    """Which ``scores`` lie below ``mean`` by more than its rounding (``_MEAN_TIE``)."""
+    return scores < mean - _MEAN_TIE * abs(mean)
+
+
 def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator, *,
                mean: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Which samples an epoch keeps, with their inclusion probabilities and weights.
@@ -63,7 +74,7 @@ def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator,
     coins = rng.random(scores.size)
     if mean is None:
         mean = float(scores.mean()) if scores.size else 0.0
-    low = scores < mean
+    low = below_mean(scores, mean)
     keep = ~low | (coins >= prune_ratio)
     probs = np.where(low, 1.0 - prune_ratio, 1.0)
     weights = np.where(low, 1.0 / (1.0 - prune_ratio), 1.0)
@@ -284,7 +295,7 @@ class InfoBatchSampler:
             ids: Any = u.ids
             u.probs = probs[ids]
             u.weights = weights[ids].astype(np.float32)
-        below = float(np.mean(scores[candidates] < scores[candidates].mean())) \
+        below = float(np.mean(below_mean(scores[candidates], scores[candidates].mean()))) \
             if candidates.size else 0.0
         w_kept = weights[keep]
         self._per_epoch[int(epoch)] = {
@@ -314,7 +325,7 @@ class InfoBatchSampler:
         kept = draws[keep]
         # A sample's keep probability and weight depend on its score only, so every draw of
         # it carries the same ones.
-        low = scores < mean
+        low = below_mean(scores, mean)
         probs = q * np.where(low, 1.0 - ratio, 1.0)
         weights = np.where(low, 1.0 / (1.0 - ratio), 1.0)
         units = draw_units(manifest, epoch, kept, rng, block_rows)

@@ -207,6 +207,23 @@ def _imbalanced(seed: int = 0):
     return FakeManifest(labels), _scores(labels.size, seed)
 
 
+@pytest.mark.parametrize("prior", [None, "balanced"])
+@pytest.mark.parametrize(("n", "value"), [(600, 1.0), (1000, 0.1), (777, 0.7)])
+def test_equal_scores_are_at_their_mean_and_nothing_is_pruned(n, value, prior):
+    """All scores equal (a first epoch, flat losses): their mean, off by a rounding error
+    (1.0000000000000004 for all ones under a class-balanced prior of 5 classes), must not
+    put every sample below it."""
+    labels = np.repeat(np.arange(5), [n - 4 * (n // 8)] + [n // 8] * 4)
+    m = FakeManifest(labels)
+    kw = {"prior": raying.WeightedSampler(class_balanced=True),
+          "samples_per_epoch": 3 * n} if prior else {}
+    s = raying.InfoBatchSampler(prune_ratio=0.5, epochs=None, seed=0, **kw)
+    plan = s.plan_from_scores(m, 1, np.full(n, value), block_rows=64)
+    assert _plan_ids(plan).size == (3 * n if prior else n)
+    assert all(np.all(u.weights == 1.0) for u in plan.units)
+    assert s.stats()["per_epoch"][-1]["below_mean_share"] == 0.0
+
+
 def test_a_prior_draws_in_proportion_and_prunes_each_below_mean_draw():
     m, scores = _imbalanced()
     n, r, k = len(m), 0.5, 300

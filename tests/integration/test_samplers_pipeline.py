@@ -238,3 +238,30 @@ def test_infobatch_plans_an_epoch_when_it_starts_even_with_keep_warm(manifest, r
         assert len(ids) < 200  # and the well learned are pruned
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("kind", ["weighted", "prioritized", "infobatch"])
+def test_a_stateful_sampler_belongs_to_one_open_pipeline(manifest, ray_local, kind):
+    """A second pipeline given a sampler bound to an open one is refused (it would rebind the
+    sampler's weights or store under the first); once the first is closed it may have it.
+    A pipeline's map_batches copies share it (one name), and a UniformSampler is shared."""
+    make = {"weighted": lambda: raying.WeightedSampler(class_balanced=True, seed=1),
+            "prioritized": lambda: raying.PrioritizedSampler(seed=1),
+            "infobatch": lambda: raying.InfoBatchSampler(seed=1)}[kind]
+    sampler = make()
+    first = _pipe(manifest, sampler, f"owner-{kind}").map_batches(lambda b: b)
+    rows = sum(len(b["id"]) for b in first.iter_batches(batch_size=16, epoch=0))
+    assert rows > 0
+    with pytest.raises(raying.ConfigError, match=rf"belongs to Pipeline 'owner-{kind}', which "
+                                                 r"is open.*a sampler of its own"):
+        _pipe(manifest, sampler, f"second-{kind}")
+    first.close()
+    second = _pipe(manifest, sampler, f"second-{kind}")
+    assert sum(len(b["id"]) for b in second.iter_batches(batch_size=16, epoch=0)) > 0
+    second.close()
+    uniform = raying.UniformSampler(seed=0)
+    a, b = _pipe(manifest, uniform, "u-a"), _pipe(manifest, uniform, "u-b")
+    assert sum(len(x["id"]) for x in a.iter_batches(batch_size=16)) == len(manifest)
+    assert sum(len(x["id"]) for x in b.iter_batches(batch_size=16)) == len(manifest)
+    a.close()
+    b.close()

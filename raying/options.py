@@ -479,7 +479,9 @@ class PipelineConfig:
             ``Settings.block_rows`` (RAYING_BLOCK_ROWS, default ``DEFAULT_BLOCK_ROWS``).
         window: read tasks in flight; None = ``DEFAULT_INFLIGHT_TASKS_PER_CPU`` x cluster CPUs.
         keep_warm: start the next epoch's reads while the current one drains (not for a
-            sampler that plans an epoch from the losses reported until it starts: InfoBatch).
+            sampler that plans an epoch from the losses reported until it starts: InfoBatch;
+            a prioritized sampler draws those first units then, before losses reported
+            between the epochs).
         task_num_cpus: CPUs each read task reserves.
         spread: spread read tasks over nodes (``SPREAD``) instead of packing them.
         name: names the pipeline's actors (priority store); default a fresh id.

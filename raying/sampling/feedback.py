@@ -68,6 +68,13 @@ class Reporter:
             msg = (f"raying.report: one loss for {i.size} ids, a reduced (mean) loss; pass the "
                    f"per-sample losses (e.g. CrossEntropyLoss(reduction='none'))")
             raise ConfigError(msg)
+        shape = tuple(getattr(losses, "shape", None) or np.shape(losses))
+        if len(shape) > 1 and shape[0] == i.size and v.size != i.size:
+            # Per-token or per-pixel losses: a caller bug at every step, not bad data.
+            msg = (f"raying.report: one loss per sample expected, got losses of shape "
+                   f"{tuple(int(d) for d in shape)} for {i.size} ids; reduce each sample's "
+                   f"other axes first (e.g. loss.reshape(len(ids), -1).mean(1))")
+            raise ConfigError(msg)
         v = v.astype(np.float64, copy=False)
         # Float ids travel as floats: the store rejects and counts non-integral ones (a cast
         # here would truncate 1.5 to 1 and credit the loss to another sample).

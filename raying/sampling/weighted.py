@@ -44,6 +44,7 @@ def static_probabilities(labels: np.ndarray, *, weights: Any = None,
     elif isinstance(weights, Mapping):
         per_class = np.ones(int(labels.max(initial=-1)) + 1 if n else 0)
         names = list(classes or [])
+        named: dict[int, Any] = {}  # label index -> the key that gave its weight
         for key, value in weights.items():
             if isinstance(key, str):
                 if key not in names:
@@ -62,6 +63,11 @@ def static_probabilities(labels: np.ndarray, *, weights: Any = None,
                 msg = (f"WeightedSampler(weights={{...}}) has label index {index}, expected one "
                        f"in [0, {per_class.size}); use the dataset's label indices")
                 raise ConfigError(msg)
+            if index in named:
+                msg = (f"WeightedSampler(weights={{...}}) names class {index} twice, as "
+                       f"{named[index]!r} and {key!r}; give each class one weight")
+                raise ConfigError(msg)
+            named[index] = key
             try:
                 per_class[index] = float(value)
             except (TypeError, ValueError):
@@ -141,7 +147,8 @@ class WeightedSampler:
     aside as unreadable are not drawn again. No priority store is involved.
 
     Args:
-        weights: None, one weight per sample, or a dict ``{class name or index: weight}``.
+        weights: None, one weight per sample, or a dict ``{class name or index: weight}``
+            (classes it leaves out weigh 1).
         class_balanced: divide every weight by its class's size (equal draws per class).
         seed: the seed of the plans.
         samples_per_epoch: draws per epoch; default the dataset's size.

@@ -100,6 +100,9 @@ def _count(bad: np.ndarray, ok: np.ndarray | None, reason: str,
     return ~bad if ok is None else ok & ~bad
 
 
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
 def importance_weights(probs: Any, *, size: int, min_prob: float, beta: float) -> np.ndarray:
     """Importance weights ``w = (size * P)**-beta / (size * min_prob)**-beta``.
 
@@ -114,12 +117,16 @@ def importance_weights(probs: Any, *, size: int, min_prob: float, beta: float) -
         beta: exponent; 0 gives weights of 1, 1 fully corrects the sampling bias.
 
     Returns:
-        float64 weights, same shape as ``probs``.
+        float64 weights, same shape as ``probs``, at least float32's smallest normal number.
     """
     probs = np.asarray(probs, dtype=np.float64)
     if beta == 0.0:
         return np.ones_like(probs)
-    return np.power(size * probs, -beta) / np.power(size * min_prob, -beta)
+    w = np.power(size * probs, -beta) / np.power(size * min_prob, -beta)
+    # At least float32's smallest normal number: batches carry float32 weights, and a row
+    # far likelier than the least likely one (no uniform floor, extreme losses) would
+    # otherwise weigh exactly 0 there, its loss silently dropped.
+    return np.maximum(w, _FLOAT32_TINY)
 
 
 def check_state(state: Mapping[str, Any], n: int, own: dict[str, Any], *, strict: bool,

@@ -239,10 +239,16 @@ def test_reporter_takes_bfloat16_losses_and_refuses_bool_or_text_ids():
         for loss in (torch.tensor(0.7), np.float32(0.7), 0.7):  # reduction="mean"
             with pytest.raises(ConfigError, match="one loss for 2 ids, a reduced"):
                 rep.add(torch.tensor([1, 2]), loss)
+        # Per-token losses of a (B, T) loss with reduction='none': refused at the call.
+        for losses in (torch.ones(2, 5), np.ones((2, 3, 4)), [[1.0, 2.0]] * 2):
+            with pytest.raises(ConfigError, match=r"one loss per sample expected, got losses "
+                                                  r"of shape \(2, \d+(, 4)?\) for 2 ids"):
+                rep.add(torch.tensor([1, 2]), losses)
+        rep.add(torch.tensor([1, 2]), torch.ones(2, 1))  # (B, 1): one loss per sample
         rep.add([3], [2])  # an integer loss is a number
         st.flush(handle)
         assert st.priorities(handle, np.array([3])).tolist() == [2.0]
-        assert st.stats(handle)["updates_received"] == 3  # nothing of the refused reached it
+        assert st.stats(handle)["updates_received"] == 5  # nothing of the refused reached it
         # TensorFlow's bfloat16 (mixed_bfloat16), as a tensor and as the numpy array its
         # numpy() gives (ml_dtypes, a dtype numpy has no kind for).
         tf = pytest.importorskip("tensorflow")

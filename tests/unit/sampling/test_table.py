@@ -197,6 +197,16 @@ def test_systematic_plans_respect_floor_and_ceil(n, eps, descent):
 # --- importance weights ------------------------------------------------------------------------
 
 
+def test_a_weight_never_underflows_to_zero_in_float32():
+    """No uniform floor and one extreme loss: the likeliest row's weight (~1e-60) would be 0
+    as the float32 batches carry it; it stays positive, as (0, 1] promises."""
+    from raying.sampling.weights import importance_weights
+
+    probs = np.array([1.0 - 1e-58, 1e-60])
+    w = importance_weights(probs, size=2, min_prob=1e-60, beta=1.0).astype(np.float32)
+    assert np.all(w > 0) and w[1] == 1.0
+
+
 @pytest.mark.parametrize("eps", [0.0, 0.2])
 @pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
 def test_importance_weights_equal_the_formula(eps, beta):

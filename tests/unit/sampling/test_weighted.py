@@ -30,6 +30,9 @@ def test_per_class_weights_by_name_or_index_and_per_sample_weights():
     by_index = static_probabilities(labels, weights={2: 3.0})
     assert np.allclose(by_name, by_index)
     assert np.allclose(by_index, np.array([1, 1, 1, 1, 3, 3]) / 10)
+    with pytest.raises(raying.ConfigError, match=r"names class 2 twice, as 2 and 'class_02'"):
+        static_probabilities(labels, weights={2: 1.0, "class_02": 3.0},
+                             classes=["a", "b", "class_02"])
     per_sample = static_probabilities(labels, weights=np.arange(6))
     assert np.allclose(per_sample, np.arange(6) / 15)
     both = static_probabilities(_labels([1, 3]), weights=[2, 1, 1, 1], class_balanced=True)

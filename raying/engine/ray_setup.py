@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import threading
+from collections.abc import Iterator
 
 from raying.errors import ConfigError
 from raying.options import settings
@@ -84,6 +87,50 @@ def warm_serializer() -> bool:
         logging.getLogger(__name__).debug("no serialization context made ahead", exc_info=True)
         return False
     return True
+
+
+_reader = threading.local()  # .on: this thread reads for a pipeline (see no_auto_init)
+
+
+@contextlib.contextmanager
+def no_auto_init() -> Iterator[None]:
+    """Within it, this thread never starts a Ray of its own.
+
+    Ray starts a local Ray on any API call made while none is up (its auto-init). A reader
+    thread of a pipeline waiting on a read when the training thread calls ``ray.shutdown()``
+    makes such a call inside Ray's own generator code (after its wait returns), which starts
+    a new Ray from that thread, whose start later aborts the process. Here the call fails
+    instead, and the pipeline reports the ended session.
+    """
+    _guard_auto_init()
+    before = getattr(_reader, "on", False)
+    _reader.on = True
+    try:
+        yield
+    finally:
+        _reader.on = before
+
+
+def _guard_auto_init() -> None:
+    """Wrap Ray's auto-init once so that it refuses in threads inside ``no_auto_init``."""
+    try:
+        from ray._private import auto_init_hook as hook
+    except ImportError:  # another Ray layout: nothing to guard
+        return
+    original = getattr(hook, "auto_init_ray", None)
+    if original is None or getattr(original, "_raying_guard", False):
+        return
+
+    def auto_init_ray() -> None:
+        import ray
+
+        if getattr(_reader, "on", False) and not ray.is_initialized():
+            raise ConfigError("Ray was shut down while a pipeline read (this reader thread "
+                              "does not start a new one)")
+        original()
+
+    auto_init_ray._raying_guard = True  # type: ignore[attr-defined]
+    hook.auto_init_ray = auto_init_ray
 
 
 def ray_session() -> str | None:

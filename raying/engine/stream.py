@@ -307,6 +307,8 @@ class BlockStream:
         while index <= last:
             k = 0
             while True:  # the unit's parts, in order
+                if not ray.is_initialized():  # submitting would start a new Ray (auto-init)
+                    raise ConfigError("Ray was shut down while this epoch was read")
                 with self._lock:
                     self._check(mine)
                     self._top_up()
@@ -314,7 +316,7 @@ class BlockStream:
                     ref = self._take(key)
                     self._reading[key] = ref
                     last_part = k + 1 >= self._nparts.get((epoch, index), 1)
-                for part in ref:
+                for part in _parts(ref):
                     try:
                         block, account = ray.get(part)
                     except ray.exceptions.RayTaskError as exc:
@@ -400,6 +402,24 @@ class BlockStream:
         except Exception:  # noqa: BLE001 - a task that failed has finished all the same
             return False
         return len(ready) == len(done)
+
+
+def _parts(ref: Any) -> Iterator[Any]:
+    """The parts of a read task's generator, each asked for only while Ray is up: a call on
+    it after ``ray.shutdown()`` (this runs on a reader thread, the training thread may shut
+    Ray down meanwhile) would start a new Ray from this thread (Ray's auto-init), which
+    later aborts the process."""
+    import ray
+
+    it = iter(ref)
+    while True:
+        if not ray.is_initialized():
+            raise ConfigError("Ray was shut down while this epoch's blocks were read")
+        try:
+            part = next(it)
+        except StopIteration:
+            return
+        yield part
 
 
 def _read_out_failures(keyed: list[tuple[tuple[int, int, int], Any]], timeout_s: float, *,

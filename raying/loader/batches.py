@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from raying.engine.ray_setup import no_auto_init
 from raying.errors import ConfigError
 from raying.options import DEFAULT_MEAN, DEFAULT_STD
 from raying.read.task import small_pages
@@ -245,9 +246,10 @@ def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] |
 
     def work() -> None:
         try:
-            for item in source:
-                if stop.is_set() or not put(convert(item) if convert else item):
-                    break
+            with no_auto_init():  # a ray.shutdown() meanwhile must not start Ray here
+                for item in source:
+                    if stop.is_set() or not put(convert(item) if convert else item):
+                        break
         except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
             put(_Failure(exc))
         finally:

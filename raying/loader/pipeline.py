@@ -30,6 +30,7 @@ from raying.engine.stream import CLOSED, SUPERSEDED
 from raying.errors import ConfigError, SupersededError, UserFunctionError
 from raying.image.transform import ImageTransform
 from raying.loader.batches import BatchAssembler, TorchConverter, prefetch
+from raying.loader.owners import claim_sampler
 from raying.options import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_INFLIGHT_STORE_SHARE,
@@ -59,38 +60,6 @@ DEFAULT_CLOSE_WAIT_S = 30.0
 
 logger = logging.getLogger(__name__)
 
-
-
-# The open pipeline each of raying's stateful samplers belongs to, by the sampler's id, both
-# held weakly. Such a sampler binds to one dataset and pipeline (a weighted one's class
-# weights and set-aside samples, a prioritized or InfoBatch one's priority store): a second
-# pipeline given the same object would rebind it under the first one, which would go on
-# drawing from the other dataset's weights or a store it no longer reports to.
-_SAMPLER_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def _claim_sampler(pipe: Pipeline) -> None:
-    from raying.sampling.infobatch import InfoBatchSampler
-    from raying.sampling.prioritized import PrioritizedSampler
-    from raying.sampling.weighted import WeightedSampler
-
-    sampler = pipe.sampler
-    if not isinstance(sampler, (WeightedSampler, PrioritizedSampler, InfoBatchSampler)):
-        return  # UniformSampler plans from (seed, epoch) and the manifest alone: shareable
-    for key, (sref, pref) in list(_SAMPLER_OWNERS.items()):
-        if sref() is None or pref() is None:
-            del _SAMPLER_OWNERS[key]
-    entry = _SAMPLER_OWNERS.get(id(sampler))
-    owner = entry[1]() if entry is not None and entry[0]() is sampler else None
-    if (owner is not None and owner is not pipe and owner.name != pipe.name and owner._bound
-            and not owner._closed and not owner._session_ended()):
-        msg = (f"this {type(sampler).__name__} belongs to Pipeline {owner.name!r}, which is "
-               f"open: a sampler holds one pipeline's dataset weights, set-aside samples or "
-               f"priority store; give this Pipeline a sampler of its own (the same arguments "
-               f"make the same plans), or close {owner.name!r} first")
-        raise ConfigError(msg)
-    if owner is None or not owner._bound or owner.name != pipe.name:
-        _SAMPLER_OWNERS[id(sampler)] = (weakref.ref(sampler), weakref.ref(pipe))
 
 class Pipeline:
     """Streams a manifest's samples, sampled and augmented, into Ray Data, torch and tf.
@@ -133,7 +102,7 @@ class Pipeline:
         use(self.settings)
         self.sampler: Sampler = sampler if sampler is not None else UniformSampler()
         self.name = self.config.name or f"raying-{uuid.uuid4().hex[:8]}"
-        _claim_sampler(self)
+        claim_sampler(self)
         store_options = getattr(self.sampler, "store_options", None)
         snapshots = (store_options.get("snapshot_uri") if isinstance(store_options, dict)
                      else getattr(store_options, "snapshot_uri", None))
@@ -268,7 +237,7 @@ class Pipeline:
                    f"continues where it stood)")
             raise ConfigError(msg)
         if not self._bound:
-            _claim_sampler(self)  # again: the pipeline it was given to first may have bound since
+            claim_sampler(self)  # again: the pipeline it was given to first may have bound since
             if self.sampler.lazy or self.sampler.uses_store:
                 self._start_ray()
             self.sampler.bind(self.manifest, name=self.name)

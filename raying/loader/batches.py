@@ -171,23 +171,29 @@ def _read_only(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 # Seconds a consumer that stops early waits for its prefetch thread before leaving it to end
 # on its own (daemon; it ends when the read it waits for returns).
 PREFETCH_STOP_WAIT_S = 0.25
+# How often a consumer waiting on its prefetch thread asks ``ended`` whether to stop waiting.
+PREFETCH_POLL_S = 0.5
 
 
 def prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None = None,
              stall: list[float] | None = None,
              timed: Callable[[float], None] | None = None,
-             left_running: list[threading.Thread] | None = None) -> Iterator[Any]:
+             left_running: list[threading.Thread] | None = None,
+             ended: Callable[[], BaseException | None] | None = None) -> Iterator[Any]:
     """Run ``source`` (and ``convert``) in a background thread, ``depth`` items ahead.
 
     Errors raised in the thread are re-raised in the consumer. ``stall`` (if given) accumulates
     the seconds the consumer waited for an item; ``timed`` receives the loop's wall seconds.
     ``left_running`` receives the thread when the consumer stopped early and the thread was
     still waiting on its source (a read in flight) ``PREFETCH_STOP_WAIT_S`` later: whoever
-    shuts the source's resources down (Ray) must wait for it first.
+    shuts the source's resources down (Ray) must wait for it first. ``ended`` (if given) is
+    asked every ``PREFETCH_POLL_S`` the consumer waits: an exception it returns is raised
+    in the consumer, which stops waiting for the thread (whose source may never return,
+    e.g. a wait inside Ray on a session shut down under it).
     """
     began = time.perf_counter()
     try:
-        yield from _prefetch(source, depth, convert, stall, left_running)
+        yield from _prefetch(source, depth, convert, stall, left_running, ended)
     finally:
         if timed is not None:
             timed(time.perf_counter() - began)
@@ -220,7 +226,8 @@ def release_freed_memory() -> None:
 
 def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None,
               stall: list[float] | None,
-              left_running: list[threading.Thread] | None = None) -> Iterator[Any]:
+              left_running: list[threading.Thread] | None = None,
+              ended: Callable[[], BaseException | None] | None = None) -> Iterator[Any]:
     if depth <= 0:
         while True:
             t0 = time.perf_counter()
@@ -262,7 +269,7 @@ def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] |
     try:
         while True:
             t0 = time.perf_counter()
-            item = q.get()
+            item = _take(q, ended)
             if stall is not None:
                 stall[0] += time.perf_counter() - t0
             if item is _DONE:
@@ -283,6 +290,19 @@ def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] |
                 pass
         if thread.is_alive() and left_running is not None:
             left_running[:] = [t for t in left_running if t.is_alive()] + [thread]
+
+
+def _take(q: queue.Queue, ended: Callable[[], BaseException | None] | None) -> Any:
+    """The thread's next item; raises what ``ended`` returns while none comes."""
+    if ended is None:
+        return q.get()
+    while True:
+        try:
+            return q.get(timeout=PREFETCH_POLL_S)
+        except queue.Empty:
+            exc = ended()
+            if exc is not None:
+                raise exc from None
 
 
 class _Failure:

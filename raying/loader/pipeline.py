@@ -260,6 +260,11 @@ class Pipeline:
         if self._session_ended():
             raise self._ended_error(hint)
 
+    def _ended_now(self) -> ConfigError | None:
+        """The ended-session error while waiting on the reader thread, None while Ray is up:
+        a read the thread waits on inside Ray may never return once Ray is shut down."""
+        return self._ended_error() if self._session_ended() else None
+
     def _ended_error(self, hint: str = "") -> ConfigError:
         since = "ray.shutdown() and ray.init()" if ray_session() else "ray.shutdown()"
         msg = (f"Pipeline {self.name!r} was started on a Ray session that has ended ({since} "
@@ -509,7 +514,8 @@ class Pipeline:
 
         mine = self._begin_iteration()
         for batch in prefetch(batches(), depth, stall=self.account.stall,
-                              timed=self.account.iterated, left_running=self._left_running):
+                              timed=self.account.iterated, left_running=self._left_running,
+                              ended=self._ended_now):
             self._still_current(mine)
             self._cursor["delivered"] += len(batch["id"])
             self.account.delivered(len(batch["id"]))
@@ -550,7 +556,8 @@ class Pipeline:
 
         mine = self._begin_iteration()
         for batch in prefetch(batches(), depth, stall=self.account.stall,
-                              timed=self.account.iterated, left_running=self._left_running):
+                              timed=self.account.iterated, left_running=self._left_running,
+                              ended=self._ended_now):
             self._still_current(mine)
             n = int(batch["id"].shape[0])
             self._cursor["delivered"] += n

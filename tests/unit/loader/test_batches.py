@@ -218,6 +218,45 @@ def test_a_consumer_that_stops_early_does_not_wait_for_a_read_in_flight():
     assert quick.wait(5) and done == [True]
 
 
+def test_a_consumer_stops_waiting_on_a_read_that_never_returns_once_told_it_ended():
+    # A read waiting inside Ray when the training thread shuts Ray down may never return
+    # (Ray's wait on the old session blocks for good): the consumer asks ``ended`` while it
+    # waits and raises its error instead of hanging with the thread.
+    import threading
+    import time
+
+    from raying.loader.batches import PREFETCH_POLL_S, prefetch
+
+    never, gone = threading.Event(), threading.Event()
+
+    def source():
+        yield 0
+        never.wait(60)  # blocked for good
+        yield 1
+
+    asked: list[float] = []
+
+    def ended():
+        asked.append(time.perf_counter())
+        return ConfigError("the session ended") if gone.is_set() else None
+
+    left: list = []
+    it = prefetch(source(), 2, left_running=left, ended=ended)
+    assert next(it) == 0
+    threading.Timer(1.2, gone.set).start()
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="the session ended"):
+        next(it)
+    waited = time.perf_counter() - t0
+    assert 1.2 <= waited < 1.2 + PREFETCH_POLL_S + 2.0, waited
+    assert len(asked) >= 2  # asked while Ray was still up, and answered None
+    assert len(left) == 1 and left[0].is_alive()  # handed over, still blocked
+    never.set()
+    left[0].join(5)
+    # Without ``ended`` a quick source is unchanged: every item, in order.
+    assert list(prefetch(iter(range(50)), 3, ended=lambda: None)) == list(range(50))
+
+
 def test_a_device_torch_cannot_use_is_a_config_error_naming_the_fix():
     import torch
 

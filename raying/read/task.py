@@ -181,6 +181,24 @@ def _raise_first(spec: ReadSpec, got: Part) -> None:
                           root=spec.root, fix=RAISE_FIX)
 
 
+def _detached(value: Any, buffer: np.ndarray) -> Any:
+    """``value`` with nothing in it viewing ``buffer``: an array that views it is copied, and
+    so is every array element of an object column (one row's slice of the input image)."""
+    if not isinstance(value, np.ndarray):
+        return value
+    if value.dtype != object:
+        return value.copy() if np.may_share_memory(value, buffer) else value
+    shared = [i for i, v in enumerate(value.flat)
+              if isinstance(v, np.ndarray) and np.may_share_memory(v, buffer)]
+    if not shared:
+        return value
+    value = value.copy()
+    flat = value.reshape(-1)
+    for i in shared:
+        flat[i] = flat[i].copy()
+    return value
+
+
 def _staged(spec: ReadSpec, unit: ReadUnit, source: Any, a: int, b: int,
             out: np.ndarray | None, cols: dict[str, np.ndarray]
             ) -> tuple[Part, dict[str, np.ndarray]]:
@@ -219,8 +237,8 @@ def _staged(spec: ReadSpec, unit: ReadUnit, source: Any, a: int, b: int,
                 # A column the stage made as a view of its input pixels (which lie in the
                 # buffer) keeps them: copied before the buffer takes the stage's image.
                 for key, value in staged.items():
-                    if key != "image" and np.may_share_memory(value, out):
-                        staged[key] = value.copy()
+                    if key != "image":
+                        staged[key] = _detached(value, out)
                 staged["image"] = _into(out[pos:pos + k], staged["image"])
                 pos += k
             parts.append(staged)

@@ -373,7 +373,10 @@ def _pick_image_column(schema: pa.Schema, wanted: str | None, where: str) -> str
 
 def _check_same_schema(a: pa.Schema, b: pa.Schema, uri_b: str, uri_a: str, image_col: str,
                        label_col: str | None) -> None:
-    for col in [image_col, label_col, *DECODED_SHAPE_COLUMNS]:
+    # height/width/channels give pre-decoded pixels their shape; beside encoded images they
+    # are the user's own metadata (extra columns are checked by their own rules).
+    decoded = image_col in a.names and pa.types.is_fixed_size_binary(a.field(image_col).type)
+    for col in [image_col, label_col, *(DECODED_SHAPE_COLUMNS if decoded else ())]:
         if col is None or (col not in a.names and col not in b.names):
             continue
         if col not in b.names:
@@ -384,10 +387,24 @@ def _check_same_schema(a: pa.Schema, b: pa.Schema, uri_b: str, uri_a: str, image
             msg = f"schema mismatch: {uri_b} has a column {col!r} that {uri_a} lacks"
             raise DataError(msg)
         ta, tb = a.field(col).type, b.field(col).type
-        if ta != tb and not (_is_int(ta) and _is_int(tb)):
+        if col == image_col and _encoded_kind(ta) is not None:
+            same = _encoded_kind(ta) == _encoded_kind(tb)  # binary and large_binary read alike
+        else:
+            same = ta == tb or (_is_int(ta) and _is_int(tb))
+        if not same:
             msg = (f"schema mismatch in column {col!r}: {uri_b} has {tb} where {uri_a} has "
                    f"{ta}; rewrite the files with one schema")
             raise DataError(msg)
+
+
+def _encoded_kind(t: pa.DataType) -> str | None:
+    """'bytes' for encoded image bytes (binary, large_binary), 'struct' for a struct with
+    such a ``bytes`` field, None for anything else."""
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "bytes"
+    if pa.types.is_struct(t) and image_type_ok(t):
+        return "struct"
+    return None
 
 
 def _is_int(t: pa.DataType) -> bool:

@@ -407,9 +407,11 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
             offset += g_rows
         chunks.extend(arr.chunks)
     pos = _positions(starts, ids)
-    if chunks and pa.types.is_struct(chunks[0].type):  # {bytes, path}: Hugging Face Image
-        k = chunks[0].type.get_field_index("bytes")
-        chunks = [c.flatten()[k] for c in chunks]  # flatten keeps the struct's nulls
+    # {bytes, path}: Hugging Face Image; flatten keeps the struct's nulls.
+    chunks = [c.flatten()[c.type.get_field_index("bytes")] if pa.types.is_struct(c.type)
+              else c for c in chunks]
+    if len({c.type for c in chunks}) > 1:  # binary beside large_binary (files' writers differ)
+        chunks = [c.cast(pa.large_binary()) for c in chunks]
     values = pa.chunked_array(chunks) if chunks else pa.chunked_array([], pa.binary())
     if spec.decoded is not None:
         flat = values.combine_chunks() if values.num_chunks != 1 else values.chunk(0)

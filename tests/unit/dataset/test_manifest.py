@@ -356,3 +356,60 @@ def test_a_class_folder_without_images_is_warned_about(folder, tmp_path):
         m = raying.Manifest.scan(str(root), classes=["class_00", "class_01", "class_02"])
         raying.Manifest.scan(str(folder))  # every folder has images: no warning
     assert m.labels.max() == 2
+
+
+def test_files_mixing_binary_kinds_and_their_own_metadata_scan_and_read(tmp_path):
+    # Writers differ: pyarrow's binary beside polars' large_binary for the same encoded
+    # images; width/height metadata in some files only (they shape only pre-decoded pixels).
+    import io
+
+    from PIL import Image
+
+    from raying.read.task import iter_unit
+
+    def jpegs(values):
+        out = []
+        for v in values:
+            buf = io.BytesIO()
+            Image.fromarray(np.full((12, 16, 3), v, np.uint8)).save(buf, format="PNG")
+            out.append(buf.getvalue())
+        return out
+
+    pq.write_table(pa.table({"image": pa.array(jpegs(range(0, 80, 10)), pa.binary()),
+                             "label": [0] * 8, "width": [16] * 8, "height": [12] * 8}),
+                   tmp_path / "a.parquet")
+    pq.write_table(pa.table({"image": pa.array(jpegs(range(80, 160, 10)), pa.large_binary()),
+                             "label": [1] * 8, "width": [16.0] * 8}), tmp_path / "b.parquet")
+    m = raying.Manifest.scan(str(tmp_path))
+    assert len(m) == 16
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=8, random_crop=False,
+                                                              flip=False))
+    got = {}
+    for u in pipe.plan(0).units:
+        unit, paths = pipe._fill(u)
+        for block, _ in iter_unit(pipe._spec, unit, paths):
+            for i, img in zip(block["id"], block["image"], strict=True):
+                got[int(i)] = int(img[0, 0, 0])
+    assert sorted(got) == list(range(16))
+    assert [got[i] for i in range(16)] == list(range(0, 160, 10))
+    pipe.close()
+    # Pre-decoded pixels still need height/width/channels in every file.
+    (tmp_path / "b.parquet").unlink()
+    (tmp_path / "a.parquet").unlink()
+    pix = pa.array([bytes(12)] * 4, pa.binary(12))
+    pq.write_table(pa.table({"image": pix, "label": [0] * 4, "height": [2] * 4,
+                             "width": [2] * 4, "channels": [3] * 4}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"image": pix, "label": [0] * 4, "height": [2] * 4,
+                             "width": [2] * 4}), tmp_path / "b.parquet")
+    with pytest.raises(raying.DataError, match=r"b.parquet has no column 'channels'"):
+        raying.Manifest.scan(str(tmp_path))
+    # Encoded bytes beside a struct of them is still a mismatch.
+    (tmp_path / "a.parquet").unlink()
+    (tmp_path / "b.parquet").unlink()
+    pq.write_table(pa.table({"image": pa.array(jpegs([0, 1]), pa.binary()), "label": [0, 1]}),
+                   tmp_path / "a.parquet")
+    struct = pa.array([{"bytes": b} for b in jpegs([0, 1])],
+                      pa.struct([("bytes", pa.binary())]))
+    pq.write_table(pa.table({"image": struct, "label": [0, 1]}), tmp_path / "b.parquet")
+    with pytest.raises(raying.DataError, match=r"schema mismatch in column 'image'"):
+        raying.Manifest.scan(str(tmp_path))

@@ -233,7 +233,8 @@ _ARROW_UNITS = ("s", "ms", "us", "ns")
 def _refuse_unarrowable(spec: ReadSpec, block: dict[str, Any], epoch: int) -> None:
     """Refuse, as the iterator path does, stage output Ray Data would change without a word:
     a column holding None (it comes back NaN) or complex numbers (no Arrow type: they come
-    back as Python objects), dates and durations in units Arrow has no type for (a
+    back as Python objects), str and bytes in one column (all come back bytes), dates and
+    durations in units Arrow has no type for (a
     ``datetime64[D]`` comes back as ``datetime64[s]``, a ``timedelta64[D]`` as Python
     objects). Columns that differ from the epoch's first block's (Ray Data fills a missing
     one with nulls and unifies dtypes) are checked by the account actor."""
@@ -251,12 +252,24 @@ def _refuse_unarrowable(spec: ReadSpec, block: dict[str, Any], epoch: int) -> No
                 f"returned column {name!r} as {value.dtype}, which pipe.dataset(e) (Ray Data's "
                 f"Arrow blocks) cannot carry as numbers; return the real and imaginary parts "
                 f"as two float columns")
+        if value.dtype == object and _text_and_bytes(value):
+            raise _stage_refusal(
+                spec, block, epoch,
+                f"returned column {name!r} mixing str and bytes, which pipe.dataset(e) (Ray "
+                f"Data's Arrow blocks) turns into bytes throughout; return one of the two "
+                f"(s.decode() or s.encode())")
         if value.dtype == object and any(v is None for v in value):
             raise _stage_refusal(
                 spec, block, epoch,
                 f"returned column {name!r} with None in it, which pipe.dataset(e) (Ray Data's "
                 f"Arrow blocks) turns into NaN or drops; return numbers (NaN for a missing "
                 f"value) and, if it matters, a mask column")
+
+
+def _text_and_bytes(value: np.ndarray) -> bool:
+    """Whether an object column holds both str and bytes rows."""
+    kinds = {type(v) for v in value if isinstance(v, (str, bytes))}
+    return len(kinds) > 1
 
 
 def _object_rows(block: dict[str, Any]) -> dict[str, str]:

@@ -270,6 +270,12 @@ def test_stage_output_ray_data_would_change_is_refused_on_the_dataset_path_too(p
         batch["z"] = np.ones(len(batch["id"]), np.complex64)
         return batch
 
+    def text_and_bytes(batch):  # Arrow would make every row bytes
+        rows = np.empty(len(batch["id"]), dtype=object)
+        rows[:] = [f"s{i}" if i % 2 else b"b" for i in batch["id"]]
+        batch["tag"] = rows
+        return batch
+
     def days(batch):  # Arrow has no day unit: Ray Data would hand back datetime64[s]
         batch["day"] = np.full(len(batch["id"]), np.datetime64("2026-01-02", "D"))
         return batch
@@ -287,6 +293,7 @@ def test_stage_output_ray_data_would_change_is_refused_on_the_dataset_path_too(p
              (sometimes, r"returned columns \[.*\] for some blocks and \[.*\] for others"),
              (nones, r"returned column 'maybe' with None in it"),
              (complexes, r"returned column 'z' as complex64"),
+             (text_and_bytes, r"returned column 'tag' mixing str and bytes"),
              (days, r"returned column 'day' as datetime64\[D\], .* return it as "
                     r"datetime64\[s\]"),
              (row_dtypes, r"returned column 'rows' with rows of 1-D float\d\d arrays for some "

@@ -192,7 +192,7 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
         footers = list(pool.map(lambda a: _read_footer(fs, a[0].path, a[1]),
                                 zip(infos, uris, strict=True)))
     schema0 = footers[0].schema.to_arrow_schema()
-    image_col = _pick_image_column(schema0, image_col, uris[0])
+    image_col = pick_image_column(schema0, image_col, uris[0])
     for fm, u in zip(footers[1:], uris[1:], strict=True):
         _check_same_schema(schema0, fm.schema.to_arrow_schema(), u, uris[0], image_col, label_col)
     extra = _extra_columns(columns or [], footers, uris, image_col, label_col)
@@ -344,7 +344,9 @@ def image_type_ok(t: pa.DataType) -> bool:
             or pa.types.is_fixed_size_binary(t))
 
 
-def _pick_image_column(schema: pa.Schema, wanted: str | None, where: str) -> str:
+def pick_image_column(schema: pa.Schema, wanted: str | None, where: str) -> str:
+    """The image column of a Parquet file's ``schema``: ``wanted``, else ``image``, else its
+    one binary column; a ``DataError`` naming ``where`` otherwise."""
     if wanted is not None:
         if wanted not in schema.names:
             msg = f"{where} has no image column {wanted!r} (columns: {schema.names})"
@@ -356,7 +358,8 @@ def _pick_image_column(schema: pa.Schema, wanted: str | None, where: str) -> str
         binary = [f.name for f in schema if image_type_ok(f.type)]
         if len(binary) != 1:
             msg = (f"{where}: cannot tell which column holds the images (binary columns: "
-                   f"{binary}); pass image_column='<name>'")
+                   f"{binary}); pass image_column='<name>' (on the command line: "
+                   f"--image-column NAME)")
             raise DataError(msg)
         name = binary[0]
     t = schema.field(name).type

@@ -34,7 +34,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
          verify: bool = False, progress: bool = True, label: str | None = "folder",
          overwrite: bool = False, shuffle: bool = True, seed: int = 0,
          columns: list[str] | tuple[str, ...] | None = None,
-         format: str = "auto") -> PackResult:  # noqa: A002 - Manifest.scan's name
+         format: str = "auto",  # noqa: A002 - Manifest.scan's name
+         image_column: str | None = None) -> PackResult:
     """Write an image dataset (an image folder, or Parquet of encoded images) as Parquet
     shards, one Ray task per shard.
 
@@ -99,7 +100,7 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
         manifest = src
     else:
         manifest = Manifest.scan(src, format=format, label=label, storage=storage,
-                                 columns=columns)
+                                 columns=columns, image_column=image_column)
     taken = [c for c in (manifest.meta.get("columns") or {}) if c in PACK_COLUMNS]
     if taken:
         msg = (f"columns {taken} would overwrite columns pack writes itself {PACK_COLUMNS}; "

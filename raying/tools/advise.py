@@ -56,7 +56,8 @@ UNSATURATED_CONCURRENCY = 64
 
 
 def advise(uri: str, storage: StorageOptions | Mapping[str, Any] | None = None, *,
-           machine: Mapping[str, Any] | None = None, seed: int = 0) -> dict[str, Any]:
+           machine: Mapping[str, Any] | None = None, seed: int = 0,
+           image_column: str | None = None) -> dict[str, Any]:
     """Measure ``uri``, its storage and this machine, and recommend settings.
 
     Args:
@@ -66,13 +67,15 @@ def advise(uri: str, storage: StorageOptions | Mapping[str, Any] | None = None, 
         machine: measured machine values to override (e.g. ``{"cores": 64, "gpus": 8}``) to
             ask "what if this ran there".
         seed: which files the storage probe reads.
+        image_column: Parquet's image column, as for :meth:`raying.Manifest.scan` (needed
+            where the files hold no ``image`` column and several binary ones).
 
     Returns:
         ``{"uri", "measured": {"dataset", "storage", "machine"}, "advice": [{"setting",
         "value", "reason", "measured"}], "config": {...}}``.
     """
     fs, path = _storage.resolve(uri, StorageOptions.coerce(storage))
-    data = _m.measure_dataset(fs, path, uri)
+    data = _m.measure_dataset(fs, path, uri, image_column=image_column)
     store = _m.measure_storage(fs, data, seed=seed)
     sample = _m.sample_images(fs, data) if not data.get("pre_decoded") else []
     mach = _m.measure_machine(sample, pre_decoded=bool(data.get("pre_decoded")))
@@ -133,8 +136,10 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any],
         line("pre_decode", "already pre-decoded", "the image column holds pixels",
              f"image column type {data.get('image_type')}")
     elif d_ms is None:
+        why = ("the report's sample line says why" if mach.get("decode_failed")
+               else "no image was sampled")
         line("pre_decode", "unknown", "no sampled image could be read and decoded to time "
-             "decoding (the report's sample line says why)", "-")
+             f"decoding ({why})", "-")
     else:
         decoded_bytes = DECODED_SIDE * DECODED_SIDE * 3
         need_bw = demand * decoded_bytes
@@ -220,7 +225,9 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any],
          ("fetching a batch takes longer than decoding it: the loader is I/O-bound, so "
           "prefetch deeper and let the cache and planner cut the fetches" if ratio > 1 else
           "a batch decodes slower than it arrives; a few batches absorb jitter"),
-         f"fetch {fetch_s * 1e3:.0f} ms vs decode {decode_s * 1e3:.0f} ms per {BATCH} images")
+         f"fetch {fetch_s * 1e3:.0f} ms vs decode "
+         + (f"{decode_s * 1e3:.0f} ms per {BATCH} images" if d_ms is not None
+            else f"not measured (taken as 0) per {BATCH} images"))
     # 6. block size
     if d_ms:
         rows = 2 ** round(math.log2(max(1.0, TASK_DECODE_MS / d_ms)))
@@ -318,7 +325,7 @@ def main(ns: Any) -> int:
             if getattr(ns, k, None)}
     if getattr(ns, "anonymous", False):
         opts["anonymous"] = True
-    report = advise(ns.uri, opts or None)
+    report = advise(ns.uri, opts or None, image_column=getattr(ns, "image_column", None))
     if getattr(ns, "json", False):
         print(json.dumps(report, indent=2, default=str))
     else:

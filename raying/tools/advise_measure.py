@@ -43,8 +43,11 @@ class ImageSample:
     unreadable: list[str] = dataclasses.field(default_factory=list)
 
 
-def measure_dataset(fs: pafs.FileSystem, path: str, uri: str) -> dict[str, Any]:
-    """Format, sample count, bytes and file-size spread from one listing (and one footer)."""
+def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
+                    image_column: str | None = None) -> dict[str, Any]:
+    """Format, sample count, bytes and file-size spread from one listing (and one footer).
+    The image column of Parquet is found as :meth:`raying.Manifest.scan` finds it (a
+    ``DataError`` where it cannot tell: pass ``image_column``)."""
     infos = _storage.list_files(fs, path)
     parquet = [i for i in infos if i.path.lower().endswith(PARQUET_EXTENSIONS)]
     images = [i for i in infos if i.path.lower().endswith(IMAGE_EXTENSIONS)]
@@ -77,8 +80,12 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str) -> dict[str, Any]:
         with ThreadPoolExecutor(min(8, len(known))) as pool:
             metas = list(pool.map(footer, known))
         md = metas[0]
-        col = _image_column(md)
-        typ = str(md.schema.to_arrow_schema().field(col).type) if col else "?"
+        from raying.dataset.scan import pick_image_column
+
+        rel = known[0].path[len(path.rstrip("/")) + 1:] if known[0].path != path else ""
+        col = pick_image_column(md.schema.to_arrow_schema(), image_column,
+                                 f"{uri.rstrip('/')}/{rel}" if rel else uri)
+        typ = str(md.schema.to_arrow_schema().field(col).type)
         rows = sum(m.num_rows for m in metas)
         known_bytes = sum(int(i.size) for i in known)
         estimated = len(known) < len(parquet)
@@ -99,15 +106,6 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str) -> dict[str, Any]:
         out.update(samples=len(images), extensions=exts, pre_decoded=False,
                    sample_bytes=int(np.median(sizes)))
     return out
-
-
-def _image_column(md: pq.FileMetaData) -> str | None:
-    schema = md.schema.to_arrow_schema()
-    if "image" in schema.names:
-        return "image"
-    binary = [f.name for f in schema if str(f.type).startswith(("binary", "fixed_size_binary",
-                                                              "large_binary"))]
-    return binary[0] if len(binary) == 1 else None
 
 
 def measure_storage(fs: pafs.FileSystem, data: dict[str, Any], *, seed: int = 0

@@ -54,6 +54,10 @@ def _print(data: Any, as_json: bool) -> None:
         print(f"{k:>22}: {v}")
 
 
+IMAGE_COLUMN_HELP = ("Parquet's image column (default: 'image', else the one binary "
+                     "column)")
+
+
 def cmd_scan(ns: argparse.Namespace) -> int:
     import numpy as np
 
@@ -62,7 +66,7 @@ def cmd_scan(ns: argparse.Namespace) -> int:
     label = None if ns.label == "none" else ns.label
     classes = [c.strip() for c in ns.classes.split(",") if c.strip()] if ns.classes else None
     m = Manifest.scan(ns.uri, format=ns.format, label=label, storage=_storage(ns),
-                      classes=classes)
+                      classes=classes, image_column=ns.image_column)
     if ns.save:
         m.save(ns.save)
     sizes = m.sizes[m.sizes >= 0]
@@ -109,7 +113,7 @@ def cmd_pack(ns: argparse.Namespace) -> int:
                label=None if ns.label == "none" else ns.label, overwrite=ns.overwrite,
                shuffle=not ns.no_shuffle, seed=ns.seed,
                columns=[c.strip() for c in ns.columns.split(",") if c.strip()]
-               if ns.columns else None, format=ns.format)
+               if ns.columns else None, format=ns.format, image_column=ns.image_column)
     out = res.summary()
     _print(out, ns.json)
     for s in res.skipped[:20]:
@@ -147,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--classes", metavar="NAMES",
                    help="comma-separated class names in label order (e.g. the training "
                         "split's), instead of the class folders found")
+    s.add_argument("--image-column", default=None, metavar="NAME", help=IMAGE_COLUMN_HELP)
     s.add_argument("--save", metavar="URI", help="also write the manifest there")
     s.add_argument("--json", action="store_true", help="print JSON")
     _storage_args(s)
@@ -163,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--row-group-rows", type=int, default=None,
                    help="rows per row group (default: RAYING_PACK_ROW_GROUP_ROWS, 256)")
     k.add_argument("--on-error", default="skip", choices=["skip", "raise"])
+    k.add_argument("--image-column", default=None, metavar="NAME", help=IMAGE_COLUMN_HELP)
     k.add_argument("--verify", action="store_true", help="fully decode every image first")
     k.add_argument("--label", default="folder",
                    help="'folder' (class subfolders; for Parquet the 'label' column), a "
@@ -229,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = add("advise", "Measure a dataset, its storage and this machine; recommend a config.")
     a.add_argument("uri", help="dataset URI")
     a.add_argument("--json", action="store_true", help="print JSON")
+    a.add_argument("--image-column", default=None, metavar="NAME", help=IMAGE_COLUMN_HELP)
     _storage_args(a)
     a.set_defaults(func=_lazy("raying.tools.advise", "main"))
 

@@ -223,3 +223,38 @@ def test_cluster_stop_without_a_head_is_done(capsys, tmp_path):
     assert "nothing to stop" in capsys.readouterr().out
     assert cli.main(["cluster", "status", "--state-dir", str(tmp_path / "s")]) == 2
     assert "no local head recorded" in capsys.readouterr().err
+
+
+def test_parquet_with_two_binary_columns_needs_image_column_on_every_command(capsys,
+                                                                            tmp_path):
+    # advise measured such a set with no image column and advised as if decoding were free
+    # (exit 0); scan and pack had no way to name the column from the command line.
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    def jpeg(i, side):
+        buf = io.BytesIO()
+        Image.fromarray(np.full((side, side, 3), i, np.uint8)).save(buf, "JPEG")
+        return buf.getvalue()
+
+    src = tmp_path / "src"
+    src.mkdir()
+    pq.write_table(pa.table({"jpg": [jpeg(i, 16) for i in range(6)],
+                             "thumb": [jpeg(i, 4) for i in range(6)],
+                             "label": [0, 1, 2, 0, 1, 2]}), src / "a.parquet")
+    for cmd in (["scan", str(src)], ["advise", str(src)]):
+        assert cli.main(cmd) == 2
+        err = capsys.readouterr().err
+        assert "binary columns: ['jpg', 'thumb']" in err and "--image-column NAME" in err, err
+    assert cli.main(["scan", str(src), "--label", "label", "--image-column", "jpg",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 6
+    assert cli.main(["advise", str(src), "--image-column", "jpg", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["measured"]["dataset"]["image_column"] == "jpg"
+    assert report["measured"]["machine"]["decode_sampled"] == 6
+    assert report["measured"]["machine"]["decode_ms_per_image"] is not None

@@ -384,8 +384,12 @@ class Pipeline:
     # -- iteration -----------------------------------------------------------------------------
     def _on_account(self, account: UnitAccount) -> None:
         fresh = self.account.add(account)
-        if fresh:
-            self.sampler.set_aside(fresh)  # a bad sample must not keep drawing reads
+        # A bad sample must not keep drawing reads; but a share of a sharded pipeline (a Train
+        # worker) leaves a sampler that plans in this process alone: the other shares never
+        # see its skips, and every share must cut the same plan (its units r, r + W, ...).
+        # There the bad samples are drawn, skipped and reported again each epoch.
+        if fresh and (self.config.shard is None or self.sampler.uses_store):
+            self.sampler.set_aside(fresh)
 
     def start(self, epoch: int | None = None) -> Pipeline:
         """Start Ray (if needed) and the priority store now, not at the first batch; with

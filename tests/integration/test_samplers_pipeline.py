@@ -265,3 +265,36 @@ def test_a_stateful_sampler_belongs_to_one_open_pipeline(manifest, ray_local, ki
     assert sum(len(x["id"]) for x in b.iter_batches(batch_size=16)) == len(manifest)
     a.close()
     b.close()
+
+
+def test_weighted_shares_keep_cutting_one_plan_after_a_skip(tmp_path, ray_local):
+    # Train workers each hold a copy of the sampler: a share that left its own skipped files
+    # out of later plans cut another plan than the others (ids read twice, others never).
+    root = _folder(tmp_path / "sh", [30, 30])
+    (root / "class_00" / "00003.png").write_bytes(b"")  # bad, in some share's units
+    (root / "class_01" / "00007.png").write_bytes(b"not a png")
+    m = raying.Manifest.scan(str(root))
+    cfg = dict(block_rows=8, keep_warm=False)
+    shares = [raying.Pipeline(m, sampler=raying.WeightedSampler(class_balanced=True, seed=2),
+                              transform=raying.ImageTransform(size=8),
+                              config=raying.PipelineConfig(**cfg, shard=(i, 2), name="wsh"))
+              for i in range(2)]
+    try:
+        skipped = 0
+        for epoch in range(3):
+            got = [np.concatenate([b["id"] for b in p.iter_batches(batch_size=8, epoch=epoch)])
+                   for p in shares]
+            plans = [[u.ids.tolist() for u in p.plan(epoch + 1).units] for p in shares]
+            whole = raying.Pipeline(m, sampler=raying.WeightedSampler(class_balanced=True,
+                                                                      seed=2),
+                                    config=raying.PipelineConfig(block_rows=8))
+            units = [u.ids.tolist() for u in whole.plan(epoch + 1).units]
+            whole.close()
+            # The shares' next plans are the units r, r + 2, ... of one plan.
+            assert plans[0] == units[0::2] and plans[1] == units[1::2]
+            skipped = sum(len(p.stats()["skipped"]) for p in shares)
+            assert len(np.concatenate(got)) <= 60
+        assert skipped >= 1  # a bad file was drawn (each epoch draws ~60 of 60 ids i.i.d.)
+    finally:
+        for p in shares:
+            p.close()

@@ -358,8 +358,7 @@ def pick_image_column(schema: pa.Schema, wanted: str | None, where: str) -> str:
         binary = [f.name for f in schema if image_type_ok(f.type)]
         if len(binary) != 1:
             msg = (f"{where}: cannot tell which column holds the images (binary columns: "
-                   f"{binary}); pass image_column='<name>' (on the command line: "
-                   f"--image-column NAME)")
+                   f"{binary}); pass image_column='<name>'")
             raise DataError(msg)
         name = binary[0]
     t = schema.field(name).type

@@ -206,7 +206,7 @@ def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None
         name = old[0].path.rsplit("/", 1)[-1]
         msg = (f"{dst} already holds {len(old)} Parquet file(s) ({name}, ...): a scan of it "
                f"would read their rows with the new shards'. Pack into an empty folder, or "
-               f"pass overwrite=True (raying pack --overwrite) to delete them first")
+               f"pass overwrite=True to delete them first")
         raise ConfigError(msg)
     for info in old:
         try:

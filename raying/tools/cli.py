@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -300,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
         return code
     except RayingError as exc:
-        print(f"raying {ns.command}: error: {exc}", file=sys.stderr)
+        text = _in_flags(str(exc), _subparsers(parser).get(ns.command))
+        print(f"raying {ns.command}: error: {text}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"raying {ns.command}: interrupted", file=sys.stderr)
@@ -327,6 +329,36 @@ def _stdout_closed() -> bool:
         return any(events & select.POLLERR for _, events in poller.poll(0))
     except (OSError, ValueError, AttributeError):  # no real file behind stdout
         return False
+
+
+# A keyword argument in prose, not inside a path or URI (hive folders: .../label=3/...).
+_KEYWORD = re.compile(r"(?<![\w/=.?&-])([a-z_]+)=(None|True|False|'[^']*'|\"[^\"]*\"|"
+                      r"-?\w+(?:\.\w+)*)(?![\w/=])")
+
+
+def _in_flags(text: str, command: argparse.ArgumentParser | None) -> str:
+    """An error's fix in the command's own words: the library's errors name keyword
+    arguments (``label=None``, ``format='images'``), which this command spells as flags
+    (``--label none``, ``--format images``); keywords it has no flag for stay as they are."""
+    if command is None:
+        return text
+    flags = {a.dest: a for a in command._actions if a.option_strings}
+
+    def flag(m: re.Match) -> str:
+        action = flags.get(m.group(1))
+        if action is None:
+            return m.group(0)
+        name = max(action.option_strings, key=len)
+        value = m.group(2).strip("'\"")
+        if action.nargs == 0:  # a switch: --verify for verify=True
+            return name if value == "True" else m.group(0)
+        if value == "None":
+            if "none" not in str(action.help or "") and action.dest != "label":
+                return m.group(0)
+            value = "none"
+        return f"{name} {value}"
+
+    return _KEYWORD.sub(flag, text)
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

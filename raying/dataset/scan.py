@@ -210,15 +210,15 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
 
     file_idx, rg_idx, row_idx, sizes = [], [], [], []
     for k, fm in enumerate(footers):
-        img_pos = schema0.get_field_index(image_col)
+        leaves = _image_leaves(fm.schema, image_col)
         for g in range(fm.num_row_groups):
             rg = fm.row_group(g)
             n = rg.num_rows
             file_idx.append(np.full(n, k, dtype=np.int32))
             rg_idx.append(np.full(n, g, dtype=np.int32))
             row_idx.append(np.arange(n, dtype=np.int32))
-            col_meta = rg.column(img_pos)
-            per_row = col_meta.total_uncompressed_size // max(n, 1)
+            stored = sum(rg.column(i).total_uncompressed_size for i in leaves)
+            per_row = stored // max(n, 1)
             sizes.append(np.full(n, per_row, dtype=np.int64))
     if not file_idx or sum(len(a) for a in file_idx) == 0:
         msg = f"{uri} holds Parquet files but no rows; the dataset is empty"
@@ -407,6 +407,17 @@ def _encoded_kind(t: pa.DataType) -> str | None:
     if pa.types.is_struct(t) and image_type_ok(t):
         return "struct"
     return None
+
+
+def _image_leaves(schema: pq.ParquetSchema, image_col: str) -> list[int]:
+    """The Parquet leaf columns of this file's image column (its position among a file's
+    leaves depends on the columns before it, nested ones included): the column itself, or a
+    struct's ``bytes`` field."""
+    paths = [schema.column(i).path for i in range(len(schema))]
+    for want in (image_col, f"{image_col}.bytes"):
+        if want in paths:
+            return [paths.index(want)]
+    return [i for i, p in enumerate(paths) if p.startswith(f"{image_col}.")]
 
 
 def _is_int(t: pa.DataType) -> bool:

@@ -268,8 +268,8 @@ def _refuse_unarrowable(spec: ReadSpec, block: dict[str, Any], epoch: int) -> No
 
 def _text_and_bytes(value: np.ndarray) -> bool:
     """Whether an object column holds both str and bytes rows."""
-    kinds = {type(v) for v in value if isinstance(v, (str, bytes))}
-    return len(kinds) > 1
+    text = any(isinstance(v, str) for v in value)  # np.str_ is a str, np.bytes_ bytes
+    return text and any(isinstance(v, bytes) for v in value)
 
 
 def _object_rows(block: dict[str, Any]) -> dict[str, str]:

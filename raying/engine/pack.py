@@ -56,7 +56,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     ``.parquet`` files; a folder of images and Parquet files is refused until it says
     ``"images"`` or ``"parquet"``). Parquet input (``src`` a folder of Parquet files, or a
     Parquet ``Manifest``) is read as :meth:`Manifest.scan` reads it: ``label`` names the label column (``"folder"`` reads
-    ``label``), and ``columns=[...]`` carries extra columns (captions, boxes, metadata) into
+    ``label``), ``image_column`` names the image column where it is neither ``image`` nor
+    the files' one binary column, and ``columns=[...]`` carries extra columns (captions, boxes, metadata) into
     the shards under their own names and types, e.g. to pre-decode a captioned set with its
     captions (an extra column holding nulls is refused, as the scan refuses it). The shards'
     ``id`` column holds each row's number in the source (files, row groups, rows in order)
@@ -96,6 +97,10 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
         if columns:
             msg = ("pack(columns=...) is for a folder it scans; a Manifest carries the "
                    "columns it was scanned with: Manifest.scan(src, columns=[...])")
+            raise ConfigError(msg)
+        if image_column is not None:
+            msg = ("pack(image_column=...) is for a folder it scans; a Manifest carries the "
+                   "image column it was scanned with: Manifest.scan(src, image_column=...)")
             raise ConfigError(msg)
         manifest = src
     else:

@@ -263,10 +263,18 @@ class Pipeline:
     def _ended_now(self) -> ConfigError | None:
         """The ended-session error while waiting on the reader thread, None while Ray is up:
         a read the thread waits on inside Ray may never return once Ray is shut down."""
-        return self._ended_error() if self._session_ended() else None
+        try:
+            ended = self._session_ended()
+        except Exception:  # noqa: BLE001 - Ray shut down between its own checks: ended
+            ended = self._ray is not None
+        return self._ended_error() if ended else None
 
     def _ended_error(self, hint: str = "") -> ConfigError:
-        since = "ray.shutdown() and ray.init()" if ray_session() else "ray.shutdown()"
+        try:
+            again = ray_session() is not None
+        except Exception:  # noqa: BLE001 - shut down while asked
+            again = False
+        since = "ray.shutdown() and ray.init()" if again else "ray.shutdown()"
         msg = (f"Pipeline {self.name!r} was started on a Ray session that has ended ({since} "
                f"since): its reads, priority store and object references went with it. "
                f"Build a new Pipeline after ray.init() (load_state_dict(...) of a "
@@ -385,10 +393,11 @@ class Pipeline:
     def _on_account(self, account: UnitAccount) -> None:
         fresh = self.account.add(account)
         # A bad sample must not keep drawing reads; but a share of a sharded pipeline (a Train
-        # worker) leaves a sampler that plans in this process alone: the other shares never
+        # worker) leaves a sampler whose plans it shapes in this process alone (all but the
+        # prioritized one, whose set-asides go to the shared store): the other shares never
         # see its skips, and every share must cut the same plan (its units r, r + W, ...).
-        # There the bad samples are drawn, skipped and reported again each epoch.
-        if fresh and (self.config.shard is None or self.sampler.uses_store):
+        # There the bad samples are drawn and skipped again each epoch.
+        if fresh and (self.config.shard is None or self.sampler.lazy):
             self.sampler.set_aside(fresh)
 
     def start(self, epoch: int | None = None) -> Pipeline:

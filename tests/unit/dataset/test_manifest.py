@@ -375,13 +375,17 @@ def test_files_mixing_binary_kinds_and_their_own_metadata_scan_and_read(tmp_path
             out.append(buf.getvalue())
         return out
 
-    pq.write_table(pa.table({"image": pa.array(jpegs(range(0, 80, 10)), pa.binary()),
-                             "label": [0] * 8, "width": [16] * 8, "height": [12] * 8}),
-                   tmp_path / "a.parquet")
-    pq.write_table(pa.table({"image": pa.array(jpegs(range(80, 160, 10)), pa.large_binary()),
-                             "label": [1] * 8, "width": [16.0] * 8}), tmp_path / "b.parquet")
+    # The image column's place differs (a's metadata columns come first): a sample's size is
+    # its own file's image column's.
+    a_png, b_png = jpegs(range(0, 80, 10)), jpegs(range(80, 160, 10))
+    pq.write_table(pa.table({"label": [0] * 8, "width": [16] * 8, "height": [12] * 8,
+                             "image": pa.array(a_png, pa.binary())}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"label": [1] * 8, "image": pa.array(b_png, pa.large_binary()),
+                             "width": [16.0] * 8}), tmp_path / "b.parquet")
     m = raying.Manifest.scan(str(tmp_path))
     assert len(m) == 16
+    mean = np.mean([len(b) for b in a_png + b_png])
+    assert (m.sizes >= mean * 0.9).all() and (m.sizes <= mean * 1.5).all(), (m.sizes, mean)
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=8, random_crop=False,
                                                               flip=False))
     got = {}

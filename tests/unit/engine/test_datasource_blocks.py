@@ -85,3 +85,18 @@ def test_skips_of_both_paths_are_listed_once_at_their_first_epoch_and_counted():
     assert out["dataset"]["rows_read"] == 10
     # What Ray Data's iterators delivered is not the read tasks' to say: not shown as 0.
     assert "rows_delivered" not in out["dataset"] and "stall_s" not in out["dataset"]
+
+
+def test_text_and_bytes_mixed_in_one_column_is_told_apart_from_numpy_text():
+    from raying.engine.datasource import _text_and_bytes
+
+    def column(*values):
+        out = np.empty(len(values), object)
+        out[:] = list(values)
+        return out
+
+    assert _text_and_bytes(column("a", b"b"))
+    assert _text_and_bytes(column(np.str_("a"), np.bytes_(b"b")))
+    # str beside numpy's str (a column filled partly from a numpy string array) is all text.
+    assert not _text_and_bytes(column("a", np.array(["b"])[0]))
+    assert not _text_and_bytes(column(b"a", np.array([b"b"])[0], None))

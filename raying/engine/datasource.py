@@ -275,14 +275,23 @@ def _text_and_bytes(value: np.ndarray) -> bool:
 def _object_rows(block: dict[str, Any]) -> dict[str, str]:
     """What the rows of each object column are, as ``_arrow_lists`` will carry them: 1-D
     arrays of one numeric dtype become a list column of it, anything else stays Python
-    objects (a block of float32 rows and one of float64 rows would be unified by Ray Data)."""
+    objects (a block of float32 rows and one of float64 rows would be unified by Ray Data);
+    text and bytes are told apart (a block of str rows and one of bytes rows would come back
+    as bytes throughout)."""
     out = {}
     for name, value in block.items():
         if isinstance(value, np.ndarray) and value.dtype == object and len(value):
             kinds = {str(r.dtype) if isinstance(r, np.ndarray) and r.ndim == 1
                      and r.dtype.kind in "biuf" else None for r in value}
             one = kinds.pop() if len(kinds) == 1 else None
-            out[name] = f"1-D {one} arrays" if one is not None else "Python objects"
+            if one is not None:
+                out[name] = f"1-D {one} arrays"
+            elif all(isinstance(r, str) for r in value):
+                out[name] = "str"
+            elif all(isinstance(r, bytes) for r in value):
+                out[name] = "bytes"
+            else:
+                out[name] = "Python objects"
     return out
 
 

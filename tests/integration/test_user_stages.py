@@ -276,6 +276,13 @@ def test_stage_output_ray_data_would_change_is_refused_on_the_dataset_path_too(p
         batch["tag"] = rows
         return batch
 
+    def text_or_bytes(batch):  # str rows in some blocks, bytes in others: bytes throughout
+        rows = np.empty(len(batch["id"]), dtype=object)
+        odd = int(batch["id"].min()) % 2
+        rows[:] = [b"b" if odd else "s" for _ in batch["id"]]
+        batch["tag"] = rows
+        return batch
+
     def days(batch):  # Arrow has no day unit: Ray Data would hand back datetime64[s]
         batch["day"] = np.full(len(batch["id"]), np.datetime64("2026-01-02", "D"))
         return batch
@@ -294,6 +301,8 @@ def test_stage_output_ray_data_would_change_is_refused_on_the_dataset_path_too(p
              (nones, r"returned column 'maybe' with None in it"),
              (complexes, r"returned column 'z' as complex64"),
              (text_and_bytes, r"returned column 'tag' mixing str and bytes"),
+             (text_or_bytes, r"returned column 'tag' with rows of (str|bytes) for some blocks "
+                             r"and of (str|bytes) for others"),
              (days, r"returned column 'day' as datetime64\[D\], .* return it as "
                     r"datetime64\[s\]"),
              (row_dtypes, r"returned column 'rows' with rows of 1-D float\d\d arrays for some "

@@ -46,6 +46,11 @@ class Reporter:
         self.dropped = 0  # reports left when the store's Ray session ended
         self.rejected_length = 0
 
+    @property
+    def pending(self) -> int:
+        """Ids buffered, not sent yet."""
+        return self._count
+
     def add(self, ids: Any, losses: Any) -> None:
         """Buffer one batch of reports; send if the buffer is due."""
         i = to_numpy(ids, dtype=None)

@@ -283,6 +283,10 @@ class PrioritizedSampler:
 
         if self._starting is None:
             return None
+        if self._reporter is not None and self._reporter.pending:
+            # Losses reported and still buffered (e.g. a scoring pass just before the first
+            # epoch) must shape these draws: sent now, the plan comes from the store.
+            self._reporter.flush()
         if (self._fresh and self._reporter is not None and self._reporter.sends == 0
                 and time.monotonic() < self._start_deadline
                 and not st.wait_ready(self.handle, self._starting, timeout_s=0)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -12,9 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raying.errors import ConfigError, DataError, StorageError
+from raying.errors import ConfigError, DataError
 from raying.options import StorageOptions
 from raying.storage import files as _storage
+from raying.storage.errors import NotFoundError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 PARQUET_EXTENSIONS = (".parquet", ".pq")
@@ -185,11 +187,15 @@ class Manifest:
         """Read a manifest written by :meth:`save`."""
         opts = StorageOptions.coerce(storage)
         fs, path = _storage.resolve(uri, opts)
+        # Read as any file is (retried; refused keys and unreachable storage named as such),
+        # then parsed: only what fails to parse is a manifest to write again.
         try:
-            table = pq.read_table(path, filesystem=fs)
-        except FileNotFoundError:
+            data = _storage.read_bytes(fs, path)
+        except NotFoundError:
             msg = f"no manifest at {uri}; write one with Manifest.scan(...).save({uri!r})"
-            raise StorageError(msg) from None
+            raise NotFoundError(msg) from None
+        try:
+            table = pq.read_table(pa.BufferReader(data))
         except (pa.ArrowInvalid, OSError) as exc:
             msg = f"{uri} is not a readable manifest ({exc}); scan the dataset again"
             raise DataError(msg) from None
@@ -203,8 +209,8 @@ class Manifest:
         if "path" in cols:
             cols["path"] = np.asarray(cols["path"], dtype=object)
         saved = {k: v for k, v in meta.get("storage", {}).items() if v is not None}
-        if storage is not None:
-            saved.update({k: v for k, v in opts.public_dict().items() if v})
+        if storage is not None:  # the caller's settings and keys (never saved) win
+            saved.update({k: v for k, v in dataclasses.asdict(opts).items() if v})
         return cls(root=meta["root"], fmt=meta["format"], columns=cols,
                    classes=meta.get("classes"), storage=StorageOptions.coerce(saved),
                    files=meta.get("files"), meta=meta.get("meta"))

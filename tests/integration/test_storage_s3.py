@@ -210,6 +210,36 @@ def test_no_credentials_at_all(auth_server, monkeypatch, no_shared_config):
         storage.read_bytes(fs, path)
 
 
+def test_a_manifest_loaded_with_keys_keeps_them_and_names_refusals(auth_server):
+    # load(storage=...) kept only the settings without secrets: the loaded manifest's reads
+    # went out with the environment's keys. Refused keys and a missing manifest were a
+    # DataError "scan the dataset again".
+    import raying
+    from raying.errors import DataError
+
+    good = auth_server.storage_options
+    m = raying.Manifest.scan(f"s3://{BUCKET}", storage=good)
+    m.save(f"s3://{BUCKET}/saved/m.manifest")
+    loaded = raying.Manifest.load(f"s3://{BUCKET}/saved/m.manifest", storage=good)
+    assert len(loaded) == len(m) == 12
+    assert loaded.storage.secret_access_key == good["secret_access_key"]
+    fs, root = storage.resolve(loaded.root, loaded.storage)
+    first = f"{root}/{loaded.path_of(0)[0]}"
+    assert len(storage.read_bytes(fs, first)) == int(loaded.sizes[0])
+    # What the file holds never carries a secret.
+    raw = storage.read_bytes(*storage.resolve(f"s3://{BUCKET}/saved/m.manifest", good))
+    assert good["secret_access_key"].encode() not in raw
+    bad = {**good, "secret_access_key": CANARY}
+    with pytest.raises(CredentialsError, match="the keys passed in storage= were refused") as e:
+        raying.Manifest.load(f"s3://{BUCKET}/saved/m.manifest", storage=bad)
+    assert CANARY not in str(e.value)
+    with pytest.raises(NotFoundError, match=r"no manifest at s3://raying-storage/saved/x"):
+        raying.Manifest.load(f"s3://{BUCKET}/saved/x.manifest", storage=good)
+    storage.write_bytes_atomic(*storage.resolve(f"s3://{BUCKET}/saved/bad.manifest", good), b"junk")
+    with pytest.raises(DataError, match="is not a readable manifest"):
+        raying.Manifest.load(f"s3://{BUCKET}/saved/bad.manifest", storage=good)
+
+
 # --- faults ---------------------------------------------------------------------------------
 
 

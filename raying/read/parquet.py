@@ -113,13 +113,13 @@ def footer(fs: Any, path: str, stats: OpStats | None = None, *, cache: Any = Non
         size = int.from_bytes(view[:8], "little")
         md = pq.read_metadata(pa.BufferReader(pa.py_buffer(view[8:])))
     else:
-        def read() -> tuple[int, pq.FileMetaData]:
-            with _storage.open_input(fs, path) as fh:
-                return fh.size(), pq.read_metadata(fh)
-
         def count(*_: Any) -> None:
             if stats is not None:
                 stats.retries += 1
+
+        def read() -> tuple[int, pq.FileMetaData]:
+            with _storage.open_input(fs, path, on_retry=count) as fh:  # its retries count too
+                return fh.size(), pq.read_metadata(fh)
 
         size, md = _retry_storage(fs, path, read, count)
         if stats is not None:
@@ -442,13 +442,13 @@ def _read_row_groups(fs: Any, path: str, groups: list[int], col: str | list[str]
     :func:`_retry_storage` says; the retries are counted in ``retried[0]``."""
     cols = [col] if isinstance(col, str) else list(col)
 
-    def read() -> tuple[pq.ParquetFile, pa.Table]:
-        with _storage.open_input(fs, path) as fh:
-            pf = pq.ParquetFile(fh)
-            return pf, pf.read_row_groups(groups, columns=cols)
-
     def count(*_: Any) -> None:
         retried[0] += 1
+
+    def read() -> tuple[pq.ParquetFile, pa.Table]:
+        with _storage.open_input(fs, path, on_retry=count) as fh:  # the open's retries too
+            pf = pq.ParquetFile(fh)
+            return pf, pf.read_row_groups(groups, columns=cols)
 
     return _retry_storage(fs, path, read, count)
 

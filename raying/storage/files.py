@@ -308,13 +308,15 @@ def file_info(fs: pafs.FileSystem, path: str, uri: str | None = None) -> pafs.Fi
     return _retry(lambda: fs.get_file_info(path), fs, path, uri=uri)
 
 
-def open_input(fs: pafs.FileSystem, path: str) -> pafs.NativeFile:
-    """Open ``path`` for random access (e.g. for ``pq.ParquetFile``); the open is retried.
+def open_input(fs: pafs.FileSystem, path: str, *,
+               on_retry: OnRetry | None = None) -> pafs.NativeFile:
+    """Open ``path`` for random access (e.g. for ``pq.ParquetFile``); the open is retried,
+    each retry reported to ``on_retry`` as in :func:`read_bytes`.
 
     Raises:
         NotFoundError, CredentialsError, StorageError: as for :func:`read_bytes`.
     """
-    return _retry(lambda: fs.open_input_file(path), fs, path)
+    return _retry(lambda: fs.open_input_file(path), fs, path, on_retry=on_retry)
 
 
 def make_dirs(fs: pafs.FileSystem, path: str) -> None:

@@ -147,6 +147,8 @@ def test_s3_outage_raises_instead_of_skipping_every_sample(image_folder, ray_loc
             for _ in pipe.iter_batches(batch_size=16, epoch=0):
                 pass
         assert "corrupt" not in str(info.value)
+        # Each open was tried RAYING_READ_RETRIES (5) times: counted as the images' are.
+        assert pipe.stats(sampling=False)["read_retries"] >= 4
         pipe.close()
 
 

@@ -33,10 +33,13 @@ _PLANS_KEPT = 2
 
 
 def anneal_start(epochs: int | None, anneal: float) -> int | None:
-    """The first epoch that reads every sample: ``ceil(anneal * epochs)`` (None: never)."""
+    """The first epoch that reads every sample: ``ceil(anneal * epochs)``, and at the latest
+    the last epoch when ``anneal < 1`` (a short run, e.g. 4 epochs at 0.875, would otherwise
+    never train on the full data); ``epochs`` (never) with ``anneal == 1``; None: never."""
     if epochs is None:
         return None
-    return int(math.ceil(anneal * epochs - 1e-9))
+    start = int(math.ceil(anneal * epochs - 1e-9))
+    return min(start, epochs - 1) if anneal < 1.0 else start
 
 
 # Scores within this relative distance of the mean count as at it, not below: the mean of
@@ -90,8 +93,9 @@ class InfoBatchSampler:
     kept, carries ``weight = 1 / (1 - prune_ratio)``. Multiply the per-sample loss by
     ``batch["weight"]`` before averaging (``(batch["weight"] * loss).mean()``): the epoch's
     expected gradient is then that of the full data. From epoch ``ceil(anneal * epochs)`` on
-    every epoch reads every sample with weight 1 (InfoBatch's annealing: the last epochs train
-    on the full data, so the rescaling leaves no bias at the end). The first epoch reads
+    (the last epoch at the latest, when ``anneal < 1``) every epoch reads every sample with
+    weight 1 (InfoBatch's annealing: the last epochs train on the full data, so the rescaling
+    leaves no bias at the end). The first epoch reads
     everything too: all samples start with the same score.
 
     ``prob`` in the batch is the sample's inclusion probability in this epoch (1 or

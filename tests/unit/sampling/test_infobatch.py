@@ -97,6 +97,9 @@ def test_annealed_epochs_and_equal_scores_read_every_id_once_with_weight_one():
     m = FakeManifest(np.zeros(scores.size, int))
     s = raying.InfoBatchSampler(prune_ratio=0.5, anneal=0.875, epochs=8, seed=0)
     assert anneal_start(8, 0.875) == 7 and anneal_start(20, 0.875) == 18
+    # A short run still ends on the full data; anneal=1 never anneals.
+    assert [anneal_start(e, 0.875) for e in (1, 2, 4, 7)] == [0, 1, 3, 6]
+    assert anneal_start(4, 1.0) == 4 and anneal_start(10, 0.5) == 5
     assert anneal_start(None, 0.875) is None
     for epoch, scored in ((7, scores), (9, scores), (0, np.ones(scores.size))):
         plan = s.plan_from_scores(m, epoch, scored, block_rows=50)

@@ -53,6 +53,17 @@ def below_mean(scores: np.ndarray, mean: float) -> np.ndarray:
     return scores < mean - _MEAN_TIE * abs(mean)
 
 
+def _mean(scores: np.ndarray, weights: np.ndarray | None = None) -> float:
+    """The (``weights``-weighted) mean of the scores that are not NaN; 0 for none."""
+    seen = ~np.isnan(scores)
+    if not seen.any():
+        return 0.0
+    if weights is None:
+        return float(scores[seen].mean())
+    w = weights[seen]
+    return float(w @ scores[seen] / w.sum()) if w.sum() > 0 else 0.0
+
+
 def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator, *,
                mean: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Which samples an epoch keeps, with their inclusion probabilities and weights.
@@ -60,10 +71,12 @@ def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator,
     A sample whose score is below the mean score is *well learned*: it is kept with
     probability ``1 - prune_ratio``, independently of the others, and a kept one carries
     weight ``1 / (1 - prune_ratio)``, so the expected weighted loss (and gradient) of the
-    epoch equals the full epoch's. Every sample at or above the mean is kept with weight 1.
+    epoch equals the full epoch's. Every sample at or above the mean is kept with weight 1,
+    and so is every sample with no score (NaN: no loss reported yet, e.g. one a
+    ``drop_last`` batch or a shortened epoch left out), which the mean leaves out.
 
     Args:
-        scores: one score (the latest reported loss) per candidate sample.
+        scores: one score (the latest reported loss, NaN for none) per candidate sample.
         prune_ratio: the share ``r`` of the well-learned samples dropped, in ``[0, 1)``.
         rng: the plan's generator; one uniform number is drawn per candidate, kept or not.
         mean: the threshold; default the mean of ``scores`` (a prior's plan passes the
@@ -76,8 +89,8 @@ def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator,
     scores = np.asarray(scores, dtype=np.float64)
     coins = rng.random(scores.size)
     if mean is None:
-        mean = float(scores.mean()) if scores.size else 0.0
-    low = below_mean(scores, mean)
+        mean = _mean(scores)
+    low = below_mean(scores, mean)  # False for NaN: a sample never scored is kept
     keep = ~low | (coins >= prune_ratio)
     probs = np.where(low, 1.0 - prune_ratio, 1.0)
     weights = np.where(low, 1.0 / (1.0 - prune_ratio), 1.0)
@@ -96,7 +109,8 @@ class InfoBatchSampler:
     (the last epoch at the latest, when ``anneal < 1``) every epoch reads every sample with
     weight 1 (InfoBatch's annealing: the last epochs train on the full data, so the rescaling
     leaves no bias at the end). The first epoch reads
-    everything too: all samples start with the same score.
+    everything too: no sample has a score yet, and one that still has none later (a
+    ``drop_last`` batch or an epoch cut short left it out) is read with weight 1.
 
     ``prob`` in the batch is the sample's inclusion probability in this epoch (1 or
     ``1 - prune_ratio``). Plans are reproducible from the seed, the epoch and the scores;
@@ -234,14 +248,15 @@ class InfoBatchSampler:
 
     # -- plans ---------------------------------------------------------------------------------
     def scores(self) -> np.ndarray:
-        """Every sample's latest reported loss (all equal before the first report)."""
+        """Every sample's latest reported loss; NaN for a sample with none reported yet
+        (kept, weight 1, left out of the mean)."""
         from raying.sampling import store as st
 
         if self.handle is None:
             msg = "InfoBatchSampler is not bound to a store; build a Pipeline with it first"
             raise ConfigError(msg)
         self.flush()
-        return st.priorities(self.handle)
+        return st.scores(self.handle)
 
     def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:
         """The plan of ``epoch``, from the scores as the epoch starts (fixed once made)."""
@@ -299,7 +314,7 @@ class InfoBatchSampler:
             ids: Any = u.ids
             u.probs = probs[ids]
             u.weights = weights[ids].astype(np.float32)
-        below = float(np.mean(below_mean(scores[candidates], scores[candidates].mean()))) \
+        below = float(np.mean(below_mean(scores[candidates], _mean(scores[candidates])))) \
             if candidates.size else 0.0
         w_kept = weights[keep]
         self._per_epoch[int(epoch)] = {
@@ -324,7 +339,7 @@ class InfoBatchSampler:
         q = q / q.sum()
         k = self.samples_per_epoch or len(manifest)
         draws = rng.choice(len(manifest), size=k, replace=True, p=q).astype(np.int64)
-        mean = float(q @ scores)
+        mean = _mean(scores, q)
         keep, _, weights_d = prune_plan(scores[draws], ratio, rng, mean=mean)
         kept = draws[keep]
         # A sample's keep probability and weight depend on its score only, so every draw of

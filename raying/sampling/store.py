@@ -403,6 +403,12 @@ def priorities(handle: StoreHandle, ids: Any = None) -> np.ndarray:
     return out
 
 
+def scores(handle: StoreHandle) -> np.ndarray:
+    """Every id's latest reported loss, NaN where none was reported (after queued updates)."""
+    return np.concatenate(_get([a.scores.remote() for a in handle.actors], "scores",
+                               handle.name))
+
+
 def flush(handle: StoreHandle) -> None:
     """Wait until every update this process sent has been applied (Ray keeps per-caller order)."""
     _get([a.flush.remote() for a in handle.actors], "a flush", handle.name)

@@ -313,6 +313,14 @@ class StoreActor:
             self._apply_pending()
             return self.table.priorities(ids)
 
+    def scores(self) -> np.ndarray:
+        """Every local row's latest reported loss, NaN where none was reported."""
+        with self._lock:
+            self._apply_pending()
+            out = self.table.priorities()
+            out[~self.table.reported()] = np.nan
+            return out
+
     def stats(self) -> dict[str, Any]:
         """Counters, the leaf sums, the age summary and snapshot health of this shard."""
         with self._lock:

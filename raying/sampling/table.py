@@ -330,6 +330,10 @@ class PriorityTable:
         """The stored priorities (before alpha and the cap) of the given ids, as a copy."""
         return self._raw.copy() if ids is None else self._raw[self._index(ids)]
 
+    def reported(self) -> np.ndarray:
+        """Whether each row's priority was ever updated (a loss reported), as a new array."""
+        return self._last > 0
+
     @property
     def rng(self) -> np.random.Generator:
         """The table's random generator (its state is part of ``state_dict``)."""

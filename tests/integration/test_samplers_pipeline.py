@@ -78,6 +78,31 @@ def test_infobatch_prunes_the_well_learned_and_reweights_them(manifest, ray_loca
         pipe.close()
 
 
+def test_infobatch_reads_the_samples_no_loss_was_reported_for(manifest, ray_local):
+    # A drop_last epoch reported 168 of 200 losses (all 2.3): the 32 others kept their
+    # initial score, below that mean, and were pruned as well learned (45 of 88 in a trial).
+    s = raying.InfoBatchSampler(prune_ratio=0.5, epochs=10, seed=2)
+    pipe = _pipe(manifest, s, "ib-unseen")
+    try:
+        seen = []
+        for b in pipe.iter_batches(batch_size=56, epoch=0, drop_last=True):
+            pipe.report(b["id"], np.full(len(b["id"]), 2.3))
+            seen.append(b["id"])
+        seen = np.concatenate(seen)
+        assert len(seen) == 168
+        pipe.sampler.flush()
+        store.flush(pipe.sampler.handle)
+        rows = list(pipe.iter_batches(batch_size=50, epoch=1))
+        ids = np.concatenate([b["id"] for b in rows])
+        w = np.concatenate([b["weight"] for b in rows])
+        unseen = np.setdiff1d(np.arange(200), seen)
+        assert set(unseen.tolist()) <= set(ids.tolist()), "every unscored id is read"
+        assert np.all(w[np.isin(ids, unseen)] == 1.0)
+        assert len(np.unique(ids)) == len(ids) == 200  # equal losses: nothing below the mean
+    finally:
+        pipe.close()
+
+
 def test_infobatch_resume_mid_epoch_repeats_and_skips_nothing(manifest, ray_local):
     a = _pipe(manifest, raying.InfoBatchSampler(prune_ratio=0.5, epochs=6, seed=2), "ib-a")
     try:

@@ -322,3 +322,36 @@ def test_a_copy_leaves_the_priors_probabilities_behind_and_recomputes_them():
     assert copy._prior_q is None and copy.prior == {0: 5.0}
     again = copy.plan_from_scores(m, 1, scores, block_rows=64)
     assert np.array_equal(_plan_ids(again), _plan_ids(plan))
+
+
+def test_samples_never_scored_are_kept_with_weight_one_and_left_out_of_the_mean():
+    # A drop_last batch, a steps_per_epoch loop or a break leaves ids without a loss: they
+    # were pruned like well-learned ones (their initial score sat below the losses' mean).
+    scores = _scores()
+    unseen = np.zeros(scores.size, bool)
+    unseen[::7] = True
+    with_nan = np.where(unseen, np.nan, scores)
+    seen_mean = scores[~unseen].mean()
+    kept = np.zeros(scores.size)
+    for e in range(400):
+        keep, probs, weights = prune_plan(with_nan, 0.5, np.random.default_rng([3, e]))
+        kept += keep
+        assert np.all(probs[unseen] == 1.0) and np.all(weights[unseen] == 1.0)
+        low = scores < seen_mean
+        assert np.array_equal(weights[~unseen], np.where(low[~unseen], 2.0, 1.0))
+    assert np.all(kept[unseen] == 400)
+    # No score at all (before the first report): everything, weight 1.
+    keep, probs, weights = prune_plan(np.full(50, np.nan), 0.5, np.random.default_rng(0))
+    assert keep.all() and (probs == 1).all() and (weights == 1).all()
+    # Through a plan, with and without a prior (whose i.i.d. draws keep every draw of one).
+    m = FakeManifest(np.arange(scores.size) % 2)
+    for prior in (None, raying.WeightedSampler(class_balanced=True)):
+        s = raying.InfoBatchSampler(prune_ratio=0.5, epochs=10, seed=1, prior=prior,
+                                    samples_per_epoch=3 * scores.size if prior else None)
+        plan = s.plan_from_scores(m, 2, with_nan, block_rows=50)
+        ids = _plan_ids(plan)
+        w = np.concatenate([u.weights for u in plan.units])
+        if prior is None:
+            assert set(np.flatnonzero(unseen).tolist()) <= set(ids.tolist())
+        assert unseen[ids].any() and np.all(w[unseen[ids]] == 1.0)
+        assert np.all(w[~unseen[ids] & (scores[ids] < seen_mean - 0.05)] == 2.0)

@@ -58,10 +58,15 @@ def _mean(scores: np.ndarray, weights: np.ndarray | None = None) -> float:
     seen = ~np.isnan(scores)
     if not seen.any():
         return 0.0
+    x = scores[seen]
+    top = float(np.max(np.abs(x)))
+    if not 0.0 < top < np.inf:
+        return top
+    x = x / top  # losses near float64's top would sum to inf (and every comparison fail)
     if weights is None:
-        return float(scores[seen].mean())
+        return float(x.mean()) * top
     w = weights[seen]
-    return float(w @ scores[seen] / w.sum()) if w.sum() > 0 else 0.0
+    return float(w @ x / w.sum()) * top if w.sum() > 0 else 0.0
 
 
 def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator, *,

@@ -355,3 +355,10 @@ def test_samples_never_scored_are_kept_with_weight_one_and_left_out_of_the_mean(
             assert set(np.flatnonzero(unseen).tolist()) <= set(ids.tolist())
         assert unseen[ids].any() and np.all(w[unseen[ids]] == 1.0)
         assert np.all(w[~unseen[ids] & (scores[ids] < seen_mean - 0.05)] == 2.0)
+
+
+def test_losses_near_the_top_of_float64_still_prune_the_smaller_ones():
+    scores = np.concatenate([np.full(50, 1.0), np.full(50, 1e307)])
+    keep, probs, weights = prune_plan(scores, 0.5, np.random.default_rng(0))
+    assert np.all(probs[:50] == 0.5) and np.all(probs[50:] == 1.0)
+    assert np.all(weights[:50] == 2.0) and keep[50:].all()

@@ -173,6 +173,10 @@ class BlockStream:
         # still be pulling); the lock keeps their steps on the shared state apart.
         self._lock = threading.RLock()
         self._generation = 0
+        # Read tasks of a stopped epoch still running after the read-out wait: held, and their
+        # errors read once they finish (freed unread, Ray prints each as "Unhandled error",
+        # in the middle of whatever the user runs next).
+        self._unread: list[Any] = []
         self._closed = False  # close(): iterators still running stop with CLOSED
 
     # -- submission ----------------------------------------------------------------------------
@@ -305,6 +309,8 @@ class BlockStream:
             on_last_unit(last)
         index = start_unit
         while index <= last:
+            if self._unread:
+                self._reap_unread()
             k = 0
             while True:  # the unit's parts, in order
                 if not ray.is_initialized():  # submitting would start a new Ray (auto-init)
@@ -330,7 +336,7 @@ class BlockStream:
                                 others = []
                         cause = getattr(exc, "cause", None)
                         more = _read_out_failures(others, DEFAULT_READ_OUT_S, epoch=epoch,
-                                                  raised=cause)
+                                                  raised=cause, left=self._unread)
                         if isinstance(cause, RayingError):
                             cause.read_retries = getattr(cause, "read_retries", 0) + more
                             raise cause from None
@@ -352,6 +358,33 @@ class BlockStream:
                     break
                 k += 1
             index += 1
+
+    def _reap_unread(self) -> None:
+        """Read the parts of the held tasks of a stopped epoch that have finished since (their
+        errors were the stopped epoch's, logged then); the others stay held."""
+        import ray
+
+        tasks, self._unread[:] = list(self._unread), []
+        if not tasks or not ray.is_initialized():
+            return
+        try:
+            done, _ = ray.wait([t.completed() for t in tasks], num_returns=len(tasks),
+                               timeout=0)
+        except ray.exceptions.RayError:
+            return  # lost with their workers: nothing to read
+        finished = {d.hex() for d in done}
+        for task in tasks:
+            if task.completed().hex() not in finished:
+                self._unread.append(task)
+                continue
+            try:
+                for part in task:  # a finished task's parts are all there: no wait
+                    try:
+                        ray.get(part)
+                    except ray.exceptions.RayError:
+                        logger.debug("a read task of a stopped epoch failed", exc_info=True)
+            except Exception:  # noqa: BLE001 - Ray itself gone: nothing left to read
+                logger.debug("a dropped read task not read out", exc_info=True)
 
     def _check(self, mine: int) -> None:
         if self._generation != mine:
@@ -387,6 +420,9 @@ class BlockStream:
             self._closed = True
             running = [*self._inflight.values(), *self._reading.values()]
             self._cancel()
+            if self._unread:
+                self._reap_unread()  # the rest are dropped: Ray may print their errors
+                self._unread.clear()
         return running
 
     def wait_done(self, tasks: list[Any], timeout_s: float) -> bool:
@@ -423,14 +459,16 @@ def _parts(ref: Any) -> Iterator[Any]:
 
 
 def _read_out_failures(keyed: list[tuple[tuple[int, int, int], Any]], timeout_s: float, *,
-                       epoch: int = -1, raised: BaseException | None = None) -> int:
+                       epoch: int = -1, raised: BaseException | None = None,
+                       left: list[Any] | None = None) -> int:
     """After a read error (``raised``) stopped ``epoch``: wait up to ``timeout_s`` for the
     other dropped tasks (``keyed`` by (epoch, unit, part); at most a window of units) and read
     each one's parts, logging the errors of those that failed too, each once, with the epoch
     it was read for (the next epoch's first units are read ahead). The same user function
     failing again is the raised error's bug: counted, not logged again. Read, their errors
     are handled; freed unread, Ray would print each as an "Unhandled error" traceback. Tasks
-    still running after ``timeout_s`` are dropped unread. Done before the first error is
+    still running after ``timeout_s`` are dropped unread, or handed to ``left`` to be read
+    when they finish. Done before the first error is
     raised, in this thread, so nothing outlives the pipeline or races Ray's shutdown.
     Returns the read retries the failed ones made (their accounts are lost with them)."""
     import ray
@@ -447,6 +485,8 @@ def _read_out_failures(keyed: list[tuple[tuple[int, int, int], Any]], timeout_s:
     except ray.exceptions.RayError:
         return retries  # a task lost with its worker: nothing more to read here
     finished = {d.hex() for d in done}
+    if left is not None:
+        left.extend(t for t in tasks if t.completed().hex() not in finished)
     # Each distinct error once, with how many parts had it: by (its epoch, text).
     failed: dict[tuple[int, str], int] = {}
     try:

@@ -176,7 +176,7 @@ class BlockStream:
         # Read tasks of a stopped epoch still running after the read-out wait: held, and their
         # errors read once they finish (freed unread, Ray prints each as "Unhandled error",
         # in the middle of whatever the user runs next).
-        self._unread: list[Any] = []
+        self._unread: list[tuple[tuple[int, int, int], Any, Any]] = []  # (key, task, bug)
         self._closed = False  # close(): iterators still running stop with CLOSED
 
     # -- submission ----------------------------------------------------------------------------
@@ -335,8 +335,9 @@ class BlockStream:
                             else:
                                 others = []
                         cause = getattr(exc, "cause", None)
-                        more = _read_out_failures(others, DEFAULT_READ_OUT_S, epoch=epoch,
-                                                  raised=cause, left=self._unread)
+                        more = _read_out_failures(
+                            others, DEFAULT_READ_OUT_S, epoch=epoch, raised=cause,
+                            left=lambda keyed, bug=cause: self._hold(keyed, bug))
                         if isinstance(cause, RayingError):
                             cause.read_retries = getattr(cause, "read_retries", 0) + more
                             raise cause from None
@@ -359,32 +360,37 @@ class BlockStream:
                 k += 1
             index += 1
 
-    def _reap_unread(self) -> None:
-        """Read the parts of the held tasks of a stopped epoch that have finished since (their
-        errors were the stopped epoch's, logged then); the others stay held."""
+    def _hold(self, keyed: list[tuple[tuple[int, int, int], Any]], bug: Any) -> None:
+        """Keep a stopped epoch's tasks that still ran after the read-out wait (with the error
+        that stopped it) until they finish; a closed stream drops them."""
+        with self._lock:
+            if not self._closed:
+                self._unread.extend((key, task, bug) for key, task in keyed)
+
+    def _reap_unread(self) -> list[Any]:
+        """Read out the held tasks that have finished since, as :func:`_read_out_failures`
+        reads the others of a stopped epoch (each distinct error logged once); the rest
+        stay held unless the stream is closed. Returns those still running."""
         import ray
 
-        tasks, self._unread[:] = list(self._unread), []
-        if not tasks or not ray.is_initialized():
-            return
+        with self._lock:
+            held, self._unread = self._unread, []
+        if not held or not ray.is_initialized():
+            return []
         try:
-            done, _ = ray.wait([t.completed() for t in tasks], num_returns=len(tasks),
+            done, _ = ray.wait([t.completed() for _, t, _ in held], num_returns=len(held),
                                timeout=0)
         except ray.exceptions.RayError:
-            return  # lost with their workers: nothing to read
+            return []  # lost with their workers: nothing to read
         finished = {d.hex() for d in done}
-        for task in tasks:
-            if task.completed().hex() not in finished:
-                self._unread.append(task)
-                continue
-            try:
-                for part in task:  # a finished task's parts are all there: no wait
-                    try:
-                        ray.get(part)
-                    except ray.exceptions.RayError:
-                        logger.debug("a read task of a stopped epoch failed", exc_info=True)
-            except Exception:  # noqa: BLE001 - Ray itself gone: nothing left to read
-                logger.debug("a dropped read task not read out", exc_info=True)
+        left = [(k, t, b) for k, t, b in held if t.completed().hex() not in finished]
+        for key, task, bug in held:
+            if task.completed().hex() in finished:
+                _read_out_failures([(key, task)], 0.0, epoch=key[0], raised=bug)
+        with self._lock:
+            if not self._closed:
+                self._unread = left + self._unread
+        return [t for _, t, _ in left]
 
     def _check(self, mine: int) -> None:
         if self._generation != mine:
@@ -420,10 +426,8 @@ class BlockStream:
             self._closed = True
             running = [*self._inflight.values(), *self._reading.values()]
             self._cancel()
-            if self._unread:
-                self._reap_unread()  # the rest are dropped: Ray may print their errors
-                self._unread.clear()
-        return running
+        # The held tasks still running: for the caller to wait for, then dropped.
+        return running + self._reap_unread()
 
     def wait_done(self, tasks: list[Any], timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for ``tasks`` (from :meth:`close`) to finish; True when
@@ -460,16 +464,19 @@ def _parts(ref: Any) -> Iterator[Any]:
 
 def _read_out_failures(keyed: list[tuple[tuple[int, int, int], Any]], timeout_s: float, *,
                        epoch: int = -1, raised: BaseException | None = None,
-                       left: list[Any] | None = None) -> int:
+                       left: Callable[[list[tuple[tuple[int, int, int], Any]]], None]
+                       | None = None) -> int:
     """After a read error (``raised``) stopped ``epoch``: wait up to ``timeout_s`` for the
     other dropped tasks (``keyed`` by (epoch, unit, part); at most a window of units) and read
     each one's parts, logging the errors of those that failed too, each once, with the epoch
     it was read for (the next epoch's first units are read ahead). The same user function
     failing again is the raised error's bug: counted, not logged again. Read, their errors
     are handled; freed unread, Ray would print each as an "Unhandled error" traceback. Tasks
-    still running after ``timeout_s`` are dropped unread, or handed to ``left`` to be read
-    when they finish. Done before the first error is
-    raised, in this thread, so nothing outlives the pipeline or races Ray's shutdown.
+    still running after ``timeout_s`` are dropped unread, or handed to ``left`` (with their
+    keys) to be read out the same way once they finish. Done before the first error is
+    raised, in this thread; the tasks handed to ``left`` are read out the same way by the
+    stream once they finish (at its next unit, or at its close, which returns those still
+    running for the pipeline to wait for).
     Returns the read retries the failed ones made (their accounts are lost with them)."""
     import ray
 
@@ -486,7 +493,7 @@ def _read_out_failures(keyed: list[tuple[tuple[int, int, int], Any]], timeout_s:
         return retries  # a task lost with its worker: nothing more to read here
     finished = {d.hex() for d in done}
     if left is not None:
-        left.extend(t for t in tasks if t.completed().hex() not in finished)
+        left([(k, t) for k, t in keyed if t.completed().hex() not in finished])
     # Each distinct error once, with how many parts had it: by (its epoch, text).
     failed: dict[tuple[int, str], int] = {}
     try:
@@ -494,7 +501,7 @@ def _read_out_failures(keyed: list[tuple[tuple[int, int, int], Any]], timeout_s:
             try:
                 if task.completed().hex() not in finished:
                     continue
-                for part in task:  # a finished task's parts are all there: no wait
+                for part in _parts(task):  # a finished task's parts are all there
                     try:
                         ray.get(part)
                     except ray.exceptions.RayError as exc:

@@ -210,7 +210,13 @@ class Manifest:
             cols["path"] = np.asarray(cols["path"], dtype=object)
         saved = {k: v for k, v in meta.get("storage", {}).items() if v is not None}
         if storage is not None:  # the caller's settings and keys (never saved) win
-            saved.update({k: v for k, v in dataclasses.asdict(opts).items() if v})
+            fields = dataclasses.asdict(opts)
+            given = ({k: fields[k] for k in storage} if isinstance(storage, dict)
+                     else {k: v for k, v in fields.items() if v})
+            if any(given.get(k) for k in ("access_key_id", "secret_access_key",
+                                          "session_token", "profile")):
+                saved.pop("anonymous", None)  # a set scanned unsigned, read with keys now
+            saved.update(given)
         return cls(root=meta["root"], fmt=meta["format"], columns=cols,
                    classes=meta.get("classes"), storage=StorageOptions.coerce(saved),
                    files=meta.get("files"), meta=meta.get("meta"))

@@ -525,7 +525,7 @@ def _read_labels(fs, infos, uris, col: str, workers: int) -> tuple[np.ndarray, l
         values = values.astype(np.int64)
         if len(values) and (values == -1).all():
             msg = (f"{uris[k]}: label column {col!r} holds -1 in every row (packed without "
-                   f"labels): scan it with label=None (raying scan --label none)")
+                   f"labels): scan it with label=None")
             raise DataError(msg)
         if len(values) and values.min() < 0:
             first = int(np.flatnonzero(values < 0)[0])

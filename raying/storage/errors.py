@@ -262,7 +262,7 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
     """Run ``call()``; on a transient failure wait (exponential backoff, jitter) and run it again.
 
     A call without ``on_retry`` (one made where no account counts the retries: a scan, a
-    listing, advise, a file's open) logs its first retry as a warning, at most once every
+    listing, advise, a file's open outside a read task) logs its first retry as a warning, at most once every
     ``RETRY_WARNING_EVERY_S`` per process, so a run waiting on storage that does not answer
     says so before its attempts run out (each may take the SDK's own retries and timeouts: a
     minute or more against an endpoint that accepts and never answers).

@@ -332,8 +332,8 @@ def _stdout_closed() -> bool:
 
 
 # A keyword argument in prose, not inside a path or URI (hive folders: .../label=3/...).
-_KEYWORD = re.compile(r"(?<![\w/=.?&-])([a-z_]+)=(None|True|False|'[^']*'|\"[^\"]*\"|"
-                      r"-?\w+(?:\.\w+)*)(?![\w/=])")
+_KEYWORD = re.compile(r"(?<![\w/\\=.?&'\"-])([a-z_]+)=(None|True|False|'[^']*'|\"[^\"]*\"|"
+                      r"-?\d+(?:\.\d+)?|\w+)(?![\w/\\=]|\.\w|')")
 
 
 def _in_flags(text: str, command: argparse.ArgumentParser | None) -> str:
@@ -356,7 +356,7 @@ def _in_flags(text: str, command: argparse.ArgumentParser | None) -> str:
             if "none" not in str(action.help or "") and action.dest != "label":
                 return m.group(0)
             value = "none"
-        return f"{name} {value}"
+        return f"{name} {value!r}" if " " in value else f"{name} {value}"
 
     return _KEYWORD.sub(flag, text)
 

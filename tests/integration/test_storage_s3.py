@@ -240,6 +240,22 @@ def test_a_manifest_loaded_with_keys_keeps_them_and_names_refusals(auth_server):
         raying.Manifest.load(f"s3://{BUCKET}/saved/bad.manifest", storage=good)
 
 
+def test_a_manifest_scanned_unsigned_loads_with_keys(dataset_uri, s3_endpoint):
+    import raying
+
+    m = raying.Manifest.scan(dataset_uri, storage={"endpoint_url": s3_endpoint,
+                                                   "anonymous": True})
+    uri = f"s3://{BUCKET}/saved/anon-{uuid.uuid4().hex}.manifest"
+    m.save(uri, storage={"endpoint_url": s3_endpoint})  # moto keeps unsigned PUTs' chunking
+    keys = {"endpoint_url": s3_endpoint, "access_key_id": "AKIAEXAMPLE000000000",
+            "secret_access_key": "x" * 40}
+    loaded = raying.Manifest.load(uri, storage=keys)
+    assert not loaded.storage.anonymous and loaded.storage.access_key_id == keys[
+        "access_key_id"]
+    again = raying.Manifest.load(uri, storage={"endpoint_url": s3_endpoint})
+    assert again.storage.anonymous  # what the file says, where the caller says nothing else
+
+
 # --- faults ---------------------------------------------------------------------------------
 
 

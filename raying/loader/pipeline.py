@@ -729,8 +729,9 @@ class Pipeline:
         the next epoch: resume with ``epoch=state["epoch"]``, whether the state was taken
         mid-epoch or after it. Through ``to_tf`` the position counts the batches handed to
         tf.data, which prefetches ahead of the model. Save it with ``pickle`` or
-        ``torch.save``: a prioritized sampler's state holds numpy arrays (every priority),
-        which JSON does not take; a uniform one's is plain numbers.
+        ``torch.save``: a prioritized or InfoBatch sampler's state holds numpy arrays (every
+        priority or score), which JSON does not take; a uniform or weighted one's is plain
+        numbers and lists.
         """
         if self._closed and self.sampler.uses_store:
             msg = (f"state_dict() of Pipeline {self.name!r} after close(): its priority store "

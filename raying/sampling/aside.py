@@ -55,8 +55,9 @@ class SetAside:
 
     def state(self) -> dict[str, Any]:
         with self._lock:
-            return {"set_aside": self.ids.copy(),
-                    "plan_set_aside": {e: a.copy() for e, a in self._at.items()}}
+            # Lists and string keys: a state JSON can carry (load takes either form).
+            return {"set_aside": self.ids.tolist(),
+                    "plan_set_aside": {str(e): a.tolist() for e, a in self._at.items()}}
 
     def load(self, state: dict[str, Any]) -> None:
         """From :meth:`state` (a state without per-epoch sets leaves every plan the whole

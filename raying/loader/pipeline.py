@@ -547,7 +547,9 @@ class Pipeline:
         ``image`` is float32 NCHW normalized on the device (``normalize=True``), or uint8
         NHWC (``normalize=False``). ``id``/``label`` int64, ``weight`` float32, ``prob``
         float64. Extra columns are tensors where they hold numbers, else lists (one ``str``,
-        ``bytes`` or 1-D tensor per row).
+        ``bytes`` or 1-D tensor per row). ``pin_memory`` (default: on for a CUDA device)
+        pins the host copy a CUDA transfer starts from; with ``device="cpu"`` there is no
+        transfer and it does nothing.
         """
         from raying.options import DEFAULT_MEAN, DEFAULT_STD
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -105,6 +106,12 @@ def parse_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             p.error(f"argument {action.option_strings[0]}: {value!r}: must be an integer of "
                     f"1 or more")
+    for name in ("cpus_per_worker", "lr"):  # here, not as Ray Train's controller error
+        value = getattr(args, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            p.error(f"argument --{name.replace('_', '-')}: {value!r}: must be a finite number "
+                    f"above 0")
     if getattr(args, "_needs_data", False) and not args.data and not args.smoke_test:
         # here, not after Ray has started (seconds later)
         p.error("--data URI is required (or --smoke-test for generated data)")

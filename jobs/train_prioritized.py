@@ -91,6 +91,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--arms takes uniform and/or prioritized, got {args.arms!r}")
     if args.seeds < 1:
         p.error(f"--seeds must be >= 1, got {args.seeds}")
+    if not 0.0 < args.target <= 1.0:
+        p.error(f"--target is a balanced accuracy in (0, 1], got {args.target!r}")
+    if "prioritized" in args.arms:  # the sampler's own checks, before the uniform arm trains
+        import raying
+
+        try:
+            raying.PrioritizedSampler(alpha=args.alpha, beta=args.beta,
+                                      uniform_mix=args.uniform_mix, guard=args.guard)
+        except raying.ConfigError as exc:
+            p.error(str(exc))
     return args
 
 

@@ -56,7 +56,17 @@ def _resources(text: str) -> dict[str, float]:
 def _print_started(cluster: LocalCluster, state_dir: str | None = None) -> None:
     print(f"head:       {cluster.address}  (ray.init(address=...) needs the env below)")
     print(f"dashboard:  {cluster.dashboard_url}  (127.0.0.1 only; token auth on)")
-    print(f"token file: {cluster.token_file}  (mode 0600; never paste it into a job)")
+    try:
+        mode = Path(cluster.token_file).stat().st_mode & 0o777
+    except OSError:
+        mode = None
+    shown = f"mode {mode:04o}" if mode is not None else "mode unknown"
+    print(f"token file: {cluster.token_file}  ({shown}; never paste it into a job)")
+    if mode is not None and mode & 0o077:
+        # A token file given with --token-file is used as it is (Ray's own ~/.ray/auth_token
+        # may be 0644): say so rather than print the mode raying creates its own with.
+        print(f"warning:    others on this machine can read the token: chmod 600 "
+              f"{cluster.token_file}")
     print("submit a job:")
     print(f"  {cluster.submit_command()}")
     print("from Python:")

@@ -80,6 +80,36 @@ def test_job_numbers_must_be_positive_from_the_command_line_and_config(tmp_path,
         common.parse_args(parser(), [])
     assert "--data URI is required" in capsys.readouterr().err
     assert common.parse_args(parser(), ["--smoke-test", "--epochs", "2"]).epochs == 2
+    # Per-worker CPUs and learning rates: finite and above 0, before Ray starts (a negative
+    # share was Ray Train's controller error 12 s in; a NaN rate trained to a NaN loss).
+    def train_parser() -> argparse.ArgumentParser:
+        p = parser()
+        p.add_argument("--cpus-per-worker", type=float)
+        p.add_argument("--lr", type=float)
+        return p
+
+    for bad in (["--cpus-per-worker", "-1"], ["--lr", "nan"], ["--lr", "0"]):
+        with pytest.raises(SystemExit):
+            common.parse_args(train_parser(), ["--smoke-test", *bad])
+        assert f"argument {bad[0]}: " in capsys.readouterr().err
+    got = common.parse_args(train_parser(), ["--smoke-test", "--cpus-per-worker", "0.5"])
+    assert got.cpus_per_worker == 0.5
+
+
+def test_prioritized_job_checks_its_sampler_before_the_uniform_arm_trains(capsys):
+    sys.path.insert(0, str(JOBS))
+    try:
+        import train_prioritized
+    finally:
+        sys.path.remove(str(JOBS))
+    for bad, says in ((["--beta", "-1"], "beta=...) must be in [0, 1]"),
+                      (["--uniform-mix", "2"], "uniform_mix must be"),
+                      (["--target", "5"], "--target is a balanced accuracy in (0, 1]")):
+        with pytest.raises(SystemExit):
+            train_prioritized.parse_args(["--smoke-test", *bad])
+        assert says in capsys.readouterr().err
+    # The uniform arm alone does not build the sampler.
+    assert train_prioritized.parse_args(["--smoke-test", "--arms", "uniform", "--beta", "-1"])
 
 
 def test_job_entry_point_turns_raying_errors_into_one_line(capsys):
@@ -286,3 +316,23 @@ def test_errors_name_the_commands_flags_not_the_librarys_keywords(capsys, tmp_pa
     for kept in ("'seed=3' is not a folder", "file seed=1.parquet", r"C:\d\label=3\x"):
         assert _in_flags(kept, scan) == kept
     assert _in_flags("pass label='<column or key>'", scan) == "pass --label '<column or key>'"
+
+
+def test_cluster_start_shows_the_token_files_real_mode(tmp_path, capsys):
+    # A --token-file given was used as it was and printed as "mode 0600" whatever it was
+    # (Ray's own ~/.ray/auth_token may be 0644).
+    import os
+    import types
+
+    from raying.tools.cluster_cli import _print_started
+
+    token = tmp_path / "auth_token"
+    token.write_text("abc")
+    fake = types.SimpleNamespace(address="127.0.0.1:6380", dashboard_url="http://127.0.0.1:8265",
+                                 token_file=str(token), submit_command=lambda: "ray job submit")
+    for mode, warned in ((0o644, True), (0o600, False)):
+        os.chmod(token, mode)
+        _print_started(fake)
+        out = capsys.readouterr().out
+        assert f"(mode {mode:04o};" in out, out
+        assert ("others on this machine can read the token: chmod 600" in out) == warned

@@ -63,7 +63,8 @@ class Manifest:
              image_column: str | None = None,
              extensions: tuple[str, ...] = IMAGE_EXTENSIONS,
              classes: list[str] | None = None,
-             columns: list[str] | tuple[str, ...] | None = None) -> Manifest:
+             columns: list[str] | tuple[str, ...] | dict[str, str] | None = None
+             ) -> Manifest:
         """List a dataset once and give every sample an id.
 
         Args:
@@ -87,7 +88,10 @@ class Manifest:
             columns: Parquet only: more columns to carry into every batch under their own
                 names (captions, boxes, per-sample metadata): numbers, strings, bytes, and
                 lists of numbers (see :mod:`raying.dataset.columns`). Every file must have
-                them, with one type.
+                them, with one type. A dict ``{parquet_name: batch_key}`` carries a column
+                under another key: a column whose name every batch already uses for its
+                own (``id``, ``weight``, ``prob``) comes through as
+                ``columns={"id": "source_id"}``.
 
         Returns:
             The manifest. One listing of the storage, no Ray tasks.
@@ -145,7 +149,8 @@ class Manifest:
             extensions = (extensions,)
         endings = tuple("." + e.lower().lstrip(".") for e in extensions)  # ".JPG", "png" too
         if columns:
-            msg = (f"columns={columns} reads Parquet columns, but {uri} is scanned as an image "
+            msg = (f"columns={[a for a, _ in columns]} reads Parquet columns, but {uri} is "
+                   f"scanned as an image "
                    f"folder (format={format!r}), which has none; drop columns=, or point at "
                    f"Parquet files")
             raise ConfigError(msg)
@@ -278,25 +283,43 @@ class Manifest:
         return f"{root.rstrip('/')}/{rel}" if rel else root
 
 
-def _extra_columns(columns: Any, format: str, uri: str) -> list[str]:
-    """``columns=`` as a list of distinct names, none of them a key every batch has."""
+def _extra_columns(columns: Any, format: str, uri: str) -> list[tuple[str, str]]:
+    """``columns=`` as (Parquet name, batch key) pairs: distinct names and keys, no key one
+    that every batch has."""
     from raying.dataset.columns import RESERVED
 
     if columns is None:
         return []
-    if isinstance(columns, (str, bytes)) or not all(isinstance(c, str) for c in columns):
-        msg = f"columns must be a list of column names, got {columns!r}"
+    if isinstance(columns, dict):
+        pairs = list(columns.items())
+        if not all(isinstance(a, str) and isinstance(b, str) and a and b for a, b in pairs):
+            msg = (f"columns as a dict maps Parquet column names to batch keys, both "
+                   f"non-empty strings, got {columns!r}")
+            raise ConfigError(msg)
+    elif isinstance(columns, (str, bytes)) or not all(isinstance(c, str) and c
+                                                        for c in columns):
+        msg = (f"columns must be a list of column names (or a dict of Parquet name -> batch "
+               f"key), got {columns!r}")
         raise ConfigError(msg)
-    columns = list(columns)
-    if len(set(columns)) != len(columns):
-        msg = f"columns must be distinct names, got {columns}"
+    else:
+        pairs = [(c, c) for c in columns]
+        if len({a for a, _ in pairs}) != len(pairs):
+            msg = f"columns must be distinct names, got {list(columns)}"
+            raise ConfigError(msg)
+    keys = [b for _, b in pairs]
+    if len(set(keys)) != len(keys):
+        msg = f"columns gives two columns the same batch key: {columns!r}"
         raise ConfigError(msg)
-    taken = [c for c in columns if c in RESERVED]
+    taken = [b for b in keys if b in RESERVED]
     if taken:
-        msg = (f"columns={columns} names {taken}, which every batch already has ({RESERVED}); "
-               f"the label column is label=, the image column image_column=")
+        renames = ", ".join(f"{b!r}: '{b}_'" if b != "id" else "'id': 'source_id'"
+                            for b in taken)
+        msg = (f"columns={columns!r} names {taken}, which every batch already has "
+               f"({', '.join(RESERVED)}); carry such a column under another key with a dict, "
+               f"columns={{{renames}}} (the label column is label=, the image column "
+               f"image_column=)")
         raise ConfigError(msg)
-    return columns
+    return pairs
 
 
 def _ext(path: str) -> str:

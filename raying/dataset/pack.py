@@ -168,6 +168,8 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
     g = src.column("row_group")[ids].astype(np.int64)
     r = src.column("row")[ids].astype(np.int64)
     datas: list[Any] = [None] * len(ids)
+    # Each extra column's Parquet name, by the batch key it is carried (and written) under.
+    sources = {key: desc.get("source", key) for key, desc in descs.items()}
     parts: dict[str, list[tuple[np.ndarray, pa.Array]]] = {name: [] for name in descs}
     failed: list[np.ndarray] = []
     for fi in np.unique(f):
@@ -178,7 +180,7 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
         try:
             with _storage.open_input(fs, path) as fh:
                 pf = pq.ParquetFile(fh)
-                table = pf.read_row_groups(groups, columns=[image_col, *descs])
+                table = pf.read_row_groups(groups, columns=[image_col, *sources.values()])
                 sizes = [pf.metadata.row_group(k).num_rows for k in groups]
         except (OSError, pa.ArrowException) as exc:
             err = exc if isinstance(exc, OSError) else OSError(str(exc))
@@ -212,21 +214,21 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
                 f"file {ref!r}, which pack does not fetch)" if ref else
                 "the image column is null in this row")
         for name in descs:
-            col = table.column(name).take(rows)
+            col = table.column(sources[name]).take(rows)
             flat = col.combine_chunks()
             if descs[name]["kind"] in ("list", "array"):
                 flat = flat.flatten()
-            _check_range(flat, descs[name].get("dtype", ""), name=name,
+            _check_range(flat, descs[name].get("dtype", ""), name=sources[name],
                          where=src.root.rstrip("/") + "/" + rel)
             col = col.cast(arrow_type(descs[name])).combine_chunks()
             nulls = sel[_null_rows(col)]
             if len(nulls):  # as the scan and the read paths refuse them: the column's fault
                 where = src.path_of(ids[nulls[:1]])[0]
-                msg = (f"{src.root.rstrip('/')}/{where}: extra column {name!r} has null "
-                       f"values ({len(nulls)} in this shard's rows, or inside their lists); "
-                       f"raying carries no nulls in extra columns: fill them (e.g. '' or -1, "
-                       f"or NaN for floats) in the data, or leave {name!r} out of columns= "
-                       f"(raying pack: --columns)")
+                msg = (f"{src.root.rstrip('/')}/{where}: extra column {sources[name]!r} has "
+                       f"null values ({len(nulls)} in this shard's rows, or inside their "
+                       f"lists); raying carries no nulls in extra columns: fill them (e.g. '' "
+                       f"or -1, or NaN for floats) in the data, or leave {sources[name]!r} out "
+                       f"of columns= (raying pack: --columns)")
                 raise DataError(msg)
             parts[name].append((sel, col))
     for name, desc in descs.items():

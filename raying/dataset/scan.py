@@ -180,9 +180,10 @@ def _short(exc: BaseException) -> str:
 
 def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs.FileInfo],
                  label_col: str | None, image_col: str | None, opts: StorageOptions, *,
-                 columns: list[str] | None = None):
+                 columns: list[tuple[str, str]] | None = None):
     """Build a Parquet manifest: one id per row, in (file, row group, row) order; the extra
-    ``columns`` are checked in every file and described in ``meta["columns"]``."""
+    ``columns`` ((Parquet name, batch key) pairs) are checked in every file and described in
+    ``meta["columns"]`` under their batch keys."""
     infos = sorted(infos, key=lambda i: i.path)
     rels = [_relative(root, i.path) for i in infos]
     uris = [f"{uri.rstrip('/')}/{r}" if len(infos) > 1 or infos[0].path != root else uri
@@ -245,18 +246,24 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
                files=rels, meta=meta)
 
 
-def _extra_columns(columns: list[str], footers: list[pq.FileMetaData], uris: list[str],
-                   image_col: str, label_col: str | None) -> dict[str, dict[str, Any]]:
-    """The description of each extra column (see raying.dataset.columns), checked in every
-    file: present, of a type raying carries, and of one description across files."""
+def _extra_columns(columns: list[tuple[str, str]], footers: list[pq.FileMetaData],
+                   uris: list[str], image_col: str, label_col: str | None
+                   ) -> dict[str, dict[str, Any]]:
+    """The description of each extra column (see raying.dataset.columns) under its batch key,
+    checked in every file: present, of a type raying carries, and of one description across
+    files. A column carried under another key than its Parquet name says so (``source``)."""
     from raying.dataset.columns import describe
 
     out: dict[str, dict[str, Any]] = {}
-    for name in columns:
-        if name in (image_col, label_col):
+    for name, key in columns:
+        if name == image_col or (name == label_col and key == name):
+            # The label column under a key of its own is carried as it is stored (a class
+            # name, say) beside ``label``, the class index.
             what = "image" if name == image_col else "label"
             msg = (f"columns=[{name!r}] names the {what} column, which every batch already "
-                   f"carries (as {what!r}); leave it out of columns= (raying pack: --columns)")
+                   f"carries (as {what!r}); leave it out of columns= (raying pack: --columns)"
+                   + ("" if what == "image" else f", or carry it as stored under another key: "
+                      f"columns={{{name!r}: '{name}_raw'}}"))
             raise ConfigError(msg)
         first: dict[str, Any] | None = None
         for fm, u in zip(footers, uris, strict=True):
@@ -286,7 +293,10 @@ def _extra_columns(columns: list[str], footers: list[pq.FileMetaData], uris: lis
                        f"{footers[0].schema.to_arrow_schema().field(name).type}; rewrite the "
                        f"files with one schema")
                 raise DataError(msg)
-        out[name] = first or {}
+        desc = dict(first or {})
+        if key != name:
+            desc["source"] = name
+        out[key] = desc
     return out
 
 

@@ -33,7 +33,7 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
          dst_storage: StorageOptions | dict | None = None, on_error: str = "skip",
          verify: bool = False, progress: bool = True, label: str | None = "folder",
          overwrite: bool = False, shuffle: bool = True, seed: int = 0,
-         columns: list[str] | tuple[str, ...] | None = None,
+         columns: list[str] | tuple[str, ...] | dict[str, str] | None = None,
          format: str = "auto",  # noqa: A002 - Manifest.scan's name
          image_column: str | None = None) -> PackResult:
     """Write an image dataset (an image folder, or Parquet of encoded images) as Parquet
@@ -58,7 +58,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     Parquet ``Manifest``) is read as :meth:`Manifest.scan` reads it: ``label`` names the label column (``"folder"`` reads
     ``label``), ``image_column`` names the image column where it is neither ``image`` nor
     the files' one binary column, and ``columns=[...]`` carries extra columns (captions, boxes, metadata) into
-    the shards under their own names and types, e.g. to pre-decode a captioned set with its
+    the shards under their own names and types (a dict ``{name: key}`` writes column
+    ``name`` as ``key``), e.g. to pre-decode a captioned set with its
     captions (an extra column holding nulls is refused, as the scan refuses it). The shards'
     ``id`` column holds each row's number in the source (files, row groups, rows in order)
     and ``path`` its location there (``file#rgG/rowR``); a scan of the packed set numbers its

@@ -522,7 +522,8 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
     """
     from raying.dataset import columns as _columns
 
-    names = [name for name, _ in spec.columns]
+    # Each column is read by its Parquet name and given to the block under its batch key.
+    names = [desc.get("source", key) for key, desc in spec.columns]
     groups = unit.row_groups
     if groups is None or len(groups) == 0:
         msg = "a Parquet read unit needs its row groups"
@@ -558,20 +559,22 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
     of_table = np.searchsorted(np.asarray(table_starts), pos, side="right") - 1
     picks = [np.flatnonzero(of_table == t) for t in range(len(tables))]
     out = {}
-    for name, desc in spec.columns:
+    for key, desc in spec.columns:
+        source = desc.get("source", key)
         parts = [_columns.to_numpy(
-            tables[t].column(name).take(pa.array(pos[rows] - table_starts[t], type=pa.int64())),
-            desc, name=name, where=_file_path(spec, root, table_files[t]))
+            tables[t].column(source).take(pa.array(pos[rows] - table_starts[t],
+                                                   type=pa.int64())),
+            desc, name=source, where=_file_path(spec, root, table_files[t]))
             for t, rows in enumerate(picks) if len(rows)]
         if not parts:
-            out[name] = _columns.empty(desc)
+            out[key] = _columns.empty(desc)
         elif len(parts) == 1:
-            out[name] = parts[0]
+            out[key] = parts[0]
         else:
             joined = np.concatenate(parts)
             column = np.empty_like(joined)
             column[np.concatenate([rows for rows in picks if len(rows)])] = joined
-            out[name] = column
+            out[key] = column
     return out, int(sum(t.nbytes for t in tables))
 
 

@@ -105,6 +105,18 @@ def _label_values(m) -> str:
             f"{int(labels.max())}), no names")
 
 
+def _columns_flag(text: str | None) -> list[str] | dict[str, str] | None:
+    """``--columns a,b`` as a list; with ``name:key`` items, a dict (a column written under
+    another name: ``--columns id:source_id,caption``)."""
+    if not text:
+        return None
+    items = [c.strip() for c in text.split(",") if c.strip()]
+    if not any(":" in c for c in items):
+        return items
+    pairs = [tuple(p.strip() for p in c.split(":", 1)) if ":" in c else (c, c) for c in items]
+    return dict(pairs)
+
+
 def cmd_pack(ns: argparse.Namespace) -> int:
     from raying.engine.pack import pack
 
@@ -113,8 +125,8 @@ def cmd_pack(ns: argparse.Namespace) -> int:
                on_error=ns.on_error, verify=ns.verify, progress=not ns.json,
                label=None if ns.label == "none" else ns.label, overwrite=ns.overwrite,
                shuffle=not ns.no_shuffle, seed=ns.seed,
-               columns=[c.strip() for c in ns.columns.split(",") if c.strip()]
-               if ns.columns else None, format=ns.format, image_column=ns.image_column)
+               columns=_columns_flag(ns.columns), format=ns.format,
+               image_column=ns.image_column)
     out = res.summary()
     _print(out, ns.json)
     for s in res.skipped[:20]:
@@ -175,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'folder' (class subfolders; for Parquet the 'label' column), a "
                         "Parquet label column's name, or 'none' (unlabelled)")
     k.add_argument("--columns", default=None, metavar="A,B",
-                   help="Parquet input: extra columns to carry into the shards (comma list)")
+                   help="Parquet input: extra columns to carry into the shards (comma list; "
+                        "NAME:KEY writes column NAME as KEY, e.g. id:source_id)")
     k.add_argument("--format", default="auto", choices=["auto", "images", "parquet"],
                    help="what SRC holds (auto: Parquet when it has .parquet files)")
     k.add_argument("--overwrite", action="store_true",

@@ -103,6 +103,35 @@ def test_extra_columns_in_torch_and_tf_batches(parquet_set, ray_local):
     pipe.close()
 
 
+def test_columns_under_keys_of_their_own_on_both_paths_and_tf(tmp_path, ray_local):
+    """The source's own ``id`` and ``weight`` columns, carried as ``source_id`` and
+    ``sample_weight``, beside raying's dense ids and importance weights."""
+    tf = pytest.importorskip("tensorflow")
+    from tests.unit.read.test_stages import _with_own_ids
+
+    root = _with_own_ids(tmp_path / "src")
+    m = raying.Manifest.scan(str(root), columns={"id": "source_id", "weight": "sample_weight"})
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=0),
+                           config=raying.PipelineConfig(block_rows=8))
+    want = {i: (f"img-{i:05d}", i / 4) for i in range(36)}
+    for batches in (pipe.iter_batches(batch_size=10, epoch=0),
+                    pipe.dataset(0).iter_batches(batch_size=10, batch_format="numpy")):
+        got = {}
+        for b in batches:
+            assert b["id"].dtype == np.int64 and (b["weight"] == 1).all()
+            for i, s, w in zip(b["id"], b["source_id"], b["sample_weight"], strict=True):
+                got[int(i)] = (str(s), float(w))
+        assert got == want
+    got = {}
+    for b in pipe.to_tf(batch_size=10, epoch=0):
+        assert b["source_id"].dtype == tf.string and b["sample_weight"].dtype == tf.float64
+        for k, i in enumerate(b["id"].numpy().tolist()):
+            got[i] = (b["source_id"][k].numpy().decode(), float(b["sample_weight"][k]))
+    assert got == want
+    pipe.close()
+
+
 def test_to_tf_carries_what_stages_add_and_soft_labels(parquet_set, ray_local):
     """The tf signature follows the stages' first batch: added columns (numbers, numpy
     strings, per-row lists) and a label made float (n, 3) arrive as they were returned."""

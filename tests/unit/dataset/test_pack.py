@@ -111,6 +111,27 @@ def test_rows_of_an_unreadable_parquet_file_are_set_aside_as_read_errors(tmp_pat
                    decode_size=None, row_group_rows=8, on_error="raise", verify=False)
 
 
+def test_a_column_carried_under_another_key_is_packed_under_that_key(tmp_path):
+    """A source column named as a batch key (its own ``id``) is read by its name and written
+    under the key it is carried as; the packed set scans back with that key."""
+    import pyarrow as pa
+
+    src = _captioned(tmp_path / "src")
+    for f, lo in (("part-0", 0), ("part-1", 20)):
+        t = pq.read_table(src / f"{f}.parquet")
+        t = t.append_column("id", pa.array([f"img-{lo + k}" for k in range(t.num_rows)]))
+        pq.write_table(t, src / f"{f}.parquet", row_group_size=6)
+    m = raying.Manifest.scan(str(src), columns={"id": "source_id", "caption": "text"})
+    res = _pack_all(m, tmp_path / "out")
+    t = pq.read_table(tmp_path / "out" / "part-00000.parquet")
+    kept = t.column("id").to_pylist()
+    assert res["rows"] == len(kept) == 35 and 7 not in kept  # the null image set aside
+    assert t.column("source_id").to_pylist() == [f"img-{i}" for i in kept]
+    assert t.column("text").to_pylist() == [f"sample {i}" for i in kept]
+    back = raying.Manifest.scan(str(tmp_path / "out"), columns=["source_id", "text"])
+    assert back.meta["columns"] == {"source_id": {"kind": "string"}, "text": {"kind": "string"}}
+
+
 def test_parquet_input_is_shuffled_so_each_shard_reads_only_a_few_row_groups(tmp_path,
                                                                            caplog):
     """pack's order for Parquet input: every id once, random, and each shard's ids within the

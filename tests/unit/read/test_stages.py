@@ -92,7 +92,8 @@ def test_scan_column_missing_from_one_file_names_file_and_column(tmp_path):
     (["tag"], raying.DataError, r"column 'tag' has type struct<k: int64>, which raying cannot"),
     (["id"], raying.ConfigError, r"names \['id'\], which every batch already has"),
     (["label"], raying.ConfigError, r"names \['label'\], which every batch already has"),
-    ("caption", raying.ConfigError, r"columns must be a list of column names, got 'caption'"),
+    ("caption", raying.ConfigError,
+     r"columns must be a list of column names \(or a dict .*\), got 'caption'"),
 ])
 def test_scan_refuses_columns_it_cannot_carry(parquet_set, columns, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -105,6 +106,66 @@ def test_scan_refuses_columns_for_an_image_folder(tmp_path):
     root = make_image_folder(tmp_path / "imgs", n=3, classes=1, size=(8, 8))
     with pytest.raises(raying.ConfigError, match=r"reads Parquet columns, but .* image folder"):
         raying.Manifest.scan(str(root), columns=["caption"])
+
+
+def _with_own_ids(root):
+    """The Parquet set with columns named as batch keys: the source's own string ``id`` and a
+    float ``weight``, both functions of the row."""
+    root.mkdir()
+    write_parquet_set(root)
+    for f, lo in (("part-0", 0), ("part-1", 20)):
+        t = pq.read_table(root / f"{f}.parquet")
+        n = t.num_rows
+        t = t.append_column("id", pa.array([f"img-{lo + k:05d}" for k in range(n)]))
+        t = t.append_column("weight", pa.array([(lo + k) / 4 for k in range(n)], pa.float64()))
+        pq.write_table(t, root / f"{f}.parquet", row_group_size=6)
+    return root
+
+
+def test_columns_named_as_batch_keys_come_under_keys_of_their_own(tmp_path):
+    root = _with_own_ids(tmp_path / "src")
+    with pytest.raises(raying.ConfigError,
+                       match=r"names \['id', 'weight'\].*columns=\{'id': 'source_id', "
+                             r"'weight': 'weight_'\}"):
+        raying.Manifest.scan(str(root), columns=["id", "weight"])
+    m = raying.Manifest.scan(str(root), columns={"id": "source_id", "weight": "sample_weight",
+                                                 "label": "label_raw", "caption": "caption"})
+    assert m.meta["columns"] == {
+        "source_id": {"kind": "string", "source": "id"},
+        "sample_weight": {"kind": "number", "dtype": "float64", "source": "weight"},
+        "label_raw": {"kind": "number", "dtype": "int64", "source": "label"},
+        "caption": {"kind": "string"}}
+    m.save(str(tmp_path / "m.parquet"))
+    m = raying.Manifest.load(str(tmp_path / "m.parquet"))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=3))
+    got = read_epoch(pipe, 0)
+    ids = got["id"]
+    assert ids.dtype == np.int64 and sorted(ids.tolist()) == list(range(36))
+    assert got["source_id"].tolist() == [f"img-{i:05d}" for i in ids]
+    np.testing.assert_array_equal(got["sample_weight"], ids / 4)
+    assert (got["label_raw"] == ids % 3).all() and (got["label"] == ids % 3).all()
+    assert got["caption"].tolist() == [f"sample {i}" for i in ids]
+    assert got["weight"].dtype == np.float32 and (got["weight"] == 1).all()  # the sampler's
+    pipe.close()
+
+
+@pytest.mark.parametrize(("columns", "pattern"), [
+    ({"caption": "id"}, r"names \['id'\], which every batch already has"),
+    ({"caption": "c", "n": "c"}, r"gives two columns the same batch key"),
+    ({"caption": ""}, r"both non-empty strings"),
+    ({"image": "raw"}, r"names the image column"),
+    ({"label": "label"}, r"names \['label'\]"),
+])
+def test_renamed_columns_are_checked(parquet_set, columns, pattern):
+    with pytest.raises(raying.ConfigError, match=pattern):
+        raying.Manifest.scan(str(parquet_set), columns=columns)
+
+
+def test_label_column_as_a_plain_extra_column_points_to_a_key_of_its_own(parquet_set):
+    with pytest.raises(raying.ConfigError,
+                       match=r"carry it as stored under another key: columns=\{'n': 'n_raw'\}"):
+        raying.Manifest.scan(str(parquet_set), label="n", columns=["n"])
 
 
 # -- extra columns: read -------------------------------------------------------------------------

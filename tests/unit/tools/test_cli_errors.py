@@ -149,6 +149,14 @@ def test_pack_takes_its_sizes_from_the_environment_unless_given(monkeypatch):
     assert (ns.shard_rows, ns.row_group_rows) == (50, 10)
 
 
+def test_pack_columns_flag_takes_names_and_name_key_pairs():
+    from raying.tools.cli import _columns_flag
+
+    assert _columns_flag(None) is None and _columns_flag("") is None
+    assert _columns_flag("caption, n,") == ["caption", "n"]
+    assert _columns_flag("id:source_id,caption") == {"id": "source_id", "caption": "caption"}
+
+
 def test_scan_of_parquet_with_integer_labels_says_how_many_labels(capsys, tmp_path):
     # classes: 0 alone read as "no labels" for a Parquet column of integer labels.
     import io

@@ -136,6 +136,40 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     return opts or None
 
 
+def room_for_reads(args: Any, task_cpus: float = 1.0) -> None:
+    """On one node, leave the read tasks a CPU beside the Train workers: workers that take
+    every CPU leave the reads, and so the run, waiting for ever. ``--cpus-per-worker`` left
+    to its default shrinks to what fits (said on stderr); one given that does not fit stops
+    a one-machine run (no ``--storage-path``) with the fix. Where the workers do not fit this
+    node at all, or there are several nodes, or ``--storage-path`` says other nodes may come
+    (an autoscaling cluster), what fits is not known here: raying.train warns once the
+    workers hold their CPUs, and :func:`train_storage` asks for shared storage."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) != 1:
+        return
+    cpus = float(nodes[0].get("Resources", {}).get("CPU", 0.0))
+    workers = args.num_workers * args.cpus_per_worker
+    if workers > cpus or cpus - workers >= task_cpus:
+        return
+    fits = math.floor((cpus - task_cpus) / args.num_workers * 20) / 20  # 0.05 steps
+    if getattr(args, "cpus_auto", False) and fits >= 0.05:
+        print(f"this node has {cpus:g} CPUs: each of the {args.num_workers} Train workers takes "
+              f"{fits:g} (not {args.cpus_per_worker:g}), leaving "
+              f"{cpus - fits * args.num_workers:g} for the read tasks", file=sys.stderr)
+        args.cpus_per_worker = fits
+        return
+    if getattr(args, "storage_path", None):
+        return
+    fix = (f"pass --cpus-per-worker {fits:g} or less" if fits >= 0.05 else
+           "pass fewer --num-workers, or run on a node with more CPUs")
+    msg = (f"the {args.num_workers} Train workers take {workers:g} of this node's {cpus:g} "
+           f"CPUs, leaving {max(cpus - workers, 0):g} for the read tasks, which need "
+           f"{task_cpus:g} each: the reads, and the run, would wait for ever; {fix}")
+    raise SystemExit(msg)
+
+
 def train_storage(storage_path: str | None, workers: dict[str, float] | None = None) -> str:
     """Where Ray Train keeps the run's state and checkpoints: ``--storage-path``, else a local
     folder, which only a one-node cluster can use. On several nodes Ray Train refuses a local

@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-rows", type=_common.positive, help="images per read task")
     p.add_argument("--lr", type=float)
     p.add_argument("--num-workers", type=_common.positive, help="Train workers")
-    p.add_argument("--cpus-per-worker", type=float)
+    p.add_argument("--cpus-per-worker", type=float,
+                   help="CPUs each Train worker reserves (default 1; on one node too small to "
+                        "leave the read tasks a CPU beside them, what fits)")
     p.add_argument("--sampler", choices=["prioritized", "uniform"], default="prioritized")
     p.add_argument("--beta", type=float, default=0.5, help="importance-weight exponent")
     p.add_argument("--name", help="names the pipeline's actors (priority store)")
@@ -124,10 +126,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from raying.engine.ray_setup import ensure_ray
     from raying.sampling import store as st
 
+    if not hasattr(args, "cpus_auto"):  # the workers' CPUs may shrink to fit (room_for_reads)
+        args.cpus_auto = args.cpus_per_worker is None
     for key, value in (SMOKE if args.smoke_test else NORMAL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     ensure_ray()
+    _common.room_for_reads(args)
     # Ray Train keeps run state and checkpoints there; shared storage on multi-node.
     storage_path = _common.train_storage(
         args.storage_path, {"CPU": args.cpus_per_worker * args.num_workers})

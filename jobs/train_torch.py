@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float)
     p.add_argument("--num-workers", type=_common.positive, help="Train workers (one per GPU)")
     p.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
-    p.add_argument("--cpus-per-worker", type=float)
+    p.add_argument("--cpus-per-worker", type=float,
+                   help="CPUs each Train worker reserves (default 1; on one node too small to "
+                        "leave the read tasks a CPU beside them, what fits)")
     p.add_argument("--trainer-resource", metavar="NAME",
                    help="a custom resource each worker needs one of (places workers on the "
                         "nodes that have it, e.g. 'trainer' where no GPU exists)")
@@ -82,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the options left unset from the smoke-test or normal defaults."""
+    if not hasattr(args, "cpus_auto"):  # the workers' CPUs may shrink to fit (room_for_reads)
+        args.cpus_auto = args.cpus_per_worker is None
     for key, value in (SMOKE if args.smoke_test else NORMAL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -183,6 +187,7 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
 
     args = resolve(args)
     ensure_ray(dashboard=True)  # Ray Train reads its controller's state through the State API
+    _common.room_for_reads(args)
     # Ray Train keeps run state and checkpoints there; shared storage on multi-node.
     per_worker = {"CPU": args.cpus_per_worker, "GPU": 1.0 if args.use_gpu else 0.0}
     if args.trainer_resource:

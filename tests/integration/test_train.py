@@ -377,6 +377,40 @@ def test_a_train_job_whose_workers_cannot_fit_this_node_asks_for_storage_path(ra
         job.fit(args)
 
 
+def test_a_train_job_leaves_the_reads_a_cpu_on_one_node(ray_local, capsys):
+    # On the 2-CPU node, 2 workers of 1 CPU each (the jobs' default) would leave the read
+    # tasks none and the run waiting for ever: a default shrinks, a given value is refused.
+    from tests.integration.test_multinode import _load_job
+
+    job = _load_job("train_torch")
+    args = job.resolve(job.build_parser().parse_args(["--data", "unused"]))
+    assert (args.cpus_per_worker, args.cpus_auto) == (1.0, True)
+    job._common.room_for_reads(args)
+    assert args.cpus_per_worker == 0.5
+    assert "each of the 2 Train workers takes 0.5 (not 1), leaving 1 for the read tasks" in (
+        capsys.readouterr().err)
+    given = job.resolve(job.build_parser().parse_args(
+        ["--data", "unused", "--num-workers", "3", "--cpus-per-worker", "0.5"]))
+    with pytest.raises(SystemExit, match=r"the 3 Train workers take 1.5 of this node's 2 CPUs, "
+                                         r"leaving 0.5 .*pass --cpus-per-worker 0.3 or less"):
+        job._common.room_for_reads(given)
+    two = job.resolve(job.build_parser().parse_args(
+        ["--data", "unused", "--num-workers", "2", "--cpus-per-worker", "1"]))
+    with pytest.raises(SystemExit, match=r"pass --cpus-per-worker 0.5 or less"):
+        job._common.room_for_reads(two)
+    # Other nodes may come (shared storage given), or the workers fit elsewhere only: left
+    # to raying.train's warning and train_storage.
+    two.storage_path = "s3://bucket/runs"
+    job._common.room_for_reads(two)
+    big = job.resolve(job.build_parser().parse_args(
+        ["--data", "unused", "--num-workers", "16", "--cpus-per-worker", "1"]))
+    job._common.room_for_reads(big)
+    assert (two.cpus_per_worker, big.cpus_per_worker) == (1, 1)
+    smoke = job.resolve(job.build_parser().parse_args(["--smoke-test"]))
+    job._common.room_for_reads(smoke)
+    assert smoke.cpus_per_worker == 0.25
+
+
 def test_the_room_for_reads_counts_what_placement_groups_reserve_not_what_runs_now(
         ray_local, caplog):
     # Train workers of half a CPU each leave a CPU for the reads even while a read task

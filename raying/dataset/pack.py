@@ -161,6 +161,7 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
             the file and the column, as the scan and the read paths do.
     """
     from raying.dataset.columns import _check_range, arrow_type
+    from raying.dataset.scan import image_bytes_per_row, image_leaves
 
     image_col = src.meta.get("image_column") or "image"
     descs: dict[str, dict[str, Any]] = dict(src.meta.get("columns") or {})
@@ -168,6 +169,11 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
     g = src.column("row_group")[ids].astype(np.int64)
     r = src.column("row")[ids].astype(np.int64)
     datas: list[Any] = [None] * len(ids)
+    file_sizes = [int(x) for x in src.meta.get("file_sizes") or ()]
+    # What the scan found in each (file, row group): rows, and image bytes per row.
+    rg_f, rg_g, rg_start, rg_rows = src.row_group_table()
+    scanned = {(int(a), int(b)): (int(c), int(d)) for a, b, c, d in zip(
+        rg_f, rg_g, rg_rows, src.column("size")[rg_start], strict=True)}
     # Each extra column's Parquet name, by the batch key it is carried (and written) under.
     sources = {key: desc.get("source", key) for key, desc in descs.items()}
     parts: dict[str, list[tuple[np.ndarray, pa.Array]]] = {name: [] for name in descs}
@@ -179,9 +185,21 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
         path = f"{root.rstrip('/')}/{rel}"
         try:
             with _storage.open_input(fs, path) as fh:
+                size_now = fh.size()
+                if file_sizes and int(fi) < len(file_sizes) and size_now != file_sizes[int(fi)]:
+                    for k in sel:  # other rows under these ids: none of the file's is packed
+                        datas[k] = RowProblem(
+                            "read_error", f"{rel} was rewritten since the scan ({size_now} "
+                            f"bytes, the scan found {file_sizes[int(fi)]}); scan the source "
+                            f"again")
+                    failed.append(sel)
+                    continue
                 pf = pq.ParquetFile(fh)
                 table = pf.read_row_groups(groups, columns=[image_col, *sources.values()])
                 sizes = [pf.metadata.row_group(k).num_rows for k in groups]
+                leaves = image_leaves(pf.metadata, image_col)
+                now = {k: (n, image_bytes_per_row(pf.metadata, k, leaves))
+                       for k, n in zip(groups, sizes, strict=True)}
         except (OSError, pa.ArrowException) as exc:
             err = exc if isinstance(exc, OSError) else OSError(str(exc))
             for k in sel:
@@ -191,13 +209,18 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
         # read_row_groups returns the groups in the order asked: each one's first row.
         first = dict(zip(groups, np.cumsum([0, *sizes[:-1]]).tolist(), strict=True))
         size = dict(zip(groups, sizes, strict=True))
-        there = np.array([int(row) < size[int(grp)] for grp, row in zip(g[sel], r[sel],
-                                                                        strict=True)],
-                         dtype=bool)
+        # A row group other than the scan's (rows, or image bytes) holds other rows under
+        # these ids: none of its rows is packed.
+        same = {k: now[k] == scanned.get((int(fi), k), now[k]) for k in groups}
+        there = np.array([same[int(grp)] and int(row) < size[int(grp)]
+                          for grp, row in zip(g[sel], r[sel], strict=True)], dtype=bool)
         gone, sel = sel[~there], sel[there]
-        for k in gone:  # the file has fewer rows than it had at the scan
-            datas[k] = RowProblem("read_error", f"{rel} no longer has this row (rewritten "
-                                  f"since the scan?); scan the source again")
+        for k in gone:  # the file was rewritten since the scan
+            grp = int(g[k])
+            (n0, b0), (n1, b1) = scanned[(int(fi), grp)], now[grp]
+            datas[k] = RowProblem("read_error", f"{rel} was rewritten since the scan (row "
+                                  f"group {grp} has {n1} rows of {b1} image bytes each, the "
+                                  f"scan found {n0} of {b0}); scan the source again")
         if len(gone):
             failed.append(gone)
         starts = np.array([first[int(x)] for x in g[sel]], dtype=np.int64)

@@ -213,14 +213,11 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     for k, fm in enumerate(footers):
         leaves = _image_leaves(fm.schema, image_col)
         for g in range(fm.num_row_groups):
-            rg = fm.row_group(g)
-            n = rg.num_rows
+            n = fm.row_group(g).num_rows
             file_idx.append(np.full(n, k, dtype=np.int32))
             rg_idx.append(np.full(n, g, dtype=np.int32))
             row_idx.append(np.arange(n, dtype=np.int32))
-            stored = sum(rg.column(i).total_uncompressed_size for i in leaves)
-            per_row = stored // max(n, 1)
-            sizes.append(np.full(n, per_row, dtype=np.int64))
+            sizes.append(np.full(n, image_bytes_per_row(fm, g, leaves), dtype=np.int64))
     if not file_idx or sum(len(a) for a in file_idx) == 0:
         msg = f"{uri} holds Parquet files but no rows; the dataset is empty"
         raise DataError(msg)
@@ -239,7 +236,9 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
         cols["label"] = labels
         classes = found if found is not None else classes
     meta: dict[str, Any] = {"image_column": image_col, "label_column": label_col,
-                            "decoded": decoded}
+                            "decoded": decoded,
+                            # Each file's bytes as listed: a read finds a file rewritten since.
+                            "file_sizes": [int(i.size) for i in infos]}
     if extra:
         meta["columns"] = extra
     return cls(root=uri, fmt="parquet", columns=cols, classes=classes, storage=opts,
@@ -417,6 +416,19 @@ def _encoded_kind(t: pa.DataType) -> str | None:
     if pa.types.is_struct(t) and image_type_ok(t):
         return "struct"
     return None
+
+
+def image_bytes_per_row(fm: pq.FileMetaData, group: int, leaves: list[int]) -> int:
+    """The image column's stored (uncompressed) bytes per row in row group ``group``: each
+    row's ``size`` in a Parquet manifest, and with the group's rows what a read checks to
+    know the file is still the one scanned."""
+    rg = fm.row_group(group)
+    return sum(rg.column(i).total_uncompressed_size for i in leaves) // max(rg.num_rows, 1)
+
+
+def image_leaves(fm: pq.FileMetaData, image_col: str) -> list[int]:
+    """:func:`_image_leaves` of a file's metadata."""
+    return _image_leaves(fm.schema, image_col)
 
 
 def _image_leaves(schema: pq.ParquetSchema, image_col: str) -> list[int]:

@@ -141,6 +141,9 @@ def chunk_range(md: pq.FileMetaData, group: int, column: str) -> tuple[int, int]
     A nested column (a struct such as the Hugging Face ``Image``'s ``{bytes, path}``) is
     stored as one chunk per leaf, written side by side: the range spans them all.
     """
+    if not 0 <= group < md.num_row_groups:
+        msg = f"the file has {md.num_row_groups} row groups, none numbered {group}"
+        raise DataError(msg)
     rg = md.row_group(group)
     spans = []
     for i in range(rg.num_columns):
@@ -158,8 +161,8 @@ def chunk_range(md: pq.FileMetaData, group: int, column: str) -> tuple[int, int]
 
 def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: IOConfig,
                 scores: Sequence[float] | None = None, namespace: str = "",
-                stats: OpStats | None = None, cache_stats: CacheStats | None = None
-                ) -> list[pa.Array]:
+                stats: OpStats | None = None, cache_stats: CacheStats | None = None,
+                check: Any = None) -> list[pa.Array]:
     """The values of ``column`` in each (path, row group), fetched as a planned window.
 
     Args:
@@ -171,6 +174,8 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
             the cache's priority.
         namespace: keeps this dataset's cache keys apart.
         stats, cache_stats: counters to add requests, bytes and cache outcomes to.
+        check: ``check(path, size)`` sees each file's size once its footer is known, before
+            any chunk is read (and may raise).
 
     Returns:
         One Arrow array per item, in order.
@@ -186,6 +191,9 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
         cache = open_cache(io.cache, namespace=namespace)
     metas = {p: footer(fs, p, stats, cache=cache, namespace=namespace)
              for p in dict.fromkeys(p for p, _ in distinct)}
+    if check is not None:
+        for p, (_, size) in metas.items():
+            check(p, size)
     ranges = [chunk_range(metas[p][0], g, column) for p, g in distinct]
     keys = [f"{p}#rg{g}/{column}" for p, g in distinct]
     item_scores = [best.get(it, 0.0) for it in distinct] if scores is not None else None
@@ -266,9 +274,18 @@ def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: 
         scores = np.bincount(k, weights=np.asarray(probs, dtype=np.float64),
                              minlength=len(items)).tolist()
     stats, cstats = OpStats(), CacheStats()
+    checks = {p: _size_check(spec, f) for p, f in zip(paths, files, strict=True)}
+
+    def check(path: str, size: int) -> None:
+        if checks.get(path) is not None:
+            checks[path](size)
+
     try:
         arrays = read_chunks(fs, items, column, io=io, scores=scores,
-                             namespace=spec.dataset_key, stats=stats, cache_stats=cstats)
+                             namespace=spec.dataset_key, stats=stats, cache_stats=cstats,
+                             check=check)
+    except _Rewritten:
+        raise
     except (pa.ArrowInvalid, OSError, DataError) as exc:
         for f in dict.fromkeys(files):  # find the file at fault and name it
             mine = [i for i, x in enumerate(files) if x == f]
@@ -277,7 +294,12 @@ def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: 
                             io=dataclasses.replace(io, cache=None))
             except (pa.ArrowInvalid, OSError, DataError) as one:
                 raise UnitGroupError(f, [items[i][1] for i in mine], one) from None
-        raise DataError(f"{spec.root}: cannot read a unit's row groups ({exc})") from None
+        names = ", ".join(dict.fromkeys(str(spec.files[f]) if spec.files else str(f)
+                                        for f in files))
+        msg = (f"{spec.root}: cannot read the row groups of {names} together ({exc}), though "
+               f"each file alone reads: the files may have changed since the manifest was "
+               f"scanned: rescan it")
+        raise DataError(msg) from None
     account = dict.fromkeys(ACCOUNT_KEYS, 0)
     account.update(cstats.account())
     account["io_requests"] = stats.requests
@@ -365,6 +387,7 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
     col = spec.image_column or "image"
     order = np.lexsort((groups[:, 1], groups[:, 0]))
     groups = groups[order]
+    scanned = _scanned(unit, order)
     chunks: list[pa.Array] = []
     starts: list[tuple[int, int]] = []
     nbytes = 0
@@ -375,6 +398,10 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
             arrays, acct = read_unit_groups(spec, fs, paths, groups, col, unit, io)
         except UnitGroupError as exc:
             raise _parquet_error(spec, spec.files[exc.file], exc.groups, exc.cause) from None
+        for f in np.unique(groups[:, 0]) if scanned is not None else ():
+            mine = groups[:, 0] == f  # (the footers read for the unit, kept in-process)
+            md, _ = footer(fs, _file_path(spec, root, int(f)), namespace=spec.dataset_key)
+            _check_scanned(spec, groups[mine], scanned[mine], md)
         offset = 0
         for (_, _, g_start), arr in zip(groups.tolist(), arrays, strict=True):
             starts.append((int(g_start), offset))
@@ -390,7 +417,8 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
         path, wanted = _file_path(spec, root, int(f)), [int(g) for g in sel[:, 1]]
         kept = _kept_groups(unit, path, wanted, col)
         try:
-            pf, table = kept or _read_row_groups(fs, path, wanted, col, retried)
+            pf, table = kept or _read_row_groups(fs, path, wanted, col, retried,
+                                                 _size_check(spec, int(f)))
         except (pa.ArrowInvalid, OSError) as exc:
             raise _parquet_error(spec, rel, sel[:, 1].tolist(), exc) from None
         finally:
@@ -398,6 +426,8 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
                 account["io_retries"] = account.get("io_retries", 0) + retried[0]
         if kept is None:
             _keep_groups(unit, path, wanted, col, (pf, table))
+        _check_scanned(spec, sel, None if scanned is None else scanned[groups[:, 0] == f],
+                       pf.metadata)
         arr = table.column(col)
         nbytes += table.nbytes if kept is None else 0  # bytes read, not reused
         # read_row_groups returns the groups in the order asked; track each group's first row.
@@ -437,9 +467,10 @@ class _NotRetried(RayingError):
 
 
 def _read_row_groups(fs: Any, path: str, groups: list[int], col: str | list[str],
-                     retried: list[int]) -> tuple[pq.ParquetFile, pa.Table]:
+                     retried: list[int], check: Any = None) -> tuple[pq.ParquetFile, pa.Table]:
     """Open ``path`` and read ``col`` (one column or several) of ``groups``, retried as
-    :func:`_retry_storage` says; the retries are counted in ``retried[0]``."""
+    :func:`_retry_storage` says; the retries are counted in ``retried[0]``. ``check(size)``,
+    if given, sees the file's size before anything is read (and may raise)."""
     cols = [col] if isinstance(col, str) else list(col)
 
     def count(*_: Any) -> None:
@@ -447,6 +478,8 @@ def _read_row_groups(fs: Any, path: str, groups: list[int], col: str | list[str]
 
     def read() -> tuple[pq.ParquetFile, pa.Table]:
         with _storage.open_input(fs, path, on_retry=count) as fh:  # the open's retries too
+            if check is not None:
+                check(fh.size())
             pf = pq.ParquetFile(fh)
             return pf, pf.read_row_groups(groups, columns=cols)
 
@@ -491,6 +524,68 @@ def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseExcepti
                      f"manifest was scanned: rescan it")
 
 
+class _Rewritten(DataError):
+    """A file whose size is not the scan's."""
+
+
+def _size_check(spec: ReadSpec, f: int) -> Any:
+    """A check of file ``f``'s size against the scan's (None where the manifest has none)."""
+    if not spec.file_sizes or f >= len(spec.file_sizes):
+        return None
+    want = int(spec.file_sizes[f])
+
+    def check(size: int) -> None:
+        if int(size) != want:
+            rel = spec.files[f] if spec.files else ""
+            where = f"{spec.root.rstrip('/')}/{rel}" if rel else spec.root
+            msg = (f"{where} was rewritten since the manifest was scanned ({int(size)} bytes, "
+                   f"the scan found {want}); its rows would come under other ids: scan the "
+                   f"dataset again (Manifest.scan)")
+            raise _Rewritten(msg)
+
+    return check
+
+
+def _scanned(unit: ReadUnit, order: np.ndarray) -> np.ndarray | None:
+    """What the scan found in each of the unit's row groups (rows, image bytes per row), in
+    ``order`` (None where the unit does not say)."""
+    found = getattr(unit, "group_scan", None)
+    if found is None or len(found) != len(order):
+        return None
+    return np.asarray(found, dtype=np.int64)[order]
+
+
+def _check_scanned(spec: ReadSpec, groups: np.ndarray, scanned: np.ndarray | None,
+                   md: pq.FileMetaData) -> None:
+    """Stop the read when row groups of a file (``groups``: its rows of the unit's table)
+    differ from the scan's: other rows, or other images (another size), so that the rows
+    read would come under other ids.
+
+    Raises:
+        DataError: naming the file, the row groups, and what differs.
+    """
+    if scanned is None or not len(groups):
+        return
+    from raying.dataset.scan import image_bytes_per_row, image_leaves
+
+    leaves = image_leaves(md, spec.image_column or "image")
+    bad = []
+    for k, g in enumerate(groups[:, 1].tolist()):
+        rows = md.row_group(g).num_rows if g < md.num_row_groups else 0
+        per_row = image_bytes_per_row(md, g, leaves) if rows else 0
+        if (rows, per_row) != (int(scanned[k, 0]), int(scanned[k, 1])):
+            bad.append(f"{g} ({rows} rows of {per_row} image bytes each, the scan found "
+                       f"{int(scanned[k, 0])} of {int(scanned[k, 1])})")
+    if bad:
+        f = int(groups[0, 0])
+        rel = spec.files[f] if spec.files else ""
+        where = f"{spec.root.rstrip('/')}/{rel}" if rel else spec.root
+        msg = (f"{where} was rewritten since the manifest was scanned: row groups "
+               f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; its rows would come "
+               f"under other ids: scan the dataset again (Manifest.scan)")
+        raise DataError(msg)
+
+
 def _group_rows(sel: np.ndarray, pf: pq.ParquetFile):
     for _, g, start in sel:
         yield int(start), pf.metadata.row_group(int(g)).num_rows
@@ -530,6 +625,7 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
         raise DataError(msg)
     order = np.lexsort((groups[:, 1], groups[:, 0]))
     groups = groups[order]
+    scanned = _scanned(unit, order)
     tables: list[pa.Table] = []
     table_files: list[int] = []  # the file each table was read from
     table_starts: list[int] = []  # each table's first row in the concatenated rows
@@ -542,12 +638,15 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
         retried = [0]
         try:
             pf, table = _read_row_groups(fs, _file_path(spec, root, int(f)),
-                                         [int(g) for g in sel[:, 1]], names, retried)
+                                         [int(g) for g in sel[:, 1]], names, retried,
+                                         _size_check(spec, int(f)))
         except (pa.ArrowInvalid, OSError) as exc:
             raise _parquet_error(spec, spec.files[int(f)], sel[:, 1].tolist(), exc) from None
         finally:
             if retried[0] and account is not None:
                 account["io_retries"] = account.get("io_retries", 0) + retried[0]
+        _check_scanned(spec, sel, None if scanned is None else scanned[groups[:, 0] == f],
+                       pf.metadata)
         for g_start, g_rows in _group_rows(sel, pf):
             starts.append((g_start, offset))
             offset += g_rows

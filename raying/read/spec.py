@@ -47,6 +47,8 @@ class ReadSpec:
     # Extra Parquet columns carried into every block: (name, description) pairs as
     # raying.dataset.columns.describe gives them (recorded by Manifest.scan(columns=...)).
     columns: tuple[tuple[str, Any], ...] = ()
+    # Parquet: each file's size when it was scanned (empty: not known), which a read checks.
+    file_sizes: tuple[int, ...] = ()
     # User stages (raying.read.stages.UserStage), run in order after the transform.
     stages: tuple[Any, ...] = ()
 
@@ -81,6 +83,7 @@ class ReadSpec:
                    io=IOConfig.coerce(io), settings=settings,
                    columns=tuple((name, dict(desc)) for name, desc in
                                  (manifest.meta.get("columns") or {}).items()),
+                   file_sizes=tuple(int(x) for x in manifest.meta.get("file_sizes") or ()),
                    stages=tuple(stages))
 
 

@@ -14,7 +14,9 @@ class ReadUnit:
 
     ``ids`` is None for a unit whose ids are drawn when it is submitted (prioritized plans);
     ``draw`` then says how many. For Parquet, ``row_groups`` lists the (file, row group) pairs
-    the unit reads; rows are taken from them in ``ids`` order.
+    the unit reads; rows are taken from them in ``ids`` order. ``group_scan`` holds what the
+    scan found in each of them (rows, and image bytes per row): a file rewritten since then
+    is found out by the read instead of giving other rows' pixels under these ids.
     """
 
     epoch: int
@@ -25,6 +27,7 @@ class ReadUnit:
     probs: np.ndarray | None = None
     weights: np.ndarray | None = None
     row_groups: np.ndarray | None = None
+    group_scan: np.ndarray | None = None
     # Set by the executor when the unit is re-run to resume mid-unit: rows to drop at the front.
     skip_rows: int = 0
 
@@ -95,14 +98,20 @@ class ManifestLookup:
         self.format = manifest.format
         self.labels = manifest.labels
         self.paths: Any = manifest.column("path") if manifest.format == "images" else None
-        self.rg: Any = manifest.row_group_table()[:3] if manifest.format == "parquet" else None
+        self.rg: Any = manifest.row_group_table() if manifest.format == "parquet" else None
+        # Per row group: (rows, image bytes per row) as the scan found them.
+        self.scanned: Any = None if self.rg is None else np.stack(
+            [self.rg[3], manifest.column("size")[self.rg[2]]], axis=1).astype(np.int64)
 
     def complete(self, unit: ReadUnit) -> tuple[ReadUnit, list[str] | None]:
         """Fill ``unit``'s labels (and row groups), and return the paths of its ids."""
         ids: Any = unit.ids
         unit.labels = self.labels[ids]
         if self.format == "parquet":
+            f, g, start, _ = self.rg
             if unit.row_groups is None:
-                unit.row_groups = row_groups_of(ids, *self.rg)
+                unit.row_groups = row_groups_of(ids, f, g, start)
+            if unit.group_scan is None:
+                unit.group_scan = self.scanned[np.searchsorted(start, unit.row_groups[:, 2])]
             return unit, None
         return unit, [str(p) for p in self.paths[ids]]

@@ -18,10 +18,10 @@ def counted(monkeypatch):
     calls: list[tuple[str, tuple[int, ...]]] = []
     real = parquet._read_row_groups
 
-    def counting(fs, path, groups, col, retried):
+    def counting(fs, path, groups, col, retried, check=None):
         if col == "image":  # (the extra columns are read on their own, not kept)
             calls.append((path, tuple(groups)))
-        return real(fs, path, groups, col, retried)
+        return real(fs, path, groups, col, retried, check)
 
     monkeypatch.setattr(parquet, "_read_row_groups", counting)
     monkeypatch.setitem(parquet._UNIT_GROUPS, "unit", None)

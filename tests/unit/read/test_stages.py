@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import raying
+from raying.options import IOConfig
 from raying.read.stages import stage_rng
 from raying.read.task import empty_block, run_unit
 from raying.tools.datagen import encode, synth_image
@@ -184,6 +185,53 @@ def test_extra_columns_arrive_aligned_with_ids(parquet_set):
         assert row.dtype == np.float32
         np.testing.assert_array_equal(row, np.full(i % 4, i + 0.5, np.float32))
     pipe.close()
+
+
+@pytest.mark.parametrize("io", [False, True])
+@pytest.mark.parametrize(("change", "sizes"), [
+    ("regrouped", True), ("cut", True), ("fewer_groups", True), ("row_dropped", True),
+    ("regrouped", False), ("cut", False), ("fewer_groups", False)])
+def test_a_parquet_file_rewritten_since_the_scan_stops_the_read_naming_it(tmp_path, io,
+                                                                           sizes, change):
+    """Rows of a file rewritten since the scan would come under other ids (row 11's pixels
+    as id 17): the read stops, naming the file and the fix, whatever on_error says. A
+    manifest that knows the files' sizes (``sizes``) finds any change of size; one that does
+    not (an older manifest) finds row groups whose rows or image bytes per row differ (a
+    group of as many rows, other images of the same total size, would slip past it)."""
+    root = tmp_path / "src"
+    root.mkdir()
+    write_parquet_set(root)
+    m = raying.Manifest.scan(str(root), columns=["caption"])
+    assert len(m.meta["file_sizes"]) == 2
+    if not sizes:
+        del m.meta["file_sizes"]
+    t = pq.read_table(root / "part-0.parquet")  # 20 rows in row groups of 6, 6, 6, 2
+    if change == "regrouped":  # the same rows, groups of 5
+        pq.write_table(t, root / "part-0.parquet", row_group_size=5)
+    elif change == "row_dropped":  # row 1 gone: groups of 6, 6, 6, 1 (other rows in each)
+        pq.write_table(t.filter(pa.array([k != 1 for k in range(t.num_rows)])),
+                       root / "part-0.parquet", row_group_size=6)
+    elif change == "cut":  # 10 rows left: groups of 6 and 4
+        pq.write_table(t.slice(0, 10), root / "part-0.parquet", row_group_size=6)
+    else:  # 12 rows: two of the four groups
+        pq.write_table(t.slice(0, 12), root / "part-0.parquet", row_group_size=6)
+    config = raying.PipelineConfig(io=IOConfig(cache=None)) if io else None
+    if sizes:
+        pattern = (r"part-0\.parquet was rewritten since the manifest was scanned \(\d+ bytes, "
+                   r"the scan found \d+\); its rows would come under other ids: scan the "
+                   r"dataset again")
+    else:
+        pattern = (r"part-0\.parquet( was rewritten since the manifest was scanned: row groups "
+                   r"\d+ \(\d+ rows of \d+ image bytes each, the scan found \d+ of \d+\)|"
+                   r": cannot read row groups .*changed since the manifest was scanned: "
+                   r"rescan it)")
+    for on_error in ("skip", "raise"):
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                               sampler=raying.UniformSampler(seed=3), on_error=on_error,
+                               config=config)
+        with pytest.raises(raying.DataError, match=pattern):
+            read_epoch(pipe, 0)
+        pipe.close()
 
 
 @pytest.mark.parametrize("statistics", [True, False])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,10 @@ from raying.options import StorageOptions
 from raying.storage import files as _storage
 from raying.storage.errors import NotFoundError
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+logger = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp", ".tif",
+                    ".tiff")
 PARQUET_EXTENSIONS = (".parquet", ".pq")
 MANIFEST_VERSION = 1
 # Names a manifest file is refused under: it is Parquet whatever its name says.
@@ -155,6 +159,7 @@ class Manifest:
                    f"Parquet files")
             raise ConfigError(msg)
         images = [i for i in infos if i.path.lower().endswith(endings)]
+        _left_out(infos, endings, uri, len(images))
         if not images:
             seen = sorted({_ext(i.path) for i in infos})[:8]
             msg = (f"no images ({', '.join(extensions)}) found under {uri}"
@@ -320,6 +325,20 @@ def _extra_columns(columns: Any, format: str, uri: str) -> list[tuple[str, str]]
                f"image_column=)")
         raise ConfigError(msg)
     return pairs
+
+
+def _left_out(infos: list, endings: tuple[str, ...], uri: str, kept: int) -> None:
+    """Say which files of an image folder the scan left out for their endings (a README, a
+    labels.csv; or images under an ending not asked for), so that none goes unnoticed."""
+    other: dict[str, int] = {}
+    for i in infos:
+        if not i.path.lower().endswith(endings):
+            other[_ext(i.path)] = other.get(_ext(i.path), 0) + 1
+    if other and kept:
+        seen = ", ".join(f"{e} ({n})" for e, n in sorted(other.items(), key=lambda x: -x[1])[:6])
+        logger.warning("raying: scan of %s left out %d files whose endings are not among the "
+                       "image endings scanned: %s; pass Manifest.scan(..., extensions=[...]) "
+                       "to include them", uri, sum(other.values()), seen)
 
 
 def _ext(path: str) -> str:

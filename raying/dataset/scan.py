@@ -117,12 +117,38 @@ def scan_images(cls, root: str, uri: str, infos: list[pafs.FileInfo], label: Any
         labels = np.fromiter((index[n] for n in names), dtype=np.int64, count=len(names))
     elif callable(label):
         raw = [label(p) for p in paths]
+        _check_label_values(raw, paths, uri)
         labels, classes = _labels_from_values(raw, f"label function on {uri}")
     else:
         msg = f"for images, label must be 'folder', a function of the path, or None; got {label!r}"
         raise ConfigError(msg)
     cols = {"path": paths, "label": labels, "size": sizes}
     return cls(root=uri, fmt="images", columns=cols, classes=classes, storage=opts)
+
+
+def _check_label_values(raw: list[Any], paths: Any, uri: str) -> None:
+    """A label function's values: class names (str) or class indices (int), one kind for
+    every image; None, floats and the like are refused naming the first image that got one
+    (a None turned into a class "None" would label those images silently)."""
+    kinds = set()
+    for v, p in zip(raw, paths, strict=True):
+        if isinstance(v, str):
+            kinds.add("str")
+        elif isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+            kinds.add("int")
+        else:
+            msg = (f"the label function returned {v!r} ({type(v).__name__}) for {p!r} under "
+                   f"{uri}; return a class name (str) or a class index (int >= 0) for every "
+                   f"image: leave out images without a class before the scan (or scan with "
+                   f"label=None)")
+            raise DataError(msg)
+    if len(kinds) > 1:
+        first = {k: next(p for v, p in zip(raw, paths, strict=True)
+                         if (k == "str") == isinstance(v, str)) for k in kinds}
+        msg = (f"the label function returned class names (str, e.g. for {first['str']!r}) and "
+               f"class indices (int, e.g. for {first['int']!r}) under {uri}; return one kind "
+               f"for every image")
+        raise DataError(msg)
 
 
 def _labels_from_values(raw: list[Any], where: str) -> tuple[np.ndarray, list[str] | None]:
@@ -400,12 +426,27 @@ def _check_same_schema(a: pa.Schema, b: pa.Schema, uri_b: str, uri_a: str, image
         ta, tb = a.field(col).type, b.field(col).type
         if col == image_col and _encoded_kind(ta) is not None:
             same = _encoded_kind(ta) == _encoded_kind(tb)  # binary and large_binary read alike
+        elif col == label_col:  # read per file: only the kind of label must agree
+            same = _label_kind(ta) == _label_kind(tb)
         else:
             same = ta == tb or (_is_int(ta) and _is_int(tb))
         if not same:
             msg = (f"schema mismatch in column {col!r}: {uri_b} has {tb} where {uri_a} has "
                    f"{ta}; rewrite the files with one schema")
             raise DataError(msg)
+
+
+def _label_kind(t: pa.DataType) -> str:
+    """What a label column holds, as the labels are read (per file): class names (string,
+    large_string, dictionary-encoded: writers differ), or integers, or floats, or another
+    type (its own name)."""
+    if pa.types.is_dictionary(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "names"
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t):
+        return "float"
+    return str(t)
 
 
 def _encoded_kind(t: pa.DataType) -> str | None:
@@ -536,14 +577,21 @@ def _read_labels(fs, infos, uris, col: str, workers: int) -> tuple[np.ndarray, l
             if (values != np.round(values)).any():
                 from raying.dataset.columns import RESERVED
 
-                how = (f"rename it in the files (e.g. to 'target': {col!r} is a name raying "
-                       f"keeps for its own column) and scan with label=None, "
-                       f"columns=['target']" if col in RESERVED else
+                how = (f"scan with label=None, columns={{{col!r}: 'target'}} ({col!r} is a "
+                       f"key raying keeps for its own column)" if col in RESERVED else
                        f"scan with label=None, columns=[{col!r}]")
                 msg = (f"{uris[k]}: label column {col!r} holds non-integer values; expected "
                        f"class ids. For other targets (regression values, soft labels) {how}: "
                        f"the column then reaches every batch as it is")
                 raise DataError(msg)
+        over = (values > np.uint64(2**63 - 1) if values.dtype.kind == "u" else
+                values.astype(np.float64) >= 2.0**63 if values.dtype.kind == "f" else None)
+        if over is not None and over.any():
+            first = int(np.flatnonzero(over)[0])
+            msg = (f"{uris[k]}: label column {col!r} has labels above 2**63 - 1 (e.g. "
+                   f"{values[first]} at row {first}); labels must be class ids >= 0 that fit "
+                   f"int64")
+            raise DataError(msg)
         values = values.astype(np.int64)
         if len(values) and (values == -1).all():
             msg = (f"{uris[k]}: label column {col!r} holds -1 in every row (packed without "

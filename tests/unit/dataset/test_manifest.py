@@ -60,6 +60,21 @@ def test_label_function(folder):
     assert set(m.labels.tolist()) == {0, 1}
 
 
+@pytest.mark.parametrize(("fn", "pattern"), [
+    (lambda p: None if p.startswith("class_01") else "a",
+     r"returned None \(NoneType\) for 'class_01/.*' under .*; return a class name \(str\) or "
+     r"a class index"),
+    (lambda p: 1.5, r"returned 1.5 \(float\) for 'class_00/"),
+    (lambda p: True, r"returned True \(bool\)"),
+    (lambda p: "cat" if p.startswith("class_00") else 3,
+     r"returned class names \(str, e.g. for 'class_00/.*'\) and class indices \(int, e.g. "
+     r"for 'class_01/"),
+])
+def test_label_function_values_other_than_names_or_indices_are_refused(folder, fn, pattern):
+    with pytest.raises(raying.DataError, match=pattern):
+        raying.Manifest.scan(str(folder), label=fn)
+
+
 def test_save_load_roundtrip(folder, tmp_path):
     m = raying.Manifest.scan(str(folder))
     m.save(str(tmp_path / "m.parquet"))
@@ -174,14 +189,21 @@ def test_parquet_missing_label_column_is_named(tmp_path):
     (pa.array([0.0, float("nan"), 1.0, 2.0]), r"a.parquet: label column 'label' has 1 NaN"),
     (pa.array([0, None, 1, 2], pa.int64()), r"a.parquet: label column 'label' has 1 null"),
     (pa.array([0, -3, 1, 2]), r"a.parquet: label column 'label' has negative labels"),
-    # 'label' is a reserved name: the hint renames it rather than carrying it as a column.
-    (pa.array([0.5, 1.0, 1.0, 2.0]), r"non-integer values.* rename it in the files .*"
-                                     r"label=None, columns=\['target'\]"),
+    (pa.array([0, 2**63 + 5, 1, 2], pa.uint64()),
+     r"a.parquet: label column 'label' has labels above 2\*\*63 - 1 \(e.g. "
+     r"9223372036854775813 at row 1\)"),
+    # 'label' is a reserved key: the hint carries it under another one.
+    (pa.array([0.5, 1.0, 1.0, 2.0]), r"non-integer values.* scan with label=None, "
+                                     r"columns=\{'label': 'target'\}"),
 ])
 def test_parquet_bad_labels_are_never_silent(tmp_path, labels, pattern):
     _parquet(tmp_path / "a.parquet", 4, label=labels)
     with pytest.raises(raying.DataError, match=pattern):
         raying.Manifest.scan(str(tmp_path), label="label")
+    if "target" in pattern:  # the hint works as given
+        m = raying.Manifest.scan(str(tmp_path), label=None, columns={"label": "target"})
+        assert m.meta["columns"]["target"] == {"kind": "number", "dtype": "float64",
+                                               "source": "label"}
 
 
 def test_a_float_target_column_is_pointed_to_columns(tmp_path):
@@ -190,6 +212,22 @@ def test_a_float_target_column_is_pointed_to_columns(tmp_path):
         raying.Manifest.scan(str(tmp_path), label="y")
     m = raying.Manifest.scan(str(tmp_path), label=None, columns=["y"])
     assert len(m) == 4
+
+
+def test_label_columns_written_as_string_large_string_or_dictionary_read_as_one(tmp_path):
+    # pyarrow, polars and pandas categoricals write class names each their own way.
+    _parquet(tmp_path / "a.parquet", 4, label=pa.array(["cat", "dog", "cat", "dog"]))
+    _parquet(tmp_path / "b.parquet", 4, label=pa.array(["eel", "cat", "cat", "cat"],
+                                                       pa.large_string()))
+    _parquet(tmp_path / "c.parquet", 4,
+             label=pa.array(["dog", "dog", "eel", "cat"]).dictionary_encode())
+    m = raying.Manifest.scan(str(tmp_path), label="label")
+    assert m.classes == ["cat", "dog", "eel"]
+    assert [m.classes[k] for k in m.labels] == ["cat", "dog", "cat", "dog", "eel", "cat", "cat",
+                                                "cat", "dog", "dog", "eel", "cat"]
+    _parquet(tmp_path / "c.parquet", 4, label=pa.array([0, 1, 2, 0]))  # names beside ids
+    with pytest.raises(raying.DataError, match=r"schema mismatch in column 'label': .*c.parquet"):
+        raying.Manifest.scan(str(tmp_path), label="label")
 
 
 def test_corrupt_parquet_names_the_file(tmp_path):
@@ -285,6 +323,32 @@ def test_underscore_names_kept_for_images_dropped_for_parquet(folder, tmp_path):
     _parquet(pq_root / "part-0.parquet", 5)
     _parquet(pq_root / "_temporary" / "part-0.parquet", 5)  # a Spark job's leftovers
     assert len(raying.Manifest.scan(str(pq_root), label=None)) == 5
+
+
+def test_jpeg_endings_browsers_save_are_scanned_and_other_files_left_out_are_named(
+        folder, tmp_path, caplog):
+    import shutil
+
+    imgs = tmp_path / "imgs"
+    shutil.copytree(folder, imgs)
+    first = imgs / raying.Manifest.scan(str(imgs)).path_of(0)[0]
+    for ending in ("jfif", "JPE"):
+        shutil.copy(first, first.with_name(f"saved.{ending}"))
+    (imgs / "README.md").write_text("a dataset")
+    (imgs / "class_01" / "notes.txt").write_text("x")
+    (imgs / "class_01" / "more.txt").write_text("y")
+    with caplog.at_level("WARNING", logger="raying.dataset.manifest"):
+        m = raying.Manifest.scan(str(imgs))
+    assert len(m) == 14 and {p.rpartition("/")[2] for p in m.column("path")} >= {
+        "saved.jfif", "saved.JPE"}
+    said = [r.getMessage() for r in caplog.records]
+    assert any("left out 3 files whose endings are not among the image endings scanned: "
+               ".txt (2), .md (1); pass Manifest.scan(..., extensions=[...])" in t
+               for t in said), said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="raying.dataset.manifest"):
+        raying.Manifest.scan(str(folder))  # nothing left out: nothing said
+    assert not caplog.records
 
 
 def test_validation_split_scanned_with_the_training_classes(folder, tmp_path):

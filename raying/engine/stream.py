@@ -562,4 +562,5 @@ def _slice_unit(unit: ReadUnit, a: int, b: int) -> ReadUnit:
         return None if v is None else v[a:b]
 
     return dataclasses.replace(unit, draw=b - a, ids=cut(unit.ids), labels=cut(unit.labels),
-                               probs=cut(unit.probs), weights=cut(unit.weights))
+                               probs=cut(unit.probs), weights=cut(unit.weights),
+                               occurrence=cut(unit.occurrence))

@@ -63,3 +63,21 @@ def uniforms(seed: int, epoch: int, ids: np.ndarray, n_draws: int,
     _mix_array(z)
     z >>= np.uint64(11)
     return z.astype(np.float64) * _TWO_POW_M53
+
+
+def draw_keys(ids: np.ndarray, occurrence: np.ndarray | None) -> np.ndarray:
+    """The keys a sample's random draws are made from: its id, or for a draw of an id that
+    is not its first in the epoch (samplers that draw with replacement), the id mixed with
+    which draw it is, so that each draw of one image gets a crop and flip of its own.
+    ``occurrence`` (aligned with ``ids``): 0 for an id's first draw, distinct values for its
+    others; None for none."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if occurrence is None:
+        return ids
+    occ = np.asarray(occurrence, dtype=np.int64)
+    if not occ.any():
+        return ids
+    salt = occ.astype(np.uint64) * _GOLDEN_U64
+    _mix_array(salt)
+    keys = ids.view(np.uint64) ^ np.where(occ != 0, salt, np.uint64(0))
+    return keys.view(np.int64)

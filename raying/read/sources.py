@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from raying.errors import DataError, DecodeError
+from raying.image.rng import draw_keys
 from raying.read import decoded_cache as _decoded
 from raying.read import fetch as _fetch
 from raying.read import parquet as _parquet
@@ -81,13 +82,15 @@ class EncodedFiles(_ReadOnce):
     def __init__(self, spec: ReadSpec, fs: Any, unit: ReadUnit, ids: np.ndarray,
                  full: list[str], where: list[str]) -> None:
         self.spec, self.unit, self.ids, self.where = spec, unit, ids, where
+        self.keys = draw_keys(ids, unit.occurrence)
         self.datas, io = _fetch.read_samples(spec, fs, full, unit)
         nbytes = sum(len(d) for d in self.datas if isinstance(d, (bytes, bytearray, memoryview)))
         super().__init__(io, nbytes, nbytes)
 
     def part(self, part: slice, out: np.ndarray | None) -> Part:
         images, ok, errors = transform_encoded(self.spec, self.unit, self.ids[part],
-                                               self.datas[part], self.where[part], out)
+                                               self.datas[part], self.where[part], out,
+                                               keys=self.keys[part])
         io, nbytes = self._spent()
         return Part(images, ok, errors, io, nbytes, 0.0)
 
@@ -98,6 +101,7 @@ class ParquetRows(_ReadOnce):
     def __init__(self, spec: ReadSpec, fs: Any, root: str, unit: ReadUnit,
                  ids: np.ndarray) -> None:
         self.spec, self.unit, self.ids = spec, unit, ids
+        self.keys = draw_keys(ids, unit.occurrence)
         io: dict[str, int] = {}
         self.values, self.where, nbytes = _parquet.read_rows(spec, fs, root, unit, ids, io)
         if spec.decoded is not None:
@@ -109,13 +113,14 @@ class ParquetRows(_ReadOnce):
 
     def part(self, part: slice, out: np.ndarray | None) -> Part:
         if self.spec.decoded is not None:
-            images = self.spec.transform.apply_decoded(self.values[part], self.ids[part],
+            images = self.spec.transform.apply_decoded(self.values[part], self.keys[part],
                                                        seed=self.spec.seed,
                                                        epoch=self.unit.epoch, out=out)
             ok, errors = np.ones(len(self.ids[part]), dtype=bool), []
         else:
             images, ok, errors = transform_encoded(self.spec, self.unit, self.ids[part],
-                                                   self.values[part], self.where[part], out)
+                                                   self.values[part], self.where[part], out,
+                                                   keys=self.keys[part])
         io, nbytes = self._spent()
         return Part(images, ok, errors, io, nbytes, 0.0)
 
@@ -155,6 +160,7 @@ class CachedPixels:
     def __init__(self, spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, where: list[str],
                  fetch: Any, *, bytes_from_io: bool) -> None:
         self.spec, self.unit, self.ids, self.where, self.fetch = spec, unit, ids, where, fetch
+        self.keys = draw_keys(ids, unit.occurrence)
         # Row groups count what their (shared, once per unit) read fetched; files count the
         # encoded bytes of the misses they decoded.
         self.bytes_from_io = bytes_from_io
@@ -194,7 +200,8 @@ class CachedPixels:
         read_s = time.perf_counter() - t0
         t2 = time.perf_counter()
         # Misses decode at full scale, so a sample looks the same whether it was a hit.
-        res = _render(spec, self.unit, ids, items, self.where[part], out, scaled=False)
+        res = _render(spec, self.unit, ids, items, self.where[part], out, scaled=False,
+                      keys=self.keys[part])
         if budget is not None:
             # A hit costs its share of the lookup (all of it: misses look up too) and a crop.
             hits = io["cache_decoded_hits"]
@@ -207,15 +214,17 @@ class CachedPixels:
 
 
 def transform_encoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: Any,
-                      where: list[str], out: np.ndarray | None = None):
+                      where: list[str], out: np.ndarray | None = None, *,
+                      keys: np.ndarray | None = None):
     """Decode and augment encoded values (errors of the read itself included), in order:
-    ``(images, ok, errors)``."""
-    res = _render(spec, unit, ids, datas, where, out)
+    ``(images, ok, errors)``. ``keys``: what the random draws are made from, where not the
+    ids (:func:`raying.image.rng.draw_keys`)."""
+    res = _render(spec, unit, ids, datas, where, out, keys=keys)
     return res.images, res.ok, res.errors
 
 
 def _render(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: Any, where: list[str],
-            out: np.ndarray | None, *, scaled: bool = True):
+            out: np.ndarray | None, *, scaled: bool = True, keys: np.ndarray | None = None):
     """:func:`transform_encoded` as the transform's result (errors named by location)."""
     clean: list[Any] = []
     pre_errors: dict[int, DecodeError] = {}
@@ -226,7 +235,8 @@ def _render(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: Any, where: 
             clean.append(None)
         else:
             clean.append(d)
-    res = spec.transform.apply_encoded(clean, ids, seed=spec.seed, epoch=unit.epoch,
+    res = spec.transform.apply_encoded(clean, ids if keys is None else keys, seed=spec.seed,
+                                       epoch=unit.epoch,
                                        max_pixels=spec.max_pixels, out=out, scaled=scaled)
     ok = np.asarray(res.ok, dtype=bool)
     # The transform lists its errors in input order, one for each row that is not ok.

@@ -28,6 +28,9 @@ class ReadUnit:
     weights: np.ndarray | None = None
     row_groups: np.ndarray | None = None
     group_scan: np.ndarray | None = None
+    # Samplers that draw with replacement: which draw of its id each row is (0 for the
+    # first; see raying.image.rng.draw_keys), so that repeated draws are augmented apart.
+    occurrence: np.ndarray | None = None
     # Set by the executor when the unit is re-run to resume mid-unit: rows to drop at the front.
     skip_rows: int = 0
 
@@ -50,6 +53,33 @@ class EpochPlan:
 
     def __len__(self) -> int:
         return len(self.units)
+
+
+def occurrence_ranks(ids: np.ndarray) -> np.ndarray:
+    """For each element of ``ids``, how many equal ids come before it (0 for the first)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    order = np.argsort(ids, kind="stable")
+    ranked = ids[order]
+    first = np.r_[True, ranked[1:] != ranked[:-1]] if len(ids) else np.zeros(0, bool)
+    run_start = np.maximum.accumulate(np.where(first, np.arange(len(ids)), 0))
+    out = np.empty(len(ids), dtype=np.int64)
+    out[order] = np.arange(len(ids)) - run_start
+    return out
+
+
+def set_occurrences(units: list[ReadUnit]) -> None:
+    """Give the units of an epoch drawn with replacement each row's draw of its id, counted
+    over the epoch in plan order (none where no id repeats)."""
+    sizes = [len(u.ids) for u in units if u.ids is not None]
+    if len(sizes) != len(units) or not sizes:
+        return
+    ranks = occurrence_ranks(np.concatenate([np.asarray(u.ids) for u in units]))
+    if not ranks.any():
+        return
+    at = 0
+    for u, n in zip(units, sizes, strict=True):
+        u.occurrence = ranks[at:at + n]
+        at += n
 
 
 def chunk_units(epoch: int, ids: np.ndarray, block_rows: int) -> list[ReadUnit]:

@@ -13,7 +13,7 @@ import numpy as np
 
 from raying.errors import ConfigError
 from raying.options import DEFAULT_GUARD_AFTER, settings
-from raying.sampling.plan import EpochPlan, ReadUnit
+from raying.sampling.plan import EpochPlan, ReadUnit, occurrence_ranks
 
 # A buffered plan is dropped (and a fresh one drawn) once this process has sent reports since
 # it was drawn, or once it is this old (reports from other processes, e.g. Train workers).
@@ -389,6 +389,9 @@ class PrioritizedSampler:
             order = np.argsort(ids[part], kind="stable")
             ids, probs, weights = ids[part][order], probs[part][order], weights[part][order]
         unit.ids, unit.probs, unit.weights = ids[part], probs[part], weights[part]
+        # Draws with replacement: an id drawn again (in this unit, or in another: units are
+        # drawn apart, so the unit's index tells them apart) is augmented apart.
+        unit.occurrence = occurrence_ranks(unit.ids) + (int(unit.index) + 1 << 24)
         return unit
 
     # -- feedback, stats, state ----------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 
 from raying.errors import ConfigError
 from raying.sampling.aside import SetAside
-from raying.sampling.plan import EpochPlan, ReadUnit, chunk_units
+from raying.sampling.plan import EpochPlan, ReadUnit, chunk_units, set_occurrences
 from raying.sampling.weights import importance_weights, to_numpy
 
 # Mixed into the seed of every weighted plan, so it never shares a stream with other plans.
@@ -215,6 +215,7 @@ class WeightedSampler:
         rng = np.random.default_rng([self.seed, int(epoch), _PLAN_STREAM])
         ids = rng.choice(n, size=k, replace=True, p=probs).astype(np.int64)
         units = draw_units(manifest, epoch, ids, rng, block_rows)
+        set_occurrences(units)  # each draw of an id augmented apart
         positive = probs[probs > 0]
         low = float(positive.min())
         for u in units:

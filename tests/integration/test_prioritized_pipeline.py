@@ -35,6 +35,26 @@ def test_batches_carry_prob_and_weight(manifest, ray_local):
     pipe.close()
 
 
+def test_each_draw_of_an_id_drawn_again_gets_a_crop_of_its_own(manifest, ray_local):
+    # Draws with replacement repeat ids in an epoch (here 240 draws of 60 images): each draw
+    # is cropped and flipped on its own, on both paths.
+    s = raying.PrioritizedSampler(alpha=1.0, uniform_mix=0.1, seed=0, samples_per_epoch=240)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16, random_crop=True,
+                                                                  flip=True),
+                           sampler=s, config=raying.PipelineConfig(block_rows=32))
+    for batches in (pipe.iter_batches(batch_size=32, epoch=0),
+                    pipe.dataset(1).iter_batches(batch_size=32, batch_format="numpy")):
+        seen: dict[int, list[bytes]] = {}
+        for b in batches:
+            for i, img in zip(b["id"], b["image"], strict=True):
+                seen.setdefault(int(i), []).append(img.tobytes())
+        repeats = {i: v for i, v in seen.items() if len(v) > 1}
+        draws = sum(len(v) for v in repeats.values())
+        distinct = sum(len(set(v)) for v in repeats.values())
+        assert draws > 150 and distinct >= draws - 3, (draws, distinct)
+    pipe.close()
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_an_epoch_shorter_than_a_plan_is_stratified_over_the_epoch(manifest, ray_local, gated,
                                                                     monkeypatch):

@@ -169,6 +169,50 @@ def test_label_column_as_a_plain_extra_column_points_to_a_key_of_its_own(parquet
         raying.Manifest.scan(str(parquet_set), label="n", columns=["n"])
 
 
+@pytest.mark.parametrize("fmt", ["images", "parquet"])
+def test_each_draw_of_an_id_drawn_again_gets_a_crop_of_its_own(tmp_path, fmt):
+    """A class-balanced epoch draws the rare class's images many times: as with torch's
+    WeightedRandomSampler, each draw is cropped and flipped on its own (not the same pixels
+    every time), and the epoch is still the same when read again."""
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "imgs", n=60, classes=2, size=(40, 48), seed=1)
+    for p in sorted((root / "class_01").iterdir())[3:]:
+        p.unlink()  # 3 rare images beside 30 others
+    m = raying.Manifest.scan(str(root))
+    if fmt == "parquet":
+        from raying.dataset.pack import pack_shard
+        from raying.options import StorageOptions
+
+        (tmp_path / "pq").mkdir()
+        pack_shard(m, np.arange(len(m)), str(tmp_path / "pq"), StorageOptions(),
+                   "part-00000.parquet", decode_size=None, row_group_rows=8, on_error="raise",
+                   verify=False)
+        m = raying.Manifest.scan(str(tmp_path / "pq"), label="label")
+
+    def epoch():
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE, random_crop=True,
+                                                                  flip=True),
+                               sampler=raying.WeightedSampler(class_balanced=True, seed=2,
+                                                              samples_per_epoch=120),
+                               config=raying.PipelineConfig(block_rows=16))
+        got = read_epoch(pipe, 0)
+        pipe.close()
+        return got
+
+    got = epoch()
+    rare = [i for i in np.unique(got["id"]) if m.labels[i] == 1]
+    assert len(rare) == 3
+    for i in rare:
+        rows = got["image"][got["id"] == i]
+        assert len(rows) >= 10  # about 120 / 2 / 3 draws each
+        distinct = {r.tobytes() for r in rows}
+        assert len(distinct) >= len(rows) - 1, (i, len(rows), len(distinct))
+    again = epoch()
+    np.testing.assert_array_equal(again["id"], got["id"])
+    np.testing.assert_array_equal(again["image"], got["image"])
+
+
 # -- extra columns: read -------------------------------------------------------------------------
 def test_extra_columns_arrive_aligned_with_ids(parquet_set):
     m = raying.Manifest.scan(str(parquet_set), columns=["caption", "n", "boxes"])

@@ -49,3 +49,24 @@ def test_row_groups_of_names_the_groups_holding_the_ids():
     files, index, start, _ = _row_groups()
     got = row_groups_of(np.array([0, 4, 5, 21, 20, 24]), files, index, start)
     assert got.tolist() == [[0, 0, 0], [0, 1, 5], [2, 0, 17], [2, 1, 23]]
+
+
+def test_occurrence_ranks_count_earlier_equal_ids():
+    from raying.sampling.plan import occurrence_ranks
+
+    ids = np.array([5, 3, 5, 5, 9, 3, 0], dtype=np.int64)
+    assert occurrence_ranks(ids).tolist() == [0, 0, 1, 2, 0, 1, 0]
+    assert occurrence_ranks(np.zeros(0, np.int64)).tolist() == []
+
+
+def test_draw_keys_leave_first_draws_alone_and_tell_repeats_apart():
+    from raying.image.rng import draw_keys, uniforms
+
+    ids = np.array([4, 4, 4, 7], dtype=np.int64)
+    assert draw_keys(ids, None) is not None and (draw_keys(ids, None) == ids).all()
+    assert (draw_keys(ids, np.zeros(4, np.int64)) == ids).all()
+    keys = draw_keys(ids, np.array([0, 1, 2, 0]))
+    assert keys[0] == 4 and keys[3] == 7 and len(set(keys.tolist())) == 4
+    u = uniforms(0, 0, keys, 3)
+    assert len({tuple(r) for r in u[:3].tolist()}) == 3  # three draws of id 4, three crops
+    np.testing.assert_array_equal(u[0], uniforms(0, 0, ids[:1], 3)[0])

@@ -616,6 +616,11 @@ class Pipeline:
         split, ``streaming_split(n, equal=True)``, which drops up to ``n - 1`` rows of every
         epoch whose rows do not divide by the ``n`` workers; ``ds.streaming_split(n,
         equal=False)`` keeps them all.
+
+        Its rows are the epoch's (the same ids and pixels as the iterators'); their order is
+        the plan's only where Ray Data keeps order (``DataContext.get_current()
+        .execution_options.preserve_order = True``): by default it hands on blocks as their
+        read tasks finish, which differs from run to run.
         """
         self._same_ray()  # before _start_ray, which would start a Ray of its own
         self._start_ray()

@@ -80,6 +80,12 @@ class Reporter:
                    f"{tuple(int(d) for d in shape)} for {i.size} ids; reduce each sample's "
                    f"other axes first (e.g. loss.reshape(len(ids), -1).mean(1))")
             raise ConfigError(msg)
+        if len(shape) > 1 and shape[0] != i.size and v.size == i.size:
+            # (2, 2) losses for 4 ids: flattened they would pair up by accident of layout.
+            msg = (f"raying.report: losses of shape {tuple(int(d) for d in shape)} for "
+                   f"{i.size} ids; pass one loss per id, of shape ({i.size},) (or "
+                   f"({i.size}, 1)), in the order of the ids")
+            raise ConfigError(msg)
         v = v.astype(np.float64, copy=False)
         # Float ids travel as floats: the store rejects and counts non-integral ones (a cast
         # here would truncate 1.5 to 1 and credit the loss to another sample).

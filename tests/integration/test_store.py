@@ -244,6 +244,11 @@ def test_reporter_takes_bfloat16_losses_and_refuses_bool_or_text_ids():
             with pytest.raises(ConfigError, match=r"one loss per sample expected, got losses "
                                                   r"of shape \(2, \d+(, 4)?\) for 2 ids"):
                 rep.add(torch.tensor([1, 2]), losses)
+        # Losses as many as the ids but laid out otherwise: they would pair up by accident.
+        for ids, losses in (([1, 2, 3, 4], torch.ones(2, 2)), ([1, 2], np.ones((1, 2)))):
+            with pytest.raises(ConfigError, match=rf"losses of shape \(\d, 2\) for "
+                                                  rf"{len(ids)} ids; pass one loss per id"):
+                rep.add(ids, losses)
         rep.add(torch.tensor([1, 2]), torch.ones(2, 1))  # (B, 1): one loss per sample
         rep.add([3], [2])  # an integer loss is a number
         st.flush(handle)

@@ -140,22 +140,34 @@ def room_for_reads(args: Any, task_cpus: float = 1.0) -> None:
     """On one node, leave the read tasks a CPU beside the Train workers: workers that take
     every CPU leave the reads, and so the run, waiting for ever. ``--cpus-per-worker`` left
     to its default shrinks to what fits (said on stderr); one given that does not fit stops
-    a one-machine run (no ``--storage-path``) with the fix. Where the workers do not fit this
-    node at all, or there are several nodes, or ``--storage-path`` says other nodes may come
-    (an autoscaling cluster), what fits is not known here: raying.train warns once the
-    workers hold their CPUs, and :func:`train_storage` asks for shared storage."""
+    a one-machine run (no ``--storage-path``) with the fix. CPUs other runs' Train workers
+    hold count as taken: two runs whose workers each leave the other's reads no CPU would
+    wait on each other for ever. Where the workers do not fit this node at all, or there are
+    several nodes, or ``--storage-path`` says other nodes may come (an autoscaling cluster),
+    what fits is not known here: raying.train warns once the workers hold their CPUs, and
+    :func:`train_storage` asks for shared storage."""
     import ray
+
+    from raying.train.loader import _cpus_outside_placement_groups
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) != 1:
         return
-    cpus = float(nodes[0].get("Resources", {}).get("CPU", 0.0))
+    total = float(nodes[0].get("Resources", {}).get("CPU", 0.0))
+    # Other jobs' Train workers hold theirs in placement groups: what is left is this run's.
+    cpus = min(total, _cpus_outside_placement_groups())
+    held = f" ({total - cpus:g} of its {total:g} held by other runs)" if cpus < total else ""
     workers = args.num_workers * args.cpus_per_worker
-    if workers > cpus or cpus - workers >= task_cpus:
+    if workers > total:
+        return
+    if total - workers >= task_cpus and (workers > cpus or cpus - workers >= task_cpus):
+        # It fits on its own: its workers wait for CPUs other runs hold (reserving none
+        # meanwhile), or get them with a CPU left for the reads.
         return
     fits = math.floor((cpus - task_cpus) / args.num_workers * 20) / 20  # 0.05 steps
     if getattr(args, "cpus_auto", False) and fits >= 0.05:
-        print(f"this node has {cpus:g} CPUs: each of the {args.num_workers} Train workers takes "
+        print(f"this node has {cpus:g} CPUs free{held}: each of the {args.num_workers} Train "
+              f"workers takes "
               f"{fits:g} (not {args.cpus_per_worker:g}), leaving "
               f"{cpus - fits * args.num_workers:g} for the read tasks", file=sys.stderr)
         args.cpus_per_worker = fits
@@ -163,9 +175,10 @@ def room_for_reads(args: Any, task_cpus: float = 1.0) -> None:
     if getattr(args, "storage_path", None):
         return
     fix = (f"pass --cpus-per-worker {fits:g} or less" if fits >= 0.05 else
-           "pass fewer --num-workers, or run on a node with more CPUs")
+           "pass fewer --num-workers, or run on a node with more CPUs" if not held else
+           "wait for the other runs to end, or run on a node with more CPUs")
     msg = (f"the {args.num_workers} Train workers take {workers:g} of this node's {cpus:g} "
-           f"CPUs, leaving {max(cpus - workers, 0):g} for the read tasks, which need "
+           f"free CPUs{held}, leaving {max(cpus - workers, 0):g} for the read tasks, which need "
            f"{task_cpus:g} each: the reads, and the run, would wait for ever; {fix}")
     raise SystemExit(msg)
 

@@ -206,7 +206,9 @@ def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DAS
             msg = (f"a head started from {state} is running ({old.dashboard_url}, pid "
                    f"{old.pid}); stop it with `raying cluster stop` or use another state dir")
             raise ClusterError(msg)
-        _state_path(state).unlink()
+        # A head that died (killed, its machine's OOM killer) leaves its agents, workers and
+        # temp dir behind: stop those before the state file that finds them is replaced.
+        stop(old, state_dir=state)
     state.mkdir(parents=True, exist_ok=True)
     token = Path(token_file).expanduser().resolve() if token_file else state / "auth_token"
     _ensure_token(token)

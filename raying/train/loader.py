@@ -380,10 +380,11 @@ def _check_room_for_reads(task_cpus: float) -> None:
     if free < task_cpus:
         logging.getLogger("raying").warning(
             "raying.train: %.2f CPU left in the cluster beside what its placement groups "
-            "(the Train workers') reserve, and each read task needs %s: the reads then wait "
-            "for ever. Give the workers fewer, e.g. ScalingConfig(resources_per_worker="
-            "{'CPU': 0.5}), or the reads less, PipelineConfig(task_num_cpus=0.5)",
-            free, task_cpus)
+            "(Train workers', this run's and any other's) reserve, and each read task needs "
+            "%s: the reads then wait for ever. Give the workers fewer CPUs "
+            "(ScalingConfig(resources_per_worker={'CPU': ...})) so that %s stay free, or "
+            "the reads fewer (PipelineConfig(task_num_cpus=...))",
+            free, task_cpus, task_cpus)
 
 
 def _cpus_outside_placement_groups() -> float:

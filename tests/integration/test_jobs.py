@@ -233,3 +233,28 @@ def test_the_tf_job_smoke_test_runs_every_worker_in_step_and_keeps_no_run_folder
         assert e["rows"] > 0 and e["loss"] > 0, (epoch, e)
     after = set(os.listdir(runs)) if runs.is_dir() else set()
     assert after <= before, sorted(after - before)
+
+
+def test_a_head_started_over_a_dead_one_stops_what_the_dead_one_left(tmp_path):
+    # A head killed at once (SIGKILL: no chance to stop its node) leaves its agents and temp
+    # dir; starting a new head from the same state dir stops those first.
+    import signal
+
+    state = tmp_path / "state"
+    first = rc.start(port=0, dashboard_port=0, num_cpus=1, state_dir=state)
+    second = None
+    try:
+        assert rc.marked_pids(first.cluster_id)
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while rc.pid_alive(first.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        second = rc.start(port=0, dashboard_port=0, num_cpus=1, state_dir=state)
+        assert rc.marked_pids(first.cluster_id) == []
+        assert not os.path.exists(first.temp_dir)
+        assert rc.marked_pids(second.cluster_id)
+    finally:
+        rc.stop(second or first)
+        if second is not None:
+            assert rc.marked_pids(second.cluster_id) == []
+        rc.stop(first)  # nothing left of it: a no-op

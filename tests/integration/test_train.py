@@ -391,7 +391,7 @@ def test_a_train_job_leaves_the_reads_a_cpu_on_one_node(ray_local, capsys):
         capsys.readouterr().err)
     given = job.resolve(job.build_parser().parse_args(
         ["--data", "unused", "--num-workers", "3", "--cpus-per-worker", "0.5"]))
-    with pytest.raises(SystemExit, match=r"the 3 Train workers take 1.5 of this node's 2 CPUs, "
+    with pytest.raises(SystemExit, match=r"the 3 Train workers take 1.5 of this node's 2 free CPUs, "
                                          r"leaving 0.5 .*pass --cpus-per-worker 0.3 or less"):
         job._common.room_for_reads(given)
     two = job.resolve(job.build_parser().parse_args(
@@ -409,6 +409,27 @@ def test_a_train_job_leaves_the_reads_a_cpu_on_one_node(ray_local, capsys):
     smoke = job.resolve(job.build_parser().parse_args(["--smoke-test"]))
     job._common.room_for_reads(smoke)
     assert smoke.cpus_per_worker == 0.25
+    # Another run's Train workers hold CPUs in a placement group: what they hold is taken.
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    for held, want in ((0.5, 0.25), (1.0, None)):
+        pg = placement_group([{"CPU": held}])
+        try:
+            ray_local.get(pg.ready(), timeout=60)
+            args = job.resolve(job.build_parser().parse_args(["--data", "unused"]))
+            if want is not None:
+                job._common.room_for_reads(args)
+                assert args.cpus_per_worker == want
+                assert f"({held:g} of its 2 held by other runs)" in capsys.readouterr().err
+            else:  # two runs whose workers leave each other's reads nothing: refused
+                with pytest.raises(SystemExit, match=r"\(1 of its 2 held by other runs\).*"
+                                                     r"wait for the other runs to end"):
+                    job._common.room_for_reads(args)
+                smoke = job.resolve(job.build_parser().parse_args(["--smoke-test"]))
+                with pytest.raises(SystemExit, match=r"wait for the other runs to end"):
+                    job._common.room_for_reads(smoke)
+        finally:
+            remove_placement_group(pg)
 
 
 def test_the_room_for_reads_counts_what_placement_groups_reserve_not_what_runs_now(

@@ -362,7 +362,9 @@ class HDFSCluster:
             "dfs.datanode.http.address": f"{HOST}:{dn['http.address']}",
             "dfs.replication": 1,
             "dfs.webhdfs.enabled": "false",
-            "dfs.permissions.enabled": "false",
+            # On, as on a real cluster: the tests' own user started the NameNode, so it is
+            # HDFS's superuser; other users (hdfs://alice@...) meet the permissions.
+            "dfs.permissions.enabled": "true",
             "dfs.namenode.datanode.registration.ip-hostname-check": "false",
             "dfs.namenode.safemode.extension": 0,
             "dfs.heartbeat.interval": 1,
@@ -469,6 +471,18 @@ class HDFSCluster:
                 raise RuntimeError(msg)
             time.sleep(1.0)
         return uri
+
+    def shell(self, *args: str, timeout_s: float = 120.0) -> str:
+        """Run Hadoop's shell (``hdfs dfs``) against this cluster as its superuser, e.g.
+        ``shell("-chmod", "700", "/secret")``; its output."""
+        cmd = [str(self.install.java_home / "bin" / "java"), *CLIENT_JAVA_OPTS.split(),
+               "-cp", self.classpath, "org.apache.hadoop.fs.FsShell", "-fs", self.url, *args]
+        done = subprocess.run(cmd, env={**os.environ, **self.client_env}, capture_output=True,
+                              text=True, timeout=timeout_s, check=False)
+        if done.returncode != 0:
+            msg = f"hdfs dfs {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+            raise RuntimeError(msg)
+        return done.stdout
 
     def _block_reports(self) -> int:
         path = self.dir / "datanode.log"

@@ -148,10 +148,36 @@ def _storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *, kin
 
 def unreachable(fs: pafs.FileSystem, uri: str) -> StorageError | None:
     """The error to raise for ``uri``, found missing, when its storage is an HDFS whose
-    NameNode does not answer (libhdfs then reports every path as missing); else None."""
+    NameNode does not answer, or that refuses this user a folder above it (libhdfs then
+    reports the path as missing); else None."""
     if _scheme_of(fs, _spec_of(fs)) != "hdfs":
         return None
-    return _hdfs_unreachable(fs, uri, "", "")
+    return _hdfs_unreachable(fs, uri, "", "") or _hdfs_refused_above(fs, uri)
+
+
+def _hdfs_refused_above(fs: pafs.FileSystem, uri: str) -> Exception | None:
+    """A CredentialsError naming the nearest folder above ``uri`` that exists when HDFS
+    refuses to list it (a path under a folder of mode 700 looks missing to other users);
+    None when that folder lists (the path is missing) or the probe cannot tell."""
+    split = urllib.parse.urlsplit(uri)
+    path = split.path.rstrip("/")
+    for _ in range(64):
+        if path in ("", "/"):
+            return None
+        path = path.rpartition("/")[0] or "/"
+        try:
+            if fs.get_file_info(path).type != pafs.FileType.Directory:
+                continue
+            fs.get_file_info(pafs.FileSelector(path, recursive=False))
+        except OSError as exc:
+            if classify(exc) != "credentials":
+                return None
+            folder = urllib.parse.urlunsplit(split._replace(path=path))
+            return storage_error(exc, None, folder, action="list", uri=folder)
+        except Exception:  # noqa: BLE001 - a probe that fails tells nothing
+            return None
+        return None
+    return None
 
 
 def _hdfs_unreachable(fs, uri: str, detail: str, tries: str) -> StorageError | None:

@@ -440,3 +440,20 @@ def test_the_daemons_leave_nothing_in_the_system_temp_folder(hdfs):
         assert not list(system.glob(f"hsperfdata_*/{proc.pid}"))
         assert not [p for p in system.glob("Jetty_*")
                     if f"_{hdfs.datanode_ports['http.address']}_" in p.name]
+
+
+def test_a_folder_hdfs_refuses_to_list_is_named_not_a_missing_path(hdfs, hdfs_images):
+    """libhdfs reports a path under a folder this user may not list (mode 700, another
+    owner) as missing: the scan names the folder HDFS refused and the fix instead."""
+    hdfs.shell("-mkdir", "-p", "/secret/imgs")
+    hdfs.shell("-chmod", "700", "/secret")
+    as_alice = f"hdfs://alice@127.0.0.1:{hdfs.port}"
+    with pytest.raises(raying.CredentialsError,
+                       match=rf"HDFS refused access to {as_alice}/secret \(.*\); check the "
+                             rf"HDFS user \(storage=\{{'hdfs_user': ...\}} or HADOOP_USER_NAME\)"):
+        raying.Manifest.scan(f"{as_alice}/secret/imgs")
+    # A path missing where alice may look is still missing; what she may read she reads.
+    with pytest.raises(raying.StorageError, match=r"/nope/ds does not exist; check the path"):
+        raying.Manifest.scan(f"{as_alice}/nope/ds")
+    path = hdfs_images.split(str(hdfs.port), 1)[1]
+    assert len(raying.Manifest.scan(f"{as_alice}{path}")) == 60

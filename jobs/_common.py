@@ -100,6 +100,11 @@ def parse_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
                     f"{sorted(dests)}")
         p.set_defaults(**values)
     args = p.parse_args(argv)
+    for action in p._actions:  # values from --config skip argparse's checks of choices too
+        value = getattr(args, action.dest, None)
+        if action.choices is not None and value is not None and value not in action.choices:
+            p.error(f"argument {action.option_strings[0]}: invalid choice: {value!r} (choose "
+                    f"from {', '.join(map(repr, action.choices))})")
     for action in p._actions:  # values from --config skip argparse's type conversion
         value = getattr(args, action.dest, None)
         if action.type is positive and value is not None and (

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -84,6 +85,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         data = json.loads(Path(results[-1]).read_text())
         if isinstance(data, dict):
             summary["result_keys"] = sorted(data)[:20]
+    if args.smoke_test and not args.out:  # a smoke test's results are nobody's: not kept
+        shutil.rmtree(out, ignore_errors=True)
+        summary["out"] = f"{out} (removed: a smoke test's)"
+        summary["results"] = [Path(r).name for r in results]
     return summary
 
 

@@ -34,6 +34,23 @@ SMOKE = {"seeds": 1, "max_steps": 30, "eval_every": 10, "common_per_class": 24,
          "rare_per_class": 4, "val_per_class": 6}
 
 
+def _check_cache_folder(data_dir: str | Path | None) -> None:
+    """--data is where this job generates its data: a folder that holds anything else (a
+    user's own image folder, passed as the other jobs take --data) is refused, not written
+    into."""
+    if data_dir is None or not Path(data_dir).expanduser().is_dir():
+        return
+    other = sorted(p.name for p in Path(data_dir).expanduser().iterdir()
+                   if not p.name.startswith(("shapes-", ".")))
+    if other:
+        msg = (f"--data {data_dir}: this job trains on data it generates (the demo's shapes), "
+               f"into the folder --data names, and {data_dir} holds other files ("
+               f"{', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): pass a new or "
+               f"empty folder; to train on your own dataset, run jobs/train_torch.py --data "
+               f"{data_dir} --sampler prioritized")
+        raise SystemExit(msg)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -69,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training images per rare class (default: the demo's)")
     p.add_argument("--val-per-class", type=_common.positive, default=None, help="validation images per class")
     p.add_argument("--data", metavar="DIR",
-                   help="cache folder of the generated data (default ~/.cache/raying/demo-data; "
-                        "a temp folder with --smoke-test)")
+                   help="cache folder this job generates its data into, not a dataset to train "
+                        "on (default ~/.cache/raying/demo-data; a temp folder with "
+                        "--smoke-test); your own data: jobs/train_torch.py")
     p.add_argument("--out", metavar="DIR",
                    help=f"folder for the charts and summary.json (default {DEFAULT_OUT}; a "
                         f"temp folder with --smoke-test)")
@@ -152,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scratch = Path(tempfile.gettempdir()) / f"raying-train-prioritized-smoke-{os.getuid()}"
         data_dir = data_dir or scratch / "data"
         out_dir = out_dir or scratch / "out"
+    _check_cache_folder(data_dir)
     data = ensure_demo_data(data_dir, spec)
     out = Path(out_dir or DEFAULT_OUT)
     out.mkdir(parents=True, exist_ok=True)

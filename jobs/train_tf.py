@@ -22,6 +22,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -163,6 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if not args.storage_path:  # a run under a random name nobody can resume: not kept
             shutil.rmtree(os.path.join(storage_path, f"{pipe.name}-tf"), ignore_errors=True)
+            with contextlib.suppress(OSError):  # the shared folder, once no other run is in it
+                os.rmdir(storage_path)
     fit_s = time.perf_counter() - t_fit
     records = ray.get(ledger.all.remote())
     epochs: dict[int, dict[str, Any]] = {}

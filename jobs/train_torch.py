@@ -234,6 +234,8 @@ def fit(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if not args.storage_path:  # a run under a random name nobody can resume: not kept
             shutil.rmtree(os.path.join(storage_path, f"{pipe.name}-torch"), ignore_errors=True)
+            with contextlib.suppress(OSError):  # the shared folder, once no other run is in it
+                os.rmdir(storage_path)
     fit_s = time.perf_counter() - t_fit
     records = ray.get(ledger.all.remote())
     coverage = _common.epoch_coverage(records, len(m))

@@ -317,8 +317,8 @@ def _extra_columns(columns: Any, format: str, uri: str) -> list[tuple[str, str]]
         raise ConfigError(msg)
     taken = [b for b in keys if b in RESERVED]
     if taken:
-        renames = ", ".join(f"{b!r}: '{b}_'" if b != "id" else "'id': 'source_id'"
-                            for b in taken)
+        renames = ", ".join(f"{a!r}: {'source_id' if b == 'id' else b + '_'!r}"
+                            for a, b in pairs if b in RESERVED)
         msg = (f"columns={columns!r} names {taken}, which every batch already has "
                f"({', '.join(RESERVED)}); carry such a column under another key with a dict, "
                f"columns={{{renames}}} (the label column is label=, the image column "

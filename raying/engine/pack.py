@@ -83,6 +83,9 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
 
     shard_rows = settings().pack_shard_rows if shard_rows is None else shard_rows
     row_group_rows = settings().pack_row_group_rows if row_group_rows is None else row_group_rows
+    if on_error not in ("skip", "raise"):
+        msg = f"pack(on_error=...) must be 'skip' or 'raise', got {on_error!r}"
+        raise ConfigError(msg)
     if shard_rows < 1 or row_group_rows < 1:
         msg = (f"shard_rows and row_group_rows must be >= 1, got {shard_rows} and "
                f"{row_group_rows}")

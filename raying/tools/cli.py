@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import logging
 import os
@@ -371,7 +372,26 @@ def _in_flags(text: str, command: argparse.ArgumentParser | None) -> str:
             value = "none"
         return f"{name} {value!r}" if " " in value else f"{name} {value}"
 
+    if "columns" in flags:  # columns={'a': 'b'} / columns=['a'] as --columns a:b / a
+        def columns(m: re.Match) -> str:
+            try:
+                value = ast.literal_eval(m.group(1))
+            except (ValueError, SyntaxError):
+                return m.group(0)
+            if isinstance(value, dict):
+                items = [a if a == b else f"{a}:{b}" for a, b in value.items()]
+            elif isinstance(value, (list, tuple)):
+                items = [str(a) for a in value]
+            else:
+                return m.group(0)
+            return f"--columns {','.join(map(str, items))}"
+
+        text = _COLUMNS.sub(columns, text)
     return _KEYWORD.sub(flag, text)
+
+
+# A columns= keyword whose value is a dict or list literal (no nested brackets).
+_COLUMNS = re.compile(r"\bcolumns=(\{[^{}]*\}|\[[^\[\]]*\])")
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

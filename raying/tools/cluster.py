@@ -270,7 +270,9 @@ def _start_once(ray_bin: str, state: Path, token: Path, port: int, dashboard_por
     with open(state / "head.log", "wb") as log:
         # RAY_ADDRESS: Ray's own helpers in this head's actors (Ray Train's placement-group
         # cleaner, the state API) find this cluster, not another one on the machine.
-        proc = subprocess.Popen(cmd, env={**env, MARKER_ENV: cluster_id,
+        # TMPDIR: what the head's processes (its dashboard's multiprocessing helpers, job
+        # drivers) put in the temp folder goes into its own, removed at stop.
+        proc = subprocess.Popen(cmd, env={**env, MARKER_ENV: cluster_id, "TMPDIR": temp_dir,
                                           "RAY_ADDRESS": f"127.0.0.1:{port}"}, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

@@ -42,6 +42,7 @@ def _clean_env(home: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     state = tmp_path_factory.mktemp("head")
+    temp_before = set(Path(tempfile.gettempdir()).glob("pymp-*"))
     cluster = rc.start(port=0, dashboard_port=0, num_cpus=4, state_dir=state,
                        env={"AWS_ACCESS_KEY_ID": "AKIA" + CANARY,
                             "AWS_SECRET_ACCESS_KEY": CANARY})
@@ -64,6 +65,10 @@ def head(tmp_path_factory):
         assert list(kept.glob("job-driver-*.log")), sorted(p.name for p in kept.iterdir())
         assert kept.stat().st_mode & 0o077 == 0, oct(kept.stat().st_mode)  # owner only
         assert not os.path.exists(cluster.temp_dir)
+        # What the head's processes put in the temp folder (multiprocessing's pymp-* of its
+        # dashboard, the jobs' files) went into its own temp dir, removed with it.
+        left_tmp = set(Path(tempfile.gettempdir()).glob("pymp-*")) - temp_before
+        assert not left_tmp, sorted(map(str, left_tmp))
         for path in kept.rglob("*"):
             if path.is_file():
                 assert CANARY not in path.read_text(errors="replace"), path
@@ -186,7 +191,7 @@ def test_coverage_counts_each_rank_s_last_attempt_and_still_catches_a_double_rea
     assert not cov[0]["exactly_once"] and cov[0]["repeated"] == 1 and cov[0]["missing"] == 1
 
 
-def test_config_file_sets_defaults_the_command_line_overrides(tmp_path):
+def test_config_file_sets_defaults_the_command_line_overrides(tmp_path, capsys):
     sys.path.insert(0, str(REPO / "jobs"))
     import train_torch
 
@@ -199,6 +204,13 @@ def test_config_file_sets_defaults_the_command_line_overrides(tmp_path):
     cfg.write_text('{"epoch": 5}')
     with pytest.raises(SystemExit):
         _common.parse_args(train_torch.build_parser(), ["--config", str(cfg)])
+    # A value from the file is checked as the command line's is: a misspelt choice stops
+    # the job instead of running another sampler than the one asked for.
+    cfg.write_text('{"smoke_test": true, "sampler": "prioritised"}')
+    with pytest.raises(SystemExit):
+        _common.parse_args(train_torch.build_parser(), ["--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert "argument --sampler: invalid choice: 'prioritised' (choose from 'uniform', " in err
 
 
 def test_env_file_errors_never_echo_values(tmp_path):
@@ -258,3 +270,28 @@ def test_a_head_started_over_a_dead_one_stops_what_the_dead_one_left(tmp_path):
         if second is not None:
             assert rc.marked_pids(second.cluster_id) == []
         rc.stop(first)  # nothing left of it: a no-op
+
+
+@pytest.mark.parametrize(("job", "prefix"), [("pack", "raying-packed-"),
+                                             ("bench", "raying-bench-")])
+def test_the_pack_and_bench_smoke_tests_run_and_keep_nothing(job, prefix):
+    import shutil
+
+    # What they leave behind would be here (short: Ray's socket paths go under it too).
+    tmp_path = Path(tempfile.mkdtemp(prefix="rj-", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["TMPDIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, f"jobs/{job}.py", "--smoke-test", "--json"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.split("RAYING_SUMMARY", 1)[1].splitlines()[0])
+    assert summary["job"] == job
+    if job == "pack":
+        assert summary["rows"] == summary["scanned_back"] == summary["source_samples"] > 0
+    else:
+        assert summary["exit_code"] == 0 and summary["results"] == ["bench.json"]
+    try:  # (raying-bench-data: the benchmark's generated images, kept to be reused)
+        left = [p.name for p in tmp_path.glob(f"{prefix}*") if p.name != "raying-bench-data"]
+        assert not left, sorted(p.name for p in tmp_path.iterdir())
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)

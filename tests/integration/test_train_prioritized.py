@@ -50,3 +50,16 @@ def test_config_file_sets_defaults_and_rejects_unknown_keys(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "unknown keys ['alpah']" in proc.stderr
+
+
+def test_data_naming_a_users_own_folder_is_refused_not_written_into(tmp_path):
+    own = tmp_path / "my-images"
+    (own / "cats").mkdir(parents=True)
+    (own / "cats" / "a.jpg").write_bytes(b"not really")
+    proc = subprocess.run([sys.executable, "jobs/train_prioritized.py", "--smoke-test",
+                           "--data", str(own), "--out", str(tmp_path / "out")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "trains on data it generates" in proc.stderr
+    assert "jobs/train_torch.py --data" in proc.stderr
+    assert sorted(p.name for p in own.iterdir()) == ["cats"]  # nothing written there

@@ -149,6 +149,14 @@ def test_pack_takes_its_sizes_from_the_environment_unless_given(monkeypatch):
     assert (ns.shard_rows, ns.row_group_rows) == (50, 10)
 
 
+def test_pack_refuses_an_on_error_it_does_not_know_before_any_work(tmp_path):
+    import raying
+
+    with pytest.raises(raying.ConfigError,
+                       match=r"pack\(on_error=...\) must be 'skip' or 'raise', got 'rais'"):
+        raying.pack(str(tmp_path / "src"), str(tmp_path / "dst"), on_error="rais")
+
+
 def test_pack_columns_flag_takes_names_and_name_key_pairs():
     from raying.tools.cli import _columns_flag
 
@@ -324,6 +332,12 @@ def test_errors_name_the_commands_flags_not_the_librarys_keywords(capsys, tmp_pa
     for kept in ("'seed=3' is not a folder", "file seed=1.parquet", r"C:\d\label=3\x"):
         assert _in_flags(kept, scan) == kept
     assert _in_flags("pass label='<column or key>'", scan) == "pass --label '<column or key>'"
+    # columns= as pack's --columns (NAME:KEY for a column under another key); scan has none.
+    pack = _subparsers(build_parser())["pack"]
+    assert _in_flags("carry it: columns={'caption': 'image_', 'n': 'n'}", pack) == (
+        "carry it: --columns caption:image_,n")
+    assert _in_flags("columns=['id', 'x'] names ['id']", pack) == "--columns id,x names ['id']"
+    assert _in_flags("columns={'id': 'source_id'}", scan) == "columns={'id': 'source_id'}"
 
 
 def test_cluster_start_shows_the_token_files_real_mode(tmp_path, capsys):

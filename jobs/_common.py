@@ -88,6 +88,7 @@ def load_config(path: str) -> dict[str, Any]:
 
 def parse_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """Parse ``argv``; values of ``--config FILE`` become defaults the command line overrides."""
+    caller_tmpdir()
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
@@ -139,6 +140,22 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     """Non-secret storage settings from the arguments; secrets stay in the environment."""
     opts = {k: getattr(args, k) for k in ("endpoint_url", "region") if getattr(args, k, None)}
     return opts or None
+
+
+def caller_tmpdir() -> None:
+    """A job driver on a head started by ``raying cluster start`` writes its temp files (the
+    default outputs, the generated smoke data) where the head's caller would, not into the
+    head's own temp dir, which its stop removes."""
+    from raying.tools.cluster import HEAD_TMPDIR_ENV
+
+    if HEAD_TMPDIR_ENV not in os.environ:
+        return
+    original = os.environ.pop(HEAD_TMPDIR_ENV)
+    if original:
+        os.environ["TMPDIR"] = original
+    else:
+        os.environ.pop("TMPDIR", None)
+    tempfile.tempdir = None  # gettempdir() looks again
 
 
 def room_for_reads(args: Any, task_cpus: float = 1.0) -> None:

@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         data = json.loads(Path(results[-1]).read_text())
         if isinstance(data, dict):
             summary["result_keys"] = sorted(data)[:20]
-    if args.smoke_test and not args.out:  # a smoke test's results are nobody's: not kept
+    # A smoke test's results are nobody's: not kept (a failed run's stay, to be looked into).
+    if args.smoke_test and not args.out and rc == 0:
         shutil.rmtree(out, ignore_errors=True)
         summary["out"] = f"{out} (removed: a smoke test's)"
         summary["results"] = [Path(r).name for r in results]

@@ -263,13 +263,23 @@ class Manifest:
         return [f"{self.files[a]}#rg{b}/row{c}" for a, b, c in zip(f, g, r, strict=True)]
 
     def row_group_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Parquet only: per row group (file index, row-group index, first id, row count)."""
+        """Parquet only: per row group (file index, row-group index, first id, row count).
+
+        Worked out once per manifest (a pass over every row) and kept, pickled with it: the
+        copies Ray tasks get of a manifest computed here do not work it out again."""
+        kept = self.__dict__.get("_row_groups")
+        if kept is not None:
+            return kept
         f = self._cols["file"].astype(np.int64)
         g = self._cols["row_group"].astype(np.int64)
         key = f * (1 << 32) + g
         starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
         counts = np.diff(np.r_[starts, len(key)])
-        return f[starts], g[starts], starts.astype(np.int64), counts.astype(np.int64)
+        table = (f[starts], g[starts], starts.astype(np.int64), counts.astype(np.int64))
+        for a in table:
+            a.flags.writeable = False
+        self._row_groups = table
+        return table
 
     def fingerprint(self) -> str:
         """A short hash of the dataset's identity (root, format, sizes), for cache keys."""

@@ -170,10 +170,11 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
     r = src.column("row")[ids].astype(np.int64)
     datas: list[Any] = [None] * len(ids)
     file_sizes = [int(x) for x in src.meta.get("file_sizes") or ()]
-    # What the scan found in each (file, row group): rows, and image bytes per row.
+    # What the scan found in the shard's row groups: rows, and image bytes per row.
     rg_f, rg_g, rg_start, rg_rows = src.row_group_table()
-    scanned = {(int(a), int(b)): (int(c), int(d)) for a, b, c, d in zip(
-        rg_f, rg_g, rg_rows, src.column("size")[rg_start], strict=True)}
+    touched = np.unique(np.searchsorted(rg_start, np.asarray(ids, np.int64), side="right") - 1)
+    scanned = {(int(rg_f[k]), int(rg_g[k])): (int(rg_rows[k]), int(src.column("size")[
+        rg_start[k]])) for k in touched.tolist()}
     # Each extra column's Parquet name, by the batch key it is carried (and written) under.
     sources = {key: desc.get("source", key) for key, desc in descs.items()}
     parts: dict[str, list[tuple[np.ndarray, pa.Array]]] = {name: [] for name in descs}
@@ -211,7 +212,10 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
         size = dict(zip(groups, sizes, strict=True))
         # A row group other than the scan's (rows, or image bytes) holds other rows under
         # these ids: none of its rows is packed.
-        same = {k: now[k] == scanned.get((int(fi), k), now[k]) for k in groups}
+        # (Without the files' sizes, an older manifest: its bytes may be measured otherwise.)
+        same = {k: (now[k] if file_sizes else now[k][0]) == (
+            scanned.get((int(fi), k), now[k]) if file_sizes else
+            scanned.get((int(fi), k), now[k])[0]) for k in groups}
         there = np.array([same[int(grp)] and int(row) < size[int(grp)]
                           for grp, row in zip(g[sel], r[sel], strict=True)], dtype=bool)
         gone, sel = sel[~there], sel[there]

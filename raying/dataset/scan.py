@@ -127,14 +127,14 @@ def scan_images(cls, root: str, uri: str, infos: list[pafs.FileInfo], label: Any
 
 
 def _check_label_values(raw: list[Any], paths: Any, uri: str) -> None:
-    """A label function's values: class names (str) or class indices (int), one kind for
-    every image; None, floats and the like are refused naming the first image that got one
+    """A label function's values: class names (str) or class indices (int; a bool is 0 or
+    1), one kind for every image; None, floats and the like are refused naming the first image that got one
     (a None turned into a class "None" would label those images silently)."""
     kinds = set()
     for v, p in zip(raw, paths, strict=True):
         if isinstance(v, str):
             kinds.add("str")
-        elif isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
+        elif isinstance(v, (int, np.integer, np.bool_)):  # a bool is the class 0 or 1
             kinds.add("int")
         else:
             msg = (f"the label function returned {v!r} ({type(v).__name__}) for {p!r} under "
@@ -152,7 +152,7 @@ def _check_label_values(raw: list[Any], paths: Any, uri: str) -> None:
 
 
 def _labels_from_values(raw: list[Any], where: str) -> tuple[np.ndarray, list[str] | None]:
-    if all(isinstance(v, (int, np.integer)) for v in raw):
+    if all(isinstance(v, (int, np.integer, np.bool_)) for v in raw):
         labels = np.asarray(raw, dtype=np.int64)
         if len(labels) and labels.min() < 0:
             msg = f"{where} gave a negative label ({labels.min()}); labels must be >= 0"

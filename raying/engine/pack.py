@@ -132,6 +132,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     task: Any = ray.remote(num_cpus=1, max_retries=3)(pack_shard)  # type: ignore[arg-type]
     shipped = copy.copy(manifest)
     shipped.storage = travelling_options(manifest.root, manifest.storage)
+    if manifest.format == "parquet":
+        shipped.row_group_table()  # worked out once here, not in every shard task
     src_ref = ray.put(shipped)
     n = len(manifest)
     rng = np.random.default_rng([int(seed), _PACK_STREAM])

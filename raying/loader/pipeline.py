@@ -340,7 +340,7 @@ class Pipeline:
                                              decoded_cache_admit=admit,
                                              decoded_cache_fill=self.config.decoded_cache_fill,
                                              cache_namespace=dataset_key(
-                self.manifest.fingerprint(), self._spec.storage))
+                _files_key(self.manifest), self._spec.storage))
             self._spec_ready = True
         return self._spec
 
@@ -889,6 +889,19 @@ def _position(units: list[tuple[int, int, int, bool]], delivered: int,
         index, _, end, last = units[-1]
         return (index + 1, 0) if last else (index, end)
     return start
+
+
+def _files_key(manifest: Manifest) -> str:
+    """The dataset's identity in the read caches: its fingerprint, and for Parquet the files'
+    sizes as scanned, so that a scan after a file was rewritten (the same rows, other bytes)
+    never meets the footers and row groups kept from before."""
+    sizes = manifest.meta.get("file_sizes") if manifest.format == "parquet" else None
+    if not sizes:
+        return manifest.fingerprint()
+    import hashlib
+
+    digest = hashlib.sha256(",".join(map(str, sizes)).encode()).hexdigest()[:8]
+    return f"{manifest.fingerprint()}-{digest}"
 
 
 def _epoch(epoch: Any) -> int:

@@ -80,8 +80,11 @@ class Reporter:
                    f"{tuple(int(d) for d in shape)} for {i.size} ids; reduce each sample's "
                    f"other axes first (e.g. loss.reshape(len(ids), -1).mean(1))")
             raise ConfigError(msg)
-        if len(shape) > 1 and shape[0] != i.size and v.size == i.size:
-            # (2, 2) losses for 4 ids: flattened they would pair up by accident of layout.
+        ids_shape = tuple(int(d) for d in (getattr(ids, "shape", None) or np.shape(ids)))
+        if (len(shape) > 1 and shape[0] != i.size and v.size == i.size and shape != ids_shape
+                and shape != (1, i.size)):
+            # (2, 2) losses for 4 ids: flattened they would pair up by accident of layout
+            # (losses shaped as their ids are, gathered (workers, batch) say, pair up).
             msg = (f"raying.report: losses of shape {tuple(int(d) for d in shape)} for "
                    f"{i.size} ids; pass one loss per id, of shape ({i.size},) (or "
                    f"({i.size}, 1)), in the order of the ids")

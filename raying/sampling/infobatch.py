@@ -23,6 +23,7 @@ from raying.sampling.plan import (
     chunk_units,
     row_group_units,
     row_groups_of,
+    set_occurrences,
 )
 
 # Mixed into the seed of every pruning plan, so it never shares a stream with other plans.
@@ -353,6 +354,7 @@ class InfoBatchSampler:
         probs = q * np.where(low, 1.0 - ratio, 1.0)
         weights = np.where(low, 1.0 / (1.0 - ratio), 1.0)
         units = draw_units(manifest, epoch, kept, rng, block_rows)
+        set_occurrences(units)  # drawn with replacement: each draw of an id augmented apart
         for u in units:
             ids: Any = u.ids
             u.probs = probs[ids]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import threading
 import time
 from collections.abc import Mapping
@@ -53,6 +54,11 @@ def group_order(ids: np.ndarray, rows_per_group: int, rng: np.random.Generator) 
     pick = np.arange(len(ids)) // max(1, int(rows_per_group))
     rank = rng.permutation(int(pick[-1]) + 1 if len(ids) else 0)
     return np.lexsort((ids, rank[pick]))
+
+
+def _fill_salt() -> int:
+    """A random number of 32 bits and more, never 0: a unit's draws' keys of their own."""
+    return int.from_bytes(os.urandom(4), "little") + (1 << 32)
 
 
 class PrioritizedSampler:
@@ -389,9 +395,11 @@ class PrioritizedSampler:
             order = np.argsort(ids[part], kind="stable")
             ids, probs, weights = ids[part][order], probs[part][order], weights[part][order]
         unit.ids, unit.probs, unit.weights = ids[part], probs[part], weights[part]
-        # Draws with replacement: an id drawn again (in this unit, or in another: units are
-        # drawn apart, so the unit's index tells them apart) is augmented apart.
-        unit.occurrence = occurrence_ranks(unit.ids) + (int(unit.index) + 1 << 24)
+        # Draws with replacement: an id drawn again, in this unit or in another (units are
+        # drawn apart, by other processes and Train workers too), is augmented apart: a salt
+        # of the fill's own, added to the draw's rank in the unit. (A prioritized epoch's ids
+        # come from live losses, so its pixels are not reproducible anyway.)
+        unit.occurrence = occurrence_ranks(unit.ids) + _fill_salt()
         return unit
 
     # -- feedback, stats, state ----------------------------------------------------------------

@@ -249,6 +249,11 @@ def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DAS
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+# The TMPDIR of whoever started a head (empty: none), for its jobs' drivers to write their
+# outputs where the caller would (not into the head's temp dir, removed at stop).
+HEAD_TMPDIR_ENV = "RAYING_CALLER_TMPDIR"
+
+
 def _start_once(ray_bin: str, state: Path, token: Path, port: int, dashboard_port: int,
                 extra: list[str], env: dict[str, str], timeout_s: float) -> LocalCluster:
     port = port or free_port()
@@ -270,9 +275,11 @@ def _start_once(ray_bin: str, state: Path, token: Path, port: int, dashboard_por
     with open(state / "head.log", "wb") as log:
         # RAY_ADDRESS: Ray's own helpers in this head's actors (Ray Train's placement-group
         # cleaner, the state API) find this cluster, not another one on the machine.
-        # TMPDIR: what the head's processes (its dashboard's multiprocessing helpers, job
-        # drivers) put in the temp folder goes into its own, removed at stop.
+        # TMPDIR: what the head's processes (its dashboard's multiprocessing helpers, which
+        # its stop may kill before they clean up) put in the temp folder goes into its own,
+        # removed at stop. The jobs' drivers take the caller's back (HEAD_TMPDIR_ENV).
         proc = subprocess.Popen(cmd, env={**env, MARKER_ENV: cluster_id, "TMPDIR": temp_dir,
+                                          HEAD_TMPDIR_ENV: os.environ.get("TMPDIR", ""),
                                           "RAY_ADDRESS": f"127.0.0.1:{port}"}, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)

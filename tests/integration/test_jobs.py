@@ -295,3 +295,23 @@ def test_the_pack_and_bench_smoke_tests_run_and_keep_nothing(job, prefix):
         assert not left, sorted(p.name for p in tmp_path.iterdir())
     finally:
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_job_driver_on_a_head_writes_its_temp_files_where_the_caller_would(monkeypatch,
+                                                                            tmp_path):
+    # The head's processes keep their temp files in its temp dir (removed at stop); a job's
+    # driver, started with that TMPDIR, takes back the caller's for its outputs.
+    import tempfile as tf
+
+    from raying.tools.cluster import HEAD_TMPDIR_ENV
+
+    for caller, want in ((str(tmp_path), str(tmp_path)), ("", None)):
+        monkeypatch.setenv("TMPDIR", "/tmp/rc-head")
+        monkeypatch.setenv(HEAD_TMPDIR_ENV, caller)
+        _common.caller_tmpdir()
+        assert os.environ.get("TMPDIR") == want and HEAD_TMPDIR_ENV not in os.environ
+        assert tf.gettempdir() == (want or "/tmp")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # not on a head: left alone
+    _common.caller_tmpdir()
+    assert os.environ["TMPDIR"] == str(tmp_path)
+    tf.tempdir = None

@@ -245,15 +245,18 @@ def test_reporter_takes_bfloat16_losses_and_refuses_bool_or_text_ids():
                                                   r"of shape \(2, \d+(, 4)?\) for 2 ids"):
                 rep.add(torch.tensor([1, 2]), losses)
         # Losses as many as the ids but laid out otherwise: they would pair up by accident.
-        for ids, losses in (([1, 2, 3, 4], torch.ones(2, 2)), ([1, 2], np.ones((1, 2)))):
+        for ids, losses in (([1, 2, 3, 4], torch.ones(2, 2)),
+                            ([1, 2, 3, 4, 5, 6], np.ones((3, 2)))):
             with pytest.raises(ConfigError, match=rf"losses of shape \(\d, 2\) for "
                                                   rf"{len(ids)} ids; pass one loss per id"):
                 rep.add(ids, losses)
         rep.add(torch.tensor([1, 2]), torch.ones(2, 1))  # (B, 1): one loss per sample
+        rep.add(torch.tensor([[1, 2], [3, 4]]), torch.ones(2, 2))  # shaped as their ids
+        rep.add(torch.tensor([1, 2]), torch.ones(1, 2))  # (1, B)
         rep.add([3], [2])  # an integer loss is a number
         st.flush(handle)
         assert st.priorities(handle, np.array([3])).tolist() == [2.0]
-        assert st.stats(handle)["updates_received"] == 5  # nothing of the refused reached it
+        assert st.stats(handle)["updates_received"] == 11  # nothing of the refused reached it
         # TensorFlow's bfloat16 (mixed_bfloat16), as a tensor and as the numpy array its
         # numpy() gives (ml_dtypes, a dtype numpy has no kind for).
         tf = pytest.importorskip("tensorflow")

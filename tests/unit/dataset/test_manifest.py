@@ -65,7 +65,7 @@ def test_label_function(folder):
      r"returned None \(NoneType\) for 'class_01/.*' under .*; return a class name \(str\) or "
      r"a class index"),
     (lambda p: 1.5, r"returned 1.5 \(float\) for 'class_00/"),
-    (lambda p: True, r"returned True \(bool\)"),
+    (lambda p: [1], r"returned \[1\] \(list\)"),
     (lambda p: "cat" if p.startswith("class_00") else 3,
      r"returned class names \(str, e.g. for 'class_00/.*'\) and class indices \(int, e.g. "
      r"for 'class_01/"),
@@ -73,6 +73,8 @@ def test_label_function(folder):
 def test_label_function_values_other_than_names_or_indices_are_refused(folder, fn, pattern):
     with pytest.raises(raying.DataError, match=pattern):
         raying.Manifest.scan(str(folder), label=fn)
+    m = raying.Manifest.scan(str(folder), label=lambda p: p.startswith("class_01"))
+    assert m.labels.tolist() == [int(p.startswith("class_01")) for p in m.column("path")]
 
 
 def test_save_load_roundtrip(folder, tmp_path):

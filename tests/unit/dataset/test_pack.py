@@ -225,9 +225,8 @@ def test_a_file_rewritten_since_the_scan_never_packs_another_row_under_an_id(tmp
     """Row 1 dropped (the file rewritten in groups of 6 again: the first groups keep their
     row counts but hold other rows), or the last row lost: none of the file's rows is packed
     under a wrong id; the other file's rows are. A manifest that does not know the files'
-    sizes (an older one) sets aside the row groups whose rows or image bytes changed; a
-    group of the same rows and bytes per row but other images slips past that check (these
-    synthetic images are often of one size), so only the layout change is asked of it."""
+    sizes (an older one) sets aside the row groups whose rows changed; a group of as many
+    rows but other images slips past that check, so only the layout change is asked of it."""
     import pyarrow as pa
 
     src = _captioned(tmp_path / "src")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 _PUBLIC = {
     "ConfigError": "raying.errors", "CredentialsError": "raying.errors",
     "DataError": "raying.errors", "DecodeError": "raying.errors",
+    "FileChangedError": "raying.errors",
     "DependencyError": "raying.errors", "RayingError": "raying.errors",
     "StorageError": "raying.errors", "SupersededError": "raying.errors",
     "UserFunctionError": "raying.errors",
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and editors
         DataError,
         DecodeError,
         DependencyError,
+        FileChangedError,
         RayingError,
         StorageError,
         SupersededError,
@@ -77,6 +79,7 @@ __all__ = [
     "DataError",
     "DecodeError",
     "DependencyError",
+    "FileChangedError",
     "ImageTransform",
     "InfoBatchSampler",
     "Manifest",

@@ -40,6 +40,11 @@ class DataError(RayingError, ValueError):
     """The dataset itself is unusable: empty, corrupt, or with a bad column."""
 
 
+class FileChangedError(DataError):
+    """A dataset file is no longer the one the manifest was scanned from (its size or its
+    modification time differs): its rows would come under other ids. Scan again."""
+
+
 class DecodeError(DataError):
     """One sample could not be decoded.
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raying.dataset.manifest import Manifest
@@ -170,6 +171,7 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
     r = src.column("row")[ids].astype(np.int64)
     datas: list[Any] = [None] * len(ids)
     file_sizes = [int(x) for x in src.meta.get("file_sizes") or ()]
+    file_mtimes = [int(x) for x in src.meta.get("file_mtimes") or ()]
     # What the scan found in the shard's row groups: rows, and image bytes per row.
     rg_f, rg_g, rg_start, rg_rows = src.row_group_table()
     touched = np.unique(np.searchsorted(rg_start, np.asarray(ids, np.int64), side="right") - 1)
@@ -185,16 +187,14 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
         rel = src.files[int(fi)]
         path = f"{root.rstrip('/')}/{rel}"
         try:
+            changed = _changed_since_scan(fs, path, int(fi), file_sizes, file_mtimes)
+            if changed:
+                for k in sel:  # other rows under these ids: none of the file's is packed
+                    datas[k] = RowProblem("read_error", f"{rel} was rewritten since the scan "
+                                          f"({changed}); scan the source again")
+                failed.append(sel)
+                continue
             with _storage.open_input(fs, path) as fh:
-                size_now = fh.size()
-                if file_sizes and int(fi) < len(file_sizes) and size_now != file_sizes[int(fi)]:
-                    for k in sel:  # other rows under these ids: none of the file's is packed
-                        datas[k] = RowProblem(
-                            "read_error", f"{rel} was rewritten since the scan ({size_now} "
-                            f"bytes, the scan found {file_sizes[int(fi)]}); scan the source "
-                            f"again")
-                    failed.append(sel)
-                    continue
                 pf = pq.ParquetFile(fh)
                 table = pf.read_row_groups(groups, columns=[image_col, *sources.values()])
                 sizes = [pf.metadata.row_group(k).num_rows for k in groups]
@@ -269,6 +269,28 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
         inverse[order] = np.arange(len(order))
         extra[name] = values.take(pa.array(inverse, pa.int64()))
     return datas, src.path_of(ids), extra
+
+
+def _changed_since_scan(fs: Any, path: str, f: int, sizes: list[int], mtimes: list[int]
+                        ) -> str | None:
+    """How file ``f`` differs from the scan's listing (its size, or its modification time),
+    or None (the same, or not known: a lookup that fails leaves it to the read)."""
+    if f >= len(sizes):
+        return None
+    try:
+        info = fs.get_file_info(path)
+    except Exception:  # noqa: BLE001 - the read meets the same failure and names it
+        return None
+    if info.type != pafs.FileType.File:
+        return None
+    from raying.dataset.scan import mtime_s
+
+    if int(info.size) != sizes[f]:
+        return f"{int(info.size)} bytes, the scan found {sizes[f]}"
+    stamp, want = mtime_s(info), mtimes[f] if f < len(mtimes) else -1
+    if stamp >= 0 and want >= 0 and stamp != want:
+        return f"modified at {stamp}, the scan found {want}, with as many bytes"
+    return None
 
 
 def _null_rows(values: pa.Array) -> np.ndarray:

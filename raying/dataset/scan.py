@@ -116,7 +116,14 @@ def scan_images(cls, root: str, uri: str, infos: list[pafs.FileInfo], label: Any
         index = {c: k for k, c in enumerate(classes)}
         labels = np.fromiter((index[n] for n in names), dtype=np.int64, count=len(names))
     elif callable(label):
-        raw = [label(p) for p in paths]
+        raw = []
+        for p in paths:
+            try:
+                raw.append(label(p))
+            except Exception as exc:
+                exc.add_note(f"(raised by the label function given to Manifest.scan, for "
+                             f"{p!r} under {uri})")
+                raise
         _check_label_values(raw, paths, uri)
         labels, classes = _labels_from_values(raw, f"label function on {uri}")
     else:
@@ -135,6 +142,10 @@ def _check_label_values(raw: list[Any], paths: Any, uri: str) -> None:
         if isinstance(v, str):
             kinds.add("str")
         elif isinstance(v, (int, np.integer, np.bool_)):  # a bool is the class 0 or 1
+            if not 0 <= int(v) < 2**63:
+                msg = (f"the label function returned {int(v)} for {p!r} under {uri}; a class "
+                       f"index must be an int from 0 to 2**63 - 1")
+                raise DataError(msg)
             kinds.add("int")
         else:
             msg = (f"the label function returned {v!r} ({type(v).__name__}) for {p!r} under "
@@ -263,8 +274,10 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
         classes = found if found is not None else classes
     meta: dict[str, Any] = {"image_column": image_col, "label_column": label_col,
                             "decoded": decoded,
-                            # Each file's bytes as listed: a read finds a file rewritten since.
-                            "file_sizes": [int(i.size) for i in infos]}
+                            # Each file's bytes and modification time (whole seconds, -1
+                            # unknown) as listed: a read finds a file rewritten since.
+                            "file_sizes": [int(i.size) for i in infos],
+                            "file_mtimes": [mtime_s(i) for i in infos]}
     if extra:
         meta["columns"] = extra
     return cls(root=uri, fmt="parquet", columns=cols, classes=classes, storage=opts,
@@ -285,7 +298,7 @@ def _extra_columns(columns: list[tuple[str, str]], footers: list[pq.FileMetaData
             # The label column under a key of its own is carried as it is stored (a class
             # name, say) beside ``label``, the class index.
             what = "image" if name == image_col else "label"
-            msg = (f"columns=[{name!r}] names the {what} column, which every batch already "
+            msg = (f"columns= names {name!r}, the {what} column, which every batch already "
                    f"carries (as {what!r}); leave it out of columns= (raying pack: --columns)"
                    + ("" if what == "image" else f", or carry it as stored under another key: "
                       f"columns={{{name!r}: '{name}_raw'}}"))
@@ -360,9 +373,26 @@ def _hive_values(rels: list[str], key: str) -> list[str] | None:
 
 
 def _hive_labels(values: list[str]) -> tuple[np.ndarray, list[str] | None]:
-    """Per-file labels from partition values: integers as class ids, else sorted names."""
+    """Per-file labels from partition values: integers as class ids, else sorted names.
+
+    Raises:
+        DataError: a negative id (-1 is the manifest's "no label"), or two spellings of one
+            id (``label=1/`` beside ``label=01/``), which would merge two folders' classes.
+    """
     if all(v.lstrip("-").isdigit() for v in values):
-        return np.asarray([int(v) for v in values], dtype=np.int64), None
+        ids = [int(v) for v in values]
+        if min(ids) < 0:
+            bad = next(v for v in values if int(v) < 0)
+            msg = (f"hive partition value {bad!r} is a negative label; labels must be class "
+                   f"ids >= 0 (rename the folder)")
+            raise DataError(msg)
+        spelled: dict[int, str] = {}
+        for v, k in zip(values, ids, strict=True):
+            if spelled.setdefault(k, v) != v:
+                msg = (f"hive partition values {spelled[k]!r} and {v!r} are the same class id "
+                       f"{k}: rename one folder so that each class has one spelling")
+                raise DataError(msg)
+        return np.asarray(ids, dtype=np.int64), None
     classes = sorted(set(values))
     index = {c: i for i, c in enumerate(classes)}
     return np.asarray([index[v] for v in values], dtype=np.int64), classes
@@ -457,6 +487,14 @@ def _encoded_kind(t: pa.DataType) -> str | None:
     if pa.types.is_struct(t) and image_type_ok(t):
         return "struct"
     return None
+
+
+def mtime_s(info: pafs.FileInfo) -> int:
+    """A listed file's modification time in whole seconds (-1 when the storage gives none):
+    listings and single lookups of one object agree to the second on every storage (S3's
+    listing gives milliseconds, its HEAD seconds)."""
+    mtime = info.mtime
+    return -1 if mtime is None else int(mtime.timestamp() // 1)
 
 
 def image_bytes_per_row(fm: pq.FileMetaData, group: int, leaves: list[int]) -> int:

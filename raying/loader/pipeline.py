@@ -893,14 +893,15 @@ def _position(units: list[tuple[int, int, int, bool]], delivered: int,
 
 def _files_key(manifest: Manifest) -> str:
     """The dataset's identity in the read caches: its fingerprint, and for Parquet the files'
-    sizes as scanned, so that a scan after a file was rewritten (the same rows, other bytes)
+    sizes and modification times as scanned, so that a scan after a file was rewritten (the same rows, other bytes)
     never meets the footers and row groups kept from before."""
     sizes = manifest.meta.get("file_sizes") if manifest.format == "parquet" else None
     if not sizes:
         return manifest.fingerprint()
     import hashlib
 
-    digest = hashlib.sha256(",".join(map(str, sizes)).encode()).hexdigest()[:8]
+    stamps = [*sizes, *(manifest.meta.get("file_mtimes") or ())]
+    digest = hashlib.sha256(",".join(map(str, stamps)).encode()).hexdigest()[:8]
     return f"{manifest.fingerprint()}-{digest}"
 
 

@@ -21,9 +21,16 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.fs as _pafs
 import pyarrow.parquet as pq
 
-from raying.errors import CredentialsError, DataError, RayingError, StorageError
+from raying.errors import (
+    CredentialsError,
+    DataError,
+    FileChangedError,
+    RayingError,
+    StorageError,
+)
 from raying.options import IOConfig, settings
 from raying.read.cache.tiered import CacheStats, open_cache
 from raying.read.fetch import ACCOUNT_KEYS, fetch_missing
@@ -67,15 +74,17 @@ def _unit_key(unit: ReadUnit) -> tuple[int, int, bytes]:
             b"" if groups is None else np.ascontiguousarray(groups).tobytes())
 
 
-def _kept_groups(unit: ReadUnit, path: str, groups: list[int], col: str
+def _kept_groups(unit: ReadUnit, namespace: str, path: str, groups: list[int], col: str
                  ) -> tuple[pq.ParquetFile, pa.Table] | None:
+    """The tables kept for this unit's file (``namespace``: the dataset as scanned, so that
+    another scan of a rewritten file never meets them)."""
     with _UNIT_GROUPS_LOCK:
         if _UNIT_GROUPS["unit"] != _unit_key(unit):
             return None
-        return _UNIT_GROUPS["tables"].get((path, tuple(groups), col))
+        return _UNIT_GROUPS["tables"].get((namespace, path, tuple(groups), col))
 
 
-def _keep_groups(unit: ReadUnit, path: str, groups: list[int], col: str,
+def _keep_groups(unit: ReadUnit, namespace: str, path: str, groups: list[int], col: str,
                  read: tuple[pq.ParquetFile, pa.Table]) -> None:
     key = _unit_key(unit)
     with _UNIT_GROUPS_LOCK:
@@ -84,7 +93,7 @@ def _keep_groups(unit: ReadUnit, path: str, groups: list[int], col: str,
         tables = _UNIT_GROUPS["tables"]
         held = sum(t.nbytes for _, t in tables.values())
         if held + read[1].nbytes <= UNIT_GROUPS_KEEP_BYTES:
-            tables[(path, tuple(groups), col)] = read
+            tables[(namespace, path, tuple(groups), col)] = read
             _UNIT_GROUPS["until"] = time.monotonic() + UNIT_GROUPS_KEEP_S
             if _UNIT_GROUPS["dropper"] is None:
                 dropper = threading.Thread(target=_drop_kept_groups_when_idle, daemon=True,
@@ -274,6 +283,8 @@ def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: 
         scores = np.bincount(k, weights=np.asarray(probs, dtype=np.float64),
                              minlength=len(items)).tolist()
     stats, cstats = OpStats(), CacheStats()
+    for p, f in dict(zip(paths, files, strict=True)).items():
+        _verify_file(spec, fs, p, f)
     checks = {p: _size_check(spec, f) for p, f in zip(paths, files, strict=True)}
 
     def check(path: str, size: int) -> None:
@@ -284,7 +295,7 @@ def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: 
         arrays = read_chunks(fs, items, column, io=io, scores=scores,
                              namespace=spec.dataset_key, stats=stats, cache_stats=cstats,
                              check=check)
-    except _Rewritten:
+    except FileChangedError:
         raise
     except (pa.ArrowInvalid, OSError, DataError) as exc:
         for f in dict.fromkeys(files):  # find the file at fault and name it
@@ -415,7 +426,8 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
         rel = spec.files[int(f)]
         retried = [0]
         path, wanted = _file_path(spec, root, int(f)), [int(g) for g in sel[:, 1]]
-        kept = _kept_groups(unit, path, wanted, col)
+        _verify_file(spec, fs, path, int(f))
+        kept = _kept_groups(unit, spec.dataset_key, path, wanted, col)
         try:
             pf, table = kept or _read_row_groups(fs, path, wanted, col, retried,
                                                  _size_check(spec, int(f)))
@@ -425,7 +437,7 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
             if retried[0] and account is not None:
                 account["io_retries"] = account.get("io_retries", 0) + retried[0]
         if kept is None:
-            _keep_groups(unit, path, wanted, col, (pf, table))
+            _keep_groups(unit, spec.dataset_key, path, wanted, col, (pf, table))
         _check_scanned(spec, sel, None if scanned is None else scanned[groups[:, 0] == f],
                        pf.metadata)
         arr = table.column(col)
@@ -524,8 +536,52 @@ def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseExcepti
                      f"manifest was scanned: rescan it")
 
 
-class _Rewritten(DataError):
-    """A file whose size is not the scan's."""
+# Files found unchanged since the scan, in this process: (filesystem, dataset key, path).
+_VERIFIED: set[tuple[int, str, str]] = set()
+_VERIFIED_LOCK = threading.Lock()
+
+
+def _verify_file(spec: ReadSpec, fs: Any, path: str, f: int) -> None:
+    """Stop the read when file ``f`` is not the one scanned: its size, or its modification
+    time (a rewrite of the same size: rows reordered in an uncompressed file), differs from
+    the manifest's. Looked up once per process and dataset (one stat, or one HEAD on S3);
+    a lookup that fails leaves it to the read, whose errors say more.
+
+    Raises:
+        FileChangedError: naming the file, what differs, and the fix.
+    """
+    sizes, mtimes = spec.file_sizes, spec.file_mtimes
+    if f >= len(sizes):
+        return
+    key = (id(fs), spec.dataset_key, path)
+    with _VERIFIED_LOCK:
+        if key in _VERIFIED:
+            return
+    try:
+        info = fs.get_file_info(path)
+    except Exception:  # noqa: BLE001 - the read meets the same failure and names it
+        return
+    if info.type != _pafs.FileType.File:
+        return
+    from raying.dataset.scan import mtime_s
+
+    size, want_size = int(info.size), int(sizes[f])
+    stamp = mtime_s(info)
+    want_stamp = int(mtimes[f]) if f < len(mtimes) else -1
+    what = None
+    if size != want_size:
+        what = f"{size} bytes, the scan found {want_size}"
+    elif stamp >= 0 and want_stamp >= 0 and stamp != want_stamp:
+        what = (f"modified at {stamp}, the scan found {want_stamp} (seconds since 1970), with "
+                f"as many bytes")
+    if what is not None:
+        rel = spec.files[f] if spec.files else ""
+        where = f"{spec.root.rstrip('/')}/{rel}" if rel else spec.root
+        msg = (f"{where} was rewritten since the manifest was scanned ({what}); its rows would "
+               f"come under other ids: scan the dataset again (Manifest.scan)")
+        raise FileChangedError(msg)
+    with _VERIFIED_LOCK:
+        _VERIFIED.add(key)
 
 
 def _size_check(spec: ReadSpec, f: int) -> Any:
@@ -541,7 +597,7 @@ def _size_check(spec: ReadSpec, f: int) -> Any:
             msg = (f"{where} was rewritten since the manifest was scanned ({int(size)} bytes, "
                    f"the scan found {want}); its rows would come under other ids: scan the "
                    f"dataset again (Manifest.scan)")
-            raise _Rewritten(msg)
+            raise FileChangedError(msg)
 
     return check
 
@@ -639,6 +695,7 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
         table_files.append(int(f))
         sel = groups[groups[:, 0] == f]
         retried = [0]
+        _verify_file(spec, fs, _file_path(spec, root, int(f)), int(f))
         try:
             pf, table = _read_row_groups(fs, _file_path(spec, root, int(f)),
                                          [int(g) for g in sel[:, 1]], names, retried,

@@ -47,8 +47,10 @@ class ReadSpec:
     # Extra Parquet columns carried into every block: (name, description) pairs as
     # raying.dataset.columns.describe gives them (recorded by Manifest.scan(columns=...)).
     columns: tuple[tuple[str, Any], ...] = ()
-    # Parquet: each file's size when it was scanned (empty: not known), which a read checks.
+    # Parquet: each file's size and modification time (whole seconds, -1 unknown) when it
+    # was scanned (empty: not known), which a read checks.
     file_sizes: tuple[int, ...] = ()
+    file_mtimes: tuple[int, ...] = ()
     # User stages (raying.read.stages.UserStage), run in order after the transform.
     stages: tuple[Any, ...] = ()
 
@@ -84,6 +86,7 @@ class ReadSpec:
                    columns=tuple((name, dict(desc)) for name, desc in
                                  (manifest.meta.get("columns") or {}).items()),
                    file_sizes=tuple(int(x) for x in manifest.meta.get("file_sizes") or ()),
+                   file_mtimes=tuple(int(x) for x in manifest.meta.get("file_mtimes") or ()),
                    stages=tuple(stages))
 
 

@@ -60,12 +60,25 @@ def test_label_function(folder):
     assert set(m.labels.tolist()) == {0, 1}
 
 
+def test_hive_labels_negative_or_spelled_twice_are_refused(tmp_path):
+    for folders, pattern in ((("label=-1", "label=1"), r"'-1' is a negative label"),
+                             (("label=01", "label=1"), r"'01' and '1' are the same class id 1")):
+        root = tmp_path / "_".join(folders).replace("=", "")
+        for name in folders:
+            (root / name).mkdir(parents=True)
+            _parquet(root / name / "part-0.parquet", 4)
+        with pytest.raises(raying.DataError, match=pattern):
+            raying.Manifest.scan(str(root), label="label")
+
+
 @pytest.mark.parametrize(("fn", "pattern"), [
     (lambda p: None if p.startswith("class_01") else "a",
      r"returned None \(NoneType\) for 'class_01/.*' under .*; return a class name \(str\) or "
      r"a class index"),
     (lambda p: 1.5, r"returned 1.5 \(float\) for 'class_00/"),
     (lambda p: [1], r"returned \[1\] \(list\)"),
+    (lambda p: 2**70, r"returned 1180591620717411303424 for 'class_00/.*' under .*; a class "
+                      r"index must be an int from 0 to 2\*\*63 - 1"),
     (lambda p: "cat" if p.startswith("class_00") else 3,
      r"returned class names \(str, e.g. for 'class_00/.*'\) and class indices \(int, e.g. "
      r"for 'class_01/"),
@@ -75,6 +88,10 @@ def test_label_function_values_other_than_names_or_indices_are_refused(folder, f
         raying.Manifest.scan(str(folder), label=fn)
     m = raying.Manifest.scan(str(folder), label=lambda p: p.startswith("class_01"))
     assert m.labels.tolist() == [int(p.startswith("class_01")) for p in m.column("path")]
+    with pytest.raises(KeyError) as info:  # the function's own error, the image named
+        raying.Manifest.scan(str(folder), label=lambda p: {}[p])
+    assert any("raised by the label function given to Manifest.scan, for 'class_00/" in n
+               for n in info.value.__notes__)
 
 
 def test_save_load_roundtrip(folder, tmp_path):

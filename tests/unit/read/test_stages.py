@@ -155,7 +155,7 @@ def test_columns_named_as_batch_keys_come_under_keys_of_their_own(tmp_path):
     ({"caption": "id"}, r"names \['id'\], which every batch already has"),
     ({"caption": "c", "n": "c"}, r"gives two columns the same batch key"),
     ({"caption": ""}, r"both non-empty strings"),
-    ({"image": "raw"}, r"names the image column"),
+    ({"image": "raw"}, r"names .image., the image column"),
     ({"label": "label"}, r"names \['label'\]"),
 ])
 def test_renamed_columns_are_checked(parquet_set, columns, pattern):
@@ -276,6 +276,84 @@ def test_a_parquet_file_rewritten_since_the_scan_stops_the_read_naming_it(tmp_pa
         with pytest.raises(raying.DataError, match=pattern):
             read_epoch(pipe, 0)
         pipe.close()
+
+
+def _reorder_in_place(path, *, later_s=10):
+    """Rows reversed within each row group of an uncompressed file: the same size, the same
+    rows per group, other rows under each position; modified ``later_s`` seconds on."""
+    import os
+
+    pf = pq.ParquetFile(path)
+    groups = [pf.read_row_group(g) for g in range(pf.num_row_groups)]
+    rows = pf.metadata.row_group(0).num_rows
+    mtime = os.stat(path).st_mtime
+    table = pa.concat_tables([t.take(pa.array(range(t.num_rows - 1, -1, -1))) for t in groups])
+    pq.write_table(table, path, row_group_size=rows, compression="none")
+    os.utime(path, (mtime + later_s, mtime + later_s))
+
+
+@pytest.mark.parametrize("io", [False, True])
+def test_a_rewrite_of_the_same_size_is_found_by_its_modification_time(tmp_path, io):
+    root = tmp_path / "src"
+    root.mkdir()
+    write_parquet_set(root)
+    for f in ("part-0", "part-1"):  # uncompressed, as raying pack writes
+        pq.write_table(pq.read_table(root / f"{f}.parquet"), root / f"{f}.parquet",
+                       row_group_size=6, compression="none")
+    m = raying.Manifest.scan(str(root), columns=["caption"])
+    size = (root / "part-1.parquet").stat().st_size
+    _reorder_in_place(root / "part-1.parquet")
+    assert (root / "part-1.parquet").stat().st_size == size
+    config = raying.PipelineConfig(io=IOConfig(cache=None)) if io else None
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=3), config=config)
+    with pytest.raises(raying.FileChangedError,
+                       match=r"part-1\.parquet was rewritten since the manifest was scanned "
+                             r"\(modified at \d+, the scan found \d+ .*with as many bytes\)"):
+        [run_unit(pipe._ready_spec(), *pipe._fill(u)) for u in pipe.plan(0).units]
+    pipe.close()
+    again = raying.Manifest.scan(str(root), columns=["caption"])  # the fix the error names
+    pipe = raying.Pipeline(again, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=3), config=config)
+    blocks = [run_unit(pipe._ready_spec(), *pipe._fill(u))[0] for u in pipe.plan(0).units]
+    got = {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+    pipe.close()
+    rows = pa.concat_tables([pq.read_table(root / "part-0.parquet"),
+                             pq.read_table(root / "part-1.parquet")])
+    truth = rows.column("caption").to_pylist()  # row k of the files is id k now
+    assert got["caption"].tolist() == [truth[i] for i in got["id"]]
+
+
+def test_row_groups_kept_for_a_unit_are_not_served_to_the_scan_of_a_rewritten_file(tmp_path):
+    """A worker keeps a unit's row groups for a few seconds (for the unit's next slices): a
+    pipeline over a new scan of a rewritten file, reading the same unit at once, reads the
+    new rows, not the kept ones."""
+    root = tmp_path / "src"
+    root.mkdir()
+    write_parquet_set(root, files=((0, 36),))
+
+    def read(m):
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                               sampler=raying.UniformSampler(seed=3))
+        blocks = [run_unit(pipe._ready_spec(), *pipe._fill(u))[0] for u in pipe.plan(0).units]
+        pipe.close()
+        return {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+
+    from raying.read import parquet
+
+    first = read(raying.Manifest.scan(str(root), columns=["caption"]))
+    t = pq.read_table(root / "part-0.parquet")  # the rows in reverse: other images per id
+    pq.write_table(t.take(pa.array(range(t.num_rows - 1, -1, -1))), root / "part-0.parquet",
+                   row_group_size=6)
+    again = raying.Manifest.scan(str(root), columns=["caption"])
+    second = read(again)
+    with parquet._UNIT_GROUPS_LOCK:
+        parquet._UNIT_GROUPS["unit"], parquet._UNIT_GROUPS["tables"] = None, {}
+    fresh = read(again)  # nothing kept
+    assert first["caption"].tolist() == [f"sample {i}" for i in first["id"]]
+    assert second["caption"].tolist() == [f"sample {35 - i}" for i in second["id"]]
+    np.testing.assert_array_equal(second["image"], fresh["image"])
+    assert not np.array_equal(second["image"], first["image"])
 
 
 def test_a_scan_after_a_rewrite_reads_the_new_files_not_the_footers_kept_from_before(

@@ -23,7 +23,10 @@ _READ_ARG_NAMES = ("num_cpus", "num_gpus", "memory", "resources", "label_selecto
                    "accelerator_type", "runtime_env", "max_calls")
 
 
+@functools.cache
 def _account_actor_cls():
+    """The accounts actor's class, made once per process (each ``@ray.remote`` class is a
+    new type that Ray registers, and a driver making one per dataset grows with them)."""
     import ray
 
     @ray.remote(num_cpus=0)

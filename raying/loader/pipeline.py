@@ -333,6 +333,8 @@ class Pipeline:
                 # A pipeline dropped without close() frees this node's decoded pixels when it
                 # is collected (tmpfs is memory), not only when the process exits.
                 weakref.finalize(self, decoded_dirs.release, self._cache_name)
+            else:  # what crashed drivers' pipelines left goes all the same
+                decoded_dirs.sweep_leftovers()
             self._spec = dataclasses.replace(self._spec, decoded_cache_bytes=budget,
                                              decoded_cache_name=self._cache_name,
                                              decoded_cache_auto=self.config.decoded_cache == "auto",
@@ -665,8 +667,13 @@ class Pipeline:
     def stats(self, *, sampling: bool = True) -> dict[str, Any]:
         """Throughput, stall share, skipped samples and (``sampling=True``) sampling health.
 
+        ``throughput_rows_per_s`` is the rows handed to the loop over the time from the
+        first batch's hand-over to the last's: start-up and the first batch's wait are left
+        out, so it is above a loop's rows over its whole wall time on a cold start.
         ``stall_share`` is the share of the iteration loops' wall time the consumer spent
         waiting for a batch. ``sampling=False`` skips the round trip to the priority store.
+        ``memory`` counts what this process and its read workers hold: two pipelines of one
+        process share those, and each counts them (count them once).
         """
         ended = self._session_ended()
         if (ended and sampling and self.sampler.uses_store

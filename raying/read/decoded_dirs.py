@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -49,9 +50,23 @@ def _tombstone(pipeline_name: str) -> str:
     return os.path.join(root(), _RELEASED, pipeline_name)
 
 
+# The pipelines of this process whose directories its exit frees (one exit hook for all).
+_CLAIMED: set[str] = set()
+_CLAIMED_LOCK = threading.Lock()
+
+
+def _release_claimed() -> None:
+    with _CLAIMED_LOCK:
+        names = sorted(_CLAIMED)
+    for name in names:
+        release(name)
+
+
 def release(pipeline_name: str) -> None:
     """Remove the pipeline's decoded pixels from this node's memory; its read tasks still in
     flight stop using the cache (see :meth:`DecodedCache.of`)."""
+    with _CLAIMED_LOCK:
+        _CLAIMED.discard(pipeline_name)
     try:
         os.makedirs(os.path.dirname(_tombstone(pipeline_name)), exist_ok=True)
         with open(_tombstone(pipeline_name), "w"):
@@ -171,7 +186,29 @@ def claim(pipeline_name: str, owner: str) -> None:
                f"filesystem such as /dev/shm; set {DECODED_CACHE_DIR_ENV} to one, or build "
                f"the Pipeline with PipelineConfig(decoded_cache='off')")
         raise ConfigError(msg) from exc
-    atexit.register(release, pipeline_name)
+    with _CLAIMED_LOCK:
+        if not _CLAIMED_HOOK:
+            atexit.register(_release_claimed)
+            _CLAIMED_HOOK.append(True)
+        _CLAIMED.add(pipeline_name)
+
+
+_CLAIMED_HOOK: list[bool] = []  # the exit hook, once registered
+
+
+def sweep_leftovers() -> None:
+    """For a pipeline without a decoded cache: sweep the leftovers of pipelines whose driver
+    died, as :func:`claim` does, without waiting for other nodes (nothing of this pipeline's
+    waits on it) and without a look at the job table when this node holds none."""
+    base = root()
+    try:
+        here = [e for e in os.listdir(base) if e != _RELEASED]
+    except OSError:
+        here = []
+    dead = _dead_jobs()
+    if here:
+        _sweep_node(*dead)
+    on_every_node(_sweep_node, *dead, wait=False, here=False)
 
 
 def release_everywhere(pipeline_name: str) -> None:
@@ -201,15 +238,17 @@ def _dead_jobs() -> tuple[frozenset[str], str | None]:
         return frozenset(), None
 
 
-def on_every_node(fn: Any, *args: Any) -> None:
-    """Run ``fn(*args)`` here, and in a zero-CPU task pinned to each other alive Ray node.
+def on_every_node(fn: Any, *args: Any, wait: bool = True, here: bool = True) -> None:
+    """Run ``fn(*args)`` here (unless ``here=False``), and in a zero-CPU task pinned to each
+    other alive Ray node.
 
-    Waits up to ``DEFAULT_NODE_TASK_TIMEOUT_S`` for them; a node that does not answer is
-    logged (its leftovers are swept by the next pipeline started there).
+    Waits up to ``DEFAULT_NODE_TASK_TIMEOUT_S`` for them (unless ``wait=False``); a node that
+    does not answer is logged (its leftovers are swept by the next pipeline started there).
     """
     import logging
 
-    fn(*args)
+    if here:
+        fn(*args)
     try:
         import ray
 
@@ -224,6 +263,8 @@ def on_every_node(fn: Any, *args: Any) -> None:
         task = ray.remote(num_cpus=0, max_retries=1)(fn)
         refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             node, soft=False)).remote(*args) for node in others]
+        if not wait:
+            return
         ready, pending = ray.wait(refs, num_returns=len(refs),
                                   timeout=DEFAULT_NODE_TASK_TIMEOUT_S)
         errors = []

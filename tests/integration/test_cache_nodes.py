@@ -62,13 +62,14 @@ def nodes(tmp_path_factory):
             os.environ[decoded_dirs.DECODED_CACHE_DIR_ENV] = old
 
 
-def _pipeline(folder, name: str):
+def _pipeline(folder, name: str, *, cached: bool = True):
     import raying
 
     return raying.Pipeline(raying.Manifest.scan(str(folder)),
                            transform=raying.ImageTransform(size=32),
                            config=raying.PipelineConfig(name=name, block_rows=8, spread=True,
-                                                        decoded_cache=32 * _MB,
+                                                        decoded_cache=32 * _MB if cached
+                                                        else "off",
                                                         decoded_cache_fill=None))
 
 
@@ -131,7 +132,9 @@ def _dirs(roots: dict[str, str], name: str) -> dict[str, bool]:
             for node, root in roots.items()}
 
 
-def test_a_new_pipeline_sweeps_a_killed_drivers_pixels_on_every_node(nodes):
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_new_pipeline_sweeps_a_killed_drivers_pixels_on_every_node(nodes, cached):
+    # A pipeline without a decoded cache of its own sweeps too ("auto" is off for most jobs).
     cluster, roots, folder = nodes
     dead, live = (f"nodes-{k}-{uuid.uuid4().hex[:6]}" for k in ("dead", "live"))
     victim = _start_driver(cluster, roots, folder, dead)
@@ -143,7 +146,7 @@ def test_a_new_pipeline_sweeps_a_killed_drivers_pixels_on_every_node(nodes):
         victim.send_signal(signal.SIGKILL)
         victim.wait(timeout=30)
         assert _dirs(roots, dead) == left, "nothing is removed before a pipeline starts"
-        pipe = _pipeline(folder, f"nodes-next-{uuid.uuid4().hex[:6]}")
+        pipe = _pipeline(folder, f"nodes-next-{uuid.uuid4().hex[:6]}", cached=cached)
         try:
             pipe.start()  # the start sweeps every node
             deadline = time.monotonic() + 30

@@ -100,3 +100,10 @@ def test_text_and_bytes_mixed_in_one_column_is_told_apart_from_numpy_text():
     # str beside numpy's str (a column filled partly from a numpy string array) is all text.
     assert not _text_and_bytes(column("a", np.array(["b"])[0]))
     assert not _text_and_bytes(column(b"a", np.array([b"b"])[0], None))
+
+
+def test_the_accounts_actor_class_is_made_once_per_process():
+    # Each @ray.remote class is a type Ray registers: one per dataset grew the driver.
+    from raying.engine.datasource import _account_actor_cls
+
+    assert _account_actor_cls() is _account_actor_cls()

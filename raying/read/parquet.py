@@ -536,6 +536,15 @@ def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseExcepti
                      f"manifest was scanned: rescan it")
 
 
+def _changed(spec: ReadSpec, f: int, what: str) -> FileChangedError:
+    """The error for file ``f`` found other than the scan found it (``what`` says how)."""
+    rel = spec.files[f] if spec.files else ""
+    where = f"{spec.root.rstrip('/')}/{rel}" if rel else spec.root
+    return FileChangedError(f"{where} was rewritten since the manifest was scanned{what}; its "
+                            f"rows would come under other ids: scan the dataset again "
+                            f"(Manifest.scan)")
+
+
 # Files found unchanged since the scan, in this process: (filesystem, dataset key, path).
 _VERIFIED: set[tuple[int, str, str]] = set()
 _VERIFIED_LOCK = threading.Lock()
@@ -575,11 +584,7 @@ def _verify_file(spec: ReadSpec, fs: Any, path: str, f: int) -> None:
         what = (f"modified at {stamp}, the scan found {want_stamp} (seconds since 1970), with "
                 f"as many bytes")
     if what is not None:
-        rel = spec.files[f] if spec.files else ""
-        where = f"{spec.root.rstrip('/')}/{rel}" if rel else spec.root
-        msg = (f"{where} was rewritten since the manifest was scanned ({what}); its rows would "
-               f"come under other ids: scan the dataset again (Manifest.scan)")
-        raise FileChangedError(msg)
+        raise _changed(spec, f, f" ({what})")
     with _VERIFIED_LOCK:
         _VERIFIED.add(key)
 
@@ -592,12 +597,7 @@ def _size_check(spec: ReadSpec, f: int) -> Any:
 
     def check(size: int) -> None:
         if int(size) != want:
-            rel = spec.files[f] if spec.files else ""
-            where = f"{spec.root.rstrip('/')}/{rel}" if rel else spec.root
-            msg = (f"{where} was rewritten since the manifest was scanned ({int(size)} bytes, "
-                   f"the scan found {want}); its rows would come under other ids: scan the "
-                   f"dataset again (Manifest.scan)")
-            raise FileChangedError(msg)
+            raise _changed(spec, f, f" ({int(size)} bytes, the scan found {want})")
 
     return check
 
@@ -619,7 +619,7 @@ def _check_scanned(spec: ReadSpec, groups: np.ndarray, scanned: np.ndarray | Non
     records the files' sizes: older manifests may have measured them otherwise.
 
     Raises:
-        DataError: naming the file, the row groups, and what differs.
+        FileChangedError: naming the file, the row groups, and what differs.
     """
     if scanned is None or not len(groups):
         return
@@ -636,13 +636,8 @@ def _check_scanned(spec: ReadSpec, groups: np.ndarray, scanned: np.ndarray | Non
             bad.append(f"{g} ({rows} rows of {per_row} image bytes each, the scan found "
                        f"{int(scanned[k, 0])} of {int(scanned[k, 1])})")
     if bad:
-        f = int(groups[0, 0])
-        rel = spec.files[f] if spec.files else ""
-        where = f"{spec.root.rstrip('/')}/{rel}" if rel else spec.root
-        msg = (f"{where} was rewritten since the manifest was scanned: row groups "
-               f"{', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''}; its rows would come "
-               f"under other ids: scan the dataset again (Manifest.scan)")
-        raise DataError(msg)
+        more = " ..." if len(bad) > 3 else ""
+        raise _changed(spec, int(groups[0, 0]), f": row groups {', '.join(bad[:3])}{more}")
 
 
 def _group_rows(sel: np.ndarray, pf: pq.ParquetFile):

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as _pafs
 import pyarrow.parquet as pq
 
 from raying.errors import (
@@ -32,6 +31,7 @@ from raying.errors import (
     StorageError,
 )
 from raying.options import IOConfig, settings
+from raying.read import scanned_files as _files
 from raying.read.cache.tiered import CacheStats, open_cache
 from raying.read.fetch import ACCOUNT_KEYS, fetch_missing
 from raying.read.planner import OpStats, coalesce_ranges, run_ops
@@ -284,8 +284,8 @@ def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: 
                              minlength=len(items)).tolist()
     stats, cstats = OpStats(), CacheStats()
     for p, f in dict(zip(paths, files, strict=True)).items():
-        _verify_file(spec, fs, p, f)
-    checks = {p: _size_check(spec, f) for p, f in zip(paths, files, strict=True)}
+        _files.verify_file(spec, fs, p, f)
+    checks = {p: _files.size_check(spec, f) for p, f in zip(paths, files, strict=True)}
 
     def check(path: str, size: int) -> None:
         if checks.get(path) is not None:
@@ -398,7 +398,7 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
     col = spec.image_column or "image"
     order = np.lexsort((groups[:, 1], groups[:, 0]))
     groups = groups[order]
-    scanned = _scanned(unit, order)
+    scanned = _files.scanned_groups(unit, order)
     chunks: list[pa.Array] = []
     starts: list[tuple[int, int]] = []
     nbytes = 0
@@ -412,7 +412,7 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
         for f in np.unique(groups[:, 0]) if scanned is not None else ():
             mine = groups[:, 0] == f  # (the footers read for the unit, kept in-process)
             md, _ = footer(fs, _file_path(spec, root, int(f)), namespace=spec.dataset_key)
-            _check_scanned(spec, groups[mine], scanned[mine], md)
+            _files.check_groups(spec, groups[mine], scanned[mine], md)
         offset = 0
         for (_, _, g_start), arr in zip(groups.tolist(), arrays, strict=True):
             starts.append((int(g_start), offset))
@@ -426,11 +426,11 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
         rel = spec.files[int(f)]
         retried = [0]
         path, wanted = _file_path(spec, root, int(f)), [int(g) for g in sel[:, 1]]
-        _verify_file(spec, fs, path, int(f))
+        _files.verify_file(spec, fs, path, int(f))
         kept = _kept_groups(unit, spec.dataset_key, path, wanted, col)
         try:
             pf, table = kept or _read_row_groups(fs, path, wanted, col, retried,
-                                                 _size_check(spec, int(f)))
+                                                 _files.size_check(spec, int(f)))
         except (pa.ArrowInvalid, OSError) as exc:
             raise _parquet_error(spec, rel, sel[:, 1].tolist(), exc) from None
         finally:
@@ -438,7 +438,7 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
                 account["io_retries"] = account.get("io_retries", 0) + retried[0]
         if kept is None:
             _keep_groups(unit, spec.dataset_key, path, wanted, col, (pf, table))
-        _check_scanned(spec, sel, None if scanned is None else scanned[groups[:, 0] == f],
+        _files.check_groups(spec, sel, None if scanned is None else scanned[groups[:, 0] == f],
                        pf.metadata)
         arr = table.column(col)
         nbytes += table.nbytes if kept is None else 0  # bytes read, not reused
@@ -536,110 +536,6 @@ def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseExcepti
                      f"manifest was scanned: rescan it")
 
 
-def _changed(spec: ReadSpec, f: int, what: str) -> FileChangedError:
-    """The error for file ``f`` found other than the scan found it (``what`` says how)."""
-    rel = spec.files[f] if spec.files else ""
-    where = f"{spec.root.rstrip('/')}/{rel}" if rel else spec.root
-    return FileChangedError(f"{where} was rewritten since the manifest was scanned{what}; its "
-                            f"rows would come under other ids: scan the dataset again "
-                            f"(Manifest.scan)")
-
-
-# Files found unchanged since the scan, in this process: (filesystem, dataset key, path).
-_VERIFIED: set[tuple[int, str, str]] = set()
-_VERIFIED_LOCK = threading.Lock()
-
-
-def _verify_file(spec: ReadSpec, fs: Any, path: str, f: int) -> None:
-    """Stop the read when file ``f`` is not the one scanned: its size, or its modification
-    time (a rewrite of the same size: rows reordered in an uncompressed file), differs from
-    the manifest's. Looked up once per process and dataset (one stat, or one HEAD on S3);
-    a lookup that fails leaves it to the read, whose errors say more.
-
-    Raises:
-        FileChangedError: naming the file, what differs, and the fix.
-    """
-    sizes, mtimes = spec.file_sizes, spec.file_mtimes
-    if f >= len(sizes):
-        return
-    key = (id(fs), spec.dataset_key, path)
-    with _VERIFIED_LOCK:
-        if key in _VERIFIED:
-            return
-    try:
-        info = fs.get_file_info(path)
-    except Exception:  # noqa: BLE001 - the read meets the same failure and names it
-        return
-    if info.type != _pafs.FileType.File:
-        return
-    from raying.dataset.scan import mtime_s
-
-    size, want_size = int(info.size), int(sizes[f])
-    stamp = mtime_s(info)
-    want_stamp = int(mtimes[f]) if f < len(mtimes) else -1
-    what = None
-    if size != want_size:
-        what = f"{size} bytes, the scan found {want_size}"
-    elif stamp >= 0 and want_stamp >= 0 and stamp != want_stamp:
-        what = (f"modified at {stamp}, the scan found {want_stamp} (seconds since 1970), with "
-                f"as many bytes")
-    if what is not None:
-        raise _changed(spec, f, f" ({what})")
-    with _VERIFIED_LOCK:
-        _VERIFIED.add(key)
-
-
-def _size_check(spec: ReadSpec, f: int) -> Any:
-    """A check of file ``f``'s size against the scan's (None where the manifest has none)."""
-    if not spec.file_sizes or f >= len(spec.file_sizes):
-        return None
-    want = int(spec.file_sizes[f])
-
-    def check(size: int) -> None:
-        if int(size) != want:
-            raise _changed(spec, f, f" ({int(size)} bytes, the scan found {want})")
-
-    return check
-
-
-def _scanned(unit: ReadUnit, order: np.ndarray) -> np.ndarray | None:
-    """What the scan found in each of the unit's row groups (rows, image bytes per row), in
-    ``order`` (None where the unit does not say)."""
-    found = getattr(unit, "group_scan", None)
-    if found is None or len(found) != len(order):
-        return None
-    return np.asarray(found, dtype=np.int64)[order]
-
-
-def _check_scanned(spec: ReadSpec, groups: np.ndarray, scanned: np.ndarray | None,
-                   md: pq.FileMetaData) -> None:
-    """Stop the read when row groups of a file (``groups``: its rows of the unit's table)
-    differ from the scan's: other rows, or other images (another size), so that the rows
-    read would come under other ids. The image bytes are compared only for a manifest that
-    records the files' sizes: older manifests may have measured them otherwise.
-
-    Raises:
-        FileChangedError: naming the file, the row groups, and what differs.
-    """
-    if scanned is None or not len(groups):
-        return
-    from raying.dataset.scan import image_bytes_per_row, image_leaves
-
-    leaves = image_leaves(md, spec.image_column or "image")
-    bad = []
-    for k, g in enumerate(groups[:, 1].tolist()):
-        rows = md.row_group(g).num_rows if g < md.num_row_groups else 0
-        per_row = image_bytes_per_row(md, g, leaves) if rows else 0
-        if not spec.file_sizes:
-            per_row = int(scanned[k, 1])
-        if (rows, per_row) != (int(scanned[k, 0]), int(scanned[k, 1])):
-            bad.append(f"{g} ({rows} rows of {per_row} image bytes each, the scan found "
-                       f"{int(scanned[k, 0])} of {int(scanned[k, 1])})")
-    if bad:
-        more = " ..." if len(bad) > 3 else ""
-        raise _changed(spec, int(groups[0, 0]), f": row groups {', '.join(bad[:3])}{more}")
-
-
 def _group_rows(sel: np.ndarray, pf: pq.ParquetFile):
     for _, g, start in sel:
         yield int(start), pf.metadata.row_group(int(g)).num_rows
@@ -679,7 +575,7 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
         raise DataError(msg)
     order = np.lexsort((groups[:, 1], groups[:, 0]))
     groups = groups[order]
-    scanned = _scanned(unit, order)
+    scanned = _files.scanned_groups(unit, order)
     tables: list[pa.Table] = []
     table_files: list[int] = []  # the file each table was read from
     table_starts: list[int] = []  # each table's first row in the concatenated rows
@@ -690,17 +586,17 @@ def read_columns(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.nda
         table_files.append(int(f))
         sel = groups[groups[:, 0] == f]
         retried = [0]
-        _verify_file(spec, fs, _file_path(spec, root, int(f)), int(f))
+        _files.verify_file(spec, fs, _file_path(spec, root, int(f)), int(f))
         try:
             pf, table = _read_row_groups(fs, _file_path(spec, root, int(f)),
                                          [int(g) for g in sel[:, 1]], names, retried,
-                                         _size_check(spec, int(f)))
+                                         _files.size_check(spec, int(f)))
         except (pa.ArrowInvalid, OSError) as exc:
             raise _parquet_error(spec, spec.files[int(f)], sel[:, 1].tolist(), exc) from None
         finally:
             if retried[0] and account is not None:
                 account["io_retries"] = account.get("io_retries", 0) + retried[0]
-        _check_scanned(spec, sel, None if scanned is None else scanned[groups[:, 0] == f],
+        _files.check_groups(spec, sel, None if scanned is None else scanned[groups[:, 0] == f],
                        pf.metadata)
         for g_start, g_rows in _group_rows(sel, pf):
             starts.append((g_start, offset))

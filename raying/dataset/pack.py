@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 from typing import Any
 
 import numpy as np
@@ -187,7 +188,9 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
         rel = src.files[int(fi)]
         path = f"{root.rstrip('/')}/{rel}"
         try:
-            changed = _changed_since_scan(fs, path, int(fi), file_sizes, file_mtimes)
+            changed = _changed_since_scan(fs, path, int(fi), file_sizes, file_mtimes
+                                          if src.meta.get("scanned_on") in (None, _HOST)
+                                          else [])
             if changed:
                 for k in sel:  # other rows under these ids: none of the file's is packed
                     datas[k] = RowProblem("read_error", f"{rel} was rewritten since the scan "
@@ -269,6 +272,9 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
         inverse[order] = np.arange(len(order))
         extra[name] = values.take(pa.array(inverse, pa.int64()))
     return datas, src.path_of(ids), extra
+
+
+_HOST = socket.gethostname()
 
 
 def _changed_since_scan(fs: Any, path: str, f: int, sizes: list[int], mtimes: list[int]

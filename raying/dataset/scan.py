@@ -121,8 +121,9 @@ def scan_images(cls, root: str, uri: str, infos: list[pafs.FileInfo], label: Any
             try:
                 raw.append(label(p))
             except Exception as exc:
-                exc.add_note(f"(raised by the label function given to Manifest.scan, for "
-                             f"{p!r} under {uri})")
+                if hasattr(exc, "add_note"):  # Python 3.11 and later
+                    exc.add_note(f"(raised by the label function given to Manifest.scan, "
+                                 f"for {p!r} under {uri})")
                 raise
         _check_label_values(raw, paths, uri)
         labels, classes = _labels_from_values(raw, f"label function on {uri}")
@@ -278,6 +279,10 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
                             # unknown) as listed: a read finds a file rewritten since.
                             "file_sizes": [int(i.size) for i in infos],
                             "file_mtimes": [mtime_s(i) for i in infos]}
+    if isinstance(fs, pafs.LocalFileSystem):  # each node may hold a copy, of its own times
+        import socket
+
+        meta["scanned_on"] = socket.gethostname()
     if extra:
         meta["columns"] = extra
     return cls(root=uri, fmt="parquet", columns=cols, classes=classes, storage=opts,

@@ -199,7 +199,7 @@ _CLAIMED_HOOK: list[bool] = []  # the exit hook, once registered
 def sweep_leftovers() -> None:
     """For a pipeline without a decoded cache: sweep the leftovers of pipelines whose driver
     died, as :func:`claim` does, without waiting for other nodes (nothing of this pipeline's
-    waits on it) and without a look at the job table when this node holds none."""
+    waits on it); this node's folders only when it holds any."""
     base = root()
     try:
         here = [e for e in os.listdir(base) if e != _RELEASED]

@@ -283,8 +283,7 @@ def read_unit_groups(spec: Any, fs: Any, paths: list[str], groups: Any, column: 
         scores = np.bincount(k, weights=np.asarray(probs, dtype=np.float64),
                              minlength=len(items)).tolist()
     stats, cstats = OpStats(), CacheStats()
-    for p, f in dict(zip(paths, files, strict=True)).items():
-        _files.verify_file(spec, fs, p, f)
+    _files.verify_files(spec, fs, dict(zip(paths, files, strict=True)))
     checks = {p: _files.size_check(spec, f) for p, f in zip(paths, files, strict=True)}
 
     def check(path: str, size: int) -> None:

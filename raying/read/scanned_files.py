@@ -10,6 +10,8 @@ group's rows (:func:`check_groups`). Every finding is a :class:`FileChangedError
 
 from __future__ import annotations
 
+import collections
+import socket
 import threading
 from typing import Any
 
@@ -31,16 +33,38 @@ def _changed(spec: ReadSpec, f: int, what: str) -> FileChangedError:
                             f"(Manifest.scan)")
 
 
-# Files found unchanged since the scan, in this process: (filesystem, dataset key, path).
-_VERIFIED: set[tuple[int, str, str]] = set()
+# Files found unchanged since the scan, in this process: the indices of the files, per
+# (filesystem, dataset key, scanning machine); the few datasets used last.
+_VERIFIED: collections.OrderedDict[tuple[int, str, str], set[int]] = collections.OrderedDict()
+_VERIFIED_DATASETS = 16
 _VERIFIED_LOCK = threading.Lock()
+_HOST = socket.gethostname()
+
+
+def _verified(key: tuple[int, str, str], f: int) -> bool:
+    with _VERIFIED_LOCK:
+        done = _VERIFIED.get(key)
+        if done is None:
+            return False
+        _VERIFIED.move_to_end(key)
+        return f in done
+
+
+def _mark_verified(key: tuple[int, str, str], f: int) -> None:
+    with _VERIFIED_LOCK:
+        _VERIFIED.setdefault(key, set()).add(f)
+        _VERIFIED.move_to_end(key)
+        while len(_VERIFIED) > _VERIFIED_DATASETS:
+            _VERIFIED.popitem(last=False)
 
 
 def verify_file(spec: ReadSpec, fs: Any, path: str, f: int) -> None:
     """Stop the read when file ``f`` is not the one scanned: its size, or its modification
     time (a rewrite of the same size: rows reordered in an uncompressed file), differs from
     the manifest's. Looked up once per process and dataset (one stat, or one HEAD on S3);
-    a lookup that fails leaves it to the read, whose errors say more.
+    a lookup that fails, or finds nothing there, leaves it to the read, whose errors say
+    more. A local file's time is compared only on the machine that scanned it: a copy of
+    the dataset on each node has times of its own.
 
     Raises:
         FileChangedError: naming the file, what differs, and the fix.
@@ -48,10 +72,9 @@ def verify_file(spec: ReadSpec, fs: Any, path: str, f: int) -> None:
     sizes, mtimes = spec.file_sizes, spec.file_mtimes
     if f >= len(sizes):
         return
-    key = (id(fs), spec.dataset_key, path)
-    with _VERIFIED_LOCK:
-        if key in _VERIFIED:
-            return
+    key = (id(fs), spec.dataset_key, spec.scanned_on)
+    if _verified(key, f):
+        return
     try:
         info = fs.get_file_info(path)
     except Exception:  # noqa: BLE001 - the read meets the same failure and names it
@@ -63,16 +86,36 @@ def verify_file(spec: ReadSpec, fs: Any, path: str, f: int) -> None:
     size, want_size = int(info.size), int(sizes[f])
     stamp = mtime_s(info)
     want_stamp = int(mtimes[f]) if f < len(mtimes) else -1
+    if spec.scanned_on and spec.scanned_on != _HOST:
+        want_stamp = -1
     what = None
     if size != want_size:
         what = f"{size} bytes, the scan found {want_size}"
     elif stamp >= 0 and want_stamp >= 0 and stamp != want_stamp:
         what = (f"modified at {stamp}, the scan found {want_stamp} (seconds since 1970), with "
-                f"as many bytes")
+                f"as many bytes: rewritten, or touched or copied over")
     if what is not None:
         raise _changed(spec, f, f" ({what})")
-    with _VERIFIED_LOCK:
-        _VERIFIED.add(key)
+    _mark_verified(key, f)
+
+
+def verify_files(spec: ReadSpec, fs: Any, files: dict[str, int]) -> None:
+    """:func:`verify_file` for each (path, file index) of a unit, the lookups of a remote
+    storage side by side (a unit of a random plan may start on hundreds of files)."""
+    key = (id(fs), spec.dataset_key, spec.scanned_on)
+    todo = [(p, f) for p, f in files.items() if f < len(spec.file_sizes) and not _verified(key, f)]
+    if len(todo) <= 1 or isinstance(fs, _pafs.LocalFileSystem):
+        for p, f in todo:
+            verify_file(spec, fs, p, f)
+        return
+    import concurrent.futures as cf
+
+    from raying.options import settings
+
+    with cf.ThreadPoolExecutor(max_workers=min(len(todo), settings().remote_read_threads)
+                               ) as pool:
+        for done in [pool.submit(verify_file, spec, fs, p, f) for p, f in todo]:
+            done.result()  # the first file found changed raises
 
 
 def size_check(spec: ReadSpec, f: int) -> Any:

@@ -51,6 +51,8 @@ class ReadSpec:
     # was scanned (empty: not known), which a read checks.
     file_sizes: tuple[int, ...] = ()
     file_mtimes: tuple[int, ...] = ()
+    # The machine that scanned a local dataset (its files' times are that machine's copy's).
+    scanned_on: str = ""
     # User stages (raying.read.stages.UserStage), run in order after the transform.
     stages: tuple[Any, ...] = ()
 
@@ -87,6 +89,7 @@ class ReadSpec:
                                  (manifest.meta.get("columns") or {}).items()),
                    file_sizes=tuple(int(x) for x in manifest.meta.get("file_sizes") or ()),
                    file_mtimes=tuple(int(x) for x in manifest.meta.get("file_mtimes") or ()),
+                   scanned_on=str(manifest.meta.get("scanned_on") or ""),
                    stages=tuple(stages))
 
 

@@ -305,11 +305,22 @@ def test_a_rewrite_of_the_same_size_is_found_by_its_modification_time(tmp_path, 
     _reorder_in_place(root / "part-1.parquet")
     assert (root / "part-1.parquet").stat().st_size == size
     config = raying.PipelineConfig(io=IOConfig(cache=None)) if io else None
+    # A local dataset scanned on another machine (each node reading its own copy, of its
+    # own times) is not judged by the times.
+    elsewhere = raying.Manifest.scan(str(root), columns=["caption"])
+    elsewhere.meta["file_mtimes"] = m.meta["file_mtimes"]
+    elsewhere.meta["scanned_on"] = "another-node"
+    pipe = raying.Pipeline(elsewhere, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=3), config=config)
+    assert sum(len(run_unit(pipe._ready_spec(), *pipe._fill(u))[0]["id"])
+               for u in pipe.plan(0).units) == 36
+    pipe.close()
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
                            sampler=raying.UniformSampler(seed=3), config=config)
     with pytest.raises(raying.FileChangedError,
                        match=r"part-1\.parquet was rewritten since the manifest was scanned "
-                             r"\(modified at \d+, the scan found \d+ .*with as many bytes\)"):
+                             r"\(modified at \d+, the scan found \d+ .*with as many bytes: "
+                             r"rewritten, or touched or copied over\)"):
         [run_unit(pipe._ready_spec(), *pipe._fill(u)) for u in pipe.plan(0).units]
     pipe.close()
     again = raying.Manifest.scan(str(root), columns=["caption"])  # the fix the error names

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 from typing import Any
 
 import numpy as np
@@ -188,9 +187,8 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
         rel = src.files[int(fi)]
         path = f"{root.rstrip('/')}/{rel}"
         try:
-            changed = _changed_since_scan(fs, path, int(fi), file_sizes, file_mtimes
-                                          if src.meta.get("scanned_on") in (None, _HOST)
-                                          else [])
+            changed = _changed_since_scan(fs, path, int(fi), file_sizes, file_mtimes,
+                                          src.meta.get("scanned_on"))
             if changed:
                 for k in sel:  # other rows under these ids: none of the file's is packed
                     datas[k] = RowProblem("read_error", f"{rel} was rewritten since the scan "
@@ -274,13 +272,10 @@ def parquet_values(src: Manifest, fs: Any, root: str, ids: np.ndarray
     return datas, src.path_of(ids), extra
 
 
-_HOST = socket.gethostname()
-
-
-def _changed_since_scan(fs: Any, path: str, f: int, sizes: list[int], mtimes: list[int]
-                        ) -> str | None:
-    """How file ``f`` differs from the scan's listing (its size, or its modification time),
-    or None (the same, or not known: a lookup that fails leaves it to the read)."""
+def _changed_since_scan(fs: Any, path: str, f: int, sizes: list[int], mtimes: list[int],
+                        scanned_on: str | None) -> str | None:
+    """How file ``f`` differs from the scan's listing (``scan.changed_since_scan``), or None:
+    the same, or not known (no sizes; a lookup that fails leaves it to the read)."""
     if f >= len(sizes):
         return None
     try:
@@ -289,14 +284,9 @@ def _changed_since_scan(fs: Any, path: str, f: int, sizes: list[int], mtimes: li
         return None
     if info.type != pafs.FileType.File:
         return None
-    from raying.dataset.scan import mtime_s
+    from raying.dataset.scan import changed_since_scan
 
-    if int(info.size) != sizes[f]:
-        return f"{int(info.size)} bytes, the scan found {sizes[f]}"
-    stamp, want = mtime_s(info), mtimes[f] if f < len(mtimes) else -1
-    if stamp >= 0 and want >= 0 and stamp != want:
-        return f"modified at {stamp}, the scan found {want}, with as many bytes"
-    return None
+    return changed_since_scan(info, f, sizes, mtimes, scanned_on)
 
 
 def _null_rows(values: pa.Array) -> np.ndarray:

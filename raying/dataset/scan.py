@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
+import socket
 import warnings
 from typing import Any
 
@@ -280,8 +281,6 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
                             "file_sizes": [int(i.size) for i in infos],
                             "file_mtimes": [mtime_s(i) for i in infos]}
     if isinstance(fs, pafs.LocalFileSystem):  # each node may hold a copy, of its own times
-        import socket
-
         meta["scanned_on"] = socket.gethostname()
     if extra:
         meta["columns"] = extra
@@ -500,6 +499,25 @@ def mtime_s(info: pafs.FileInfo) -> int:
     listing gives milliseconds, its HEAD seconds)."""
     mtime = info.mtime
     return -1 if mtime is None else int(mtime.timestamp() // 1)
+
+
+def changed_since_scan(info: pafs.FileInfo, f: int, sizes: Any, mtimes: Any,
+                       scanned_on: str | None) -> str | None:
+    """How file ``f`` of a Parquet manifest, looked up now (``info``, a file), differs from
+    the scan's listing (``sizes``, ``mtimes``: ``meta["file_sizes"]``, ``["file_mtimes"]``),
+    or None. A local file's time counts only on the machine that scanned it
+    (``scanned_on``): a copy of the dataset on each node has times of its own."""
+    size, want_size = int(info.size), int(sizes[f])
+    stamp = mtime_s(info)
+    want_stamp = int(mtimes[f]) if f < len(mtimes) else -1
+    if scanned_on and scanned_on != socket.gethostname():
+        want_stamp = -1
+    if size != want_size:
+        return f"{size} bytes, the scan found {want_size}"
+    if stamp >= 0 and want_stamp >= 0 and stamp != want_stamp:
+        return (f"modified at {stamp}, the scan found {want_stamp} (seconds since 1970), with "
+                f"as many bytes: rewritten, or touched or copied over")
+    return None
 
 
 def image_bytes_per_row(fm: pq.FileMetaData, group: int, leaves: list[int]) -> int:

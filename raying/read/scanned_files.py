@@ -11,7 +11,6 @@ group's rows (:func:`check_groups`). Every finding is a :class:`FileChangedError
 from __future__ import annotations
 
 import collections
-import socket
 import threading
 from typing import Any
 
@@ -38,7 +37,6 @@ def _changed(spec: ReadSpec, f: int, what: str) -> FileChangedError:
 _VERIFIED: collections.OrderedDict[tuple[int, str, str], set[int]] = collections.OrderedDict()
 _VERIFIED_DATASETS = 16
 _VERIFIED_LOCK = threading.Lock()
-_HOST = socket.gethostname()
 
 
 def _verified(key: tuple[int, str, str], f: int) -> bool:
@@ -81,19 +79,9 @@ def verify_file(spec: ReadSpec, fs: Any, path: str, f: int) -> None:
         return
     if info.type != _pafs.FileType.File:
         return
-    from raying.dataset.scan import mtime_s
+    from raying.dataset.scan import changed_since_scan
 
-    size, want_size = int(info.size), int(sizes[f])
-    stamp = mtime_s(info)
-    want_stamp = int(mtimes[f]) if f < len(mtimes) else -1
-    if spec.scanned_on and spec.scanned_on != _HOST:
-        want_stamp = -1
-    what = None
-    if size != want_size:
-        what = f"{size} bytes, the scan found {want_size}"
-    elif stamp >= 0 and want_stamp >= 0 and stamp != want_stamp:
-        what = (f"modified at {stamp}, the scan found {want_stamp} (seconds since 1970), with "
-                f"as many bytes: rewritten, or touched or copied over")
+    what = changed_since_scan(info, f, sizes, mtimes, spec.scanned_on)
     if what is not None:
         raise _changed(spec, f, f" ({what})")
     _mark_verified(key, f)

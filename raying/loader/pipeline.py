@@ -419,6 +419,12 @@ class Pipeline:
 
     def iter_blocks(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
         """The epoch's blocks in plan order (host numpy; image uint8 NHWC)."""
+        return self._epoch_blocks(epoch, tail=0)
+
+    def _epoch_blocks(self, epoch: int, *, tail: int) -> Iterator[dict[str, np.ndarray]]:
+        """``iter_blocks`` for a batch iteration that drops a last batch of fewer than
+        ``tail`` rows (``drop_last``; 0: none): once every block is in and fewer rows are
+        left, the epoch is done for ``state_dict()``."""
         epoch = _epoch(epoch)
         stream = self._block_stream()
         start_unit, skip, base = 0, 0, 0
@@ -434,7 +440,7 @@ class Pipeline:
         self._resume = None
         units: list[tuple[int, int, int, bool]] = []
         cursor = self._cursor = {"epoch": int(epoch), "units": units, "delivered": base,
-                                 "base": base, "start": (start_unit, skip)}
+                                 "base": base, "start": (start_unit, skip), "tail": tail}
         offset = {start_unit: skip}  # rows of each unit already accounted for
         tally = EpochTally(self._on_account)
         # The epoch's first block with rows, as empty columns of its dtypes and row shapes.
@@ -523,7 +529,7 @@ class Pipeline:
         self._block_stream().set_batch_rows(batch_size)
 
         def batches():
-            for block in self.iter_blocks(epoch):
+            for block in self._epoch_blocks(epoch, tail=batch_size if drop_last else 0):
                 yield from assembler.push(block)
             yield from assembler.finish()
 
@@ -565,7 +571,7 @@ class Pipeline:
         self._block_stream().set_batch_rows(batch_size)
 
         def batches():
-            for block in self.iter_blocks(epoch):
+            for block in self._epoch_blocks(epoch, tail=batch_size if drop_last else 0):
                 for b in assembler.push(block):
                     yield conv.device_put(conv.host(b))
             for b in assembler.finish():
@@ -869,11 +875,13 @@ def _warn_no_node_fits(task_cpus: float) -> None:
 
 def _delivered_to_end(cur: dict[str, Any]) -> bool:
     """Whether the iteration of ``cur`` (the pipeline's cursor) has received the last block of
-    its epoch's last unit and delivered every row received: its epoch is done, although the
-    iterator was never asked past its last batch (a loop of ``steps_per_epoch`` steps)."""
+    its epoch's last unit and delivered every row received, but for a last batch too short
+    for ``drop_last`` (fewer than the cursor's ``tail`` rows): its epoch is done, although
+    the iterator was never asked past its last batch (a loop of ``steps_per_epoch`` steps)."""
     units = cur["units"]
     received = sum(end - begin for _, begin, end, _ in units)
-    if cur["delivered"] - cur["base"] < received:
+    left = received - (cur["delivered"] - cur["base"])
+    if left > 0 and left >= cur.get("tail", 0):
         return False
     if cur.get("blocks_done"):
         return True

@@ -41,6 +41,7 @@ class Reporter:
         self._count = 0
         self._since: float | None = None
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one flush from buffer to store at a time
         self.sent = 0
         self.sends = 0
         self.dropped = 0  # reports left when the store's Ray session ended
@@ -134,24 +135,29 @@ class Reporter:
 
         from raying.sampling.store import update_async
 
-        with self._lock:
-            if not self._ids:
+        # From taking the buffer to submitting it, one flush at a time: the timer's flush and
+        # the training thread's would otherwise reach the store out of order, and under
+        # "last wins" an older loss would overwrite a newer one (a Ray actor runs one
+        # caller's calls in the order they were submitted).
+        with self._send_lock:
+            with self._lock:
+                if not self._ids:
+                    return
+                ids = np.concatenate(self._ids)
+                values = np.concatenate(self._values)
+                self._ids, self._values, self._count, self._since = [], [], 0, None
+            if not ray.is_initialized():
+                self._drop(ids.size)
                 return
-            ids = np.concatenate(self._ids)
-            values = np.concatenate(self._values)
-            self._ids, self._values, self._count, self._since = [], [], 0, None
-        if not ray.is_initialized():
-            self._drop(ids.size)
-            return
-        try:
-            update_async(self.handle, ids, values)
-        except Exception as exc:
-            if "different cluster" not in str(exc) and "Can't find actor" not in str(exc):
-                raise
-            self._drop(ids.size)  # a handle of a session that ended: its store is gone
-            return
-        self.sent += ids.size
-        self.sends += 1
+            try:
+                update_async(self.handle, ids, values)
+            except Exception as exc:
+                if "different cluster" not in str(exc) and "Can't find actor" not in str(exc):
+                    raise
+                self._drop(ids.size)  # a handle of a session that ended: its store is gone
+                return
+            self.sent += ids.size
+            self.sends += 1
 
 
     def _drop(self, n: int) -> None:

@@ -81,7 +81,10 @@ class PrioritizedSampler:
     Args:
         alpha: priority exponent (0 = uniform, 1 = proportional to loss).
         beta: importance-weight exponent (0 = all weights 1).
-        uniform_mix: share ``eps`` of draws made uniformly.
+        uniform_mix: share ``eps`` of draws made uniformly. It also bounds the weights: they
+            are normalised by the least likely sample's, which is at least ``eps / N``; with
+            ``uniform_mix=0`` and ``beta > 0`` one sample of a near-zero loss makes every
+            other weight near zero (weigh the loss ``sum(w * loss) / sum(w)`` then).
         seed: seeds the store's generator and the augmentation.
         systematic: low-variance (stratified) plans instead of i.i.d. draws (the driver's
             plans; the read tasks of ``pipe.dataset(e)`` draw their units i.i.d.).
@@ -454,8 +457,10 @@ class PrioritizedSampler:
             self._bufs = {}
 
     def set_aside(self, ids: Any) -> None:
-        """Samples that failed to read or decode get priority 0, so only the uniform floor
-        (``uniform_mix``) still draws them; they are reported in the pipeline's stats."""
+        """Samples that failed to read or decode get priority 0, so (with ``alpha > 0``) only
+        the uniform floor (``uniform_mix``) still draws them, until aging (``age_after``)
+        moves their priority back toward the mean; they are reported in the pipeline's stats
+        and skipped at each read."""
         if self._reporter is not None:
             ids = np.asarray(ids, dtype=np.int64)
             self._reporter.add(ids, np.zeros(ids.size))

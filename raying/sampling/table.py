@@ -457,6 +457,7 @@ class PriorityTable:
         ends = np.append(starts[1:], self.n)
         groups = -(-int(k) // int(rows_per_group))
         anchors, _ = self.sample(groups, rng=rng)
+        self.counters["samples"] += int(k) - groups  # ids drawn, as sample() counts them
         g = np.searchsorted(starts, anchors, side="right") - 1
         lo = np.repeat(starts[g], rows_per_group)[:k]
         hi = np.repeat(ends[g], rows_per_group)[:k]

@@ -91,6 +91,12 @@ class UniformSampler:
         return {"sampler": self.name, "seed": int(self.seed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("sampler") != self.name:
+            msg = (f"state was saved by a {state.get('sampler')!r} sampler; this pipeline "
+                   f"has UniformSampler(seed={self.seed}): its plan is another one, so the "
+                   f"saved position would repeat or skip rows; build the pipeline with the "
+                   f"saved sampler")
+            raise ConfigError(msg)
         if state.get("seed") != self.seed:
             msg = (f"state was saved with UniformSampler(seed={state.get('seed')}) but this "
                    f"pipeline has seed={self.seed}; build the pipeline with the saved seed")

@@ -42,8 +42,9 @@ def static_probabilities(labels: np.ndarray, *, weights: Any = None,
     if weights is None:
         w = np.ones(n)
     elif isinstance(weights, Mapping):
-        per_class = np.ones(int(labels.max(initial=-1)) + 1 if n else 0)
         names = list(classes or [])
+        # Every class of the dataset, whether or not this split holds a row of it.
+        per_class = np.ones(max(len(names), int(labels.max(initial=-1)) + 1 if n else 0))
         named: dict[int, Any] = {}  # label index -> the key that gave its weight
         for key, value in weights.items():
             if isinstance(key, str):

@@ -133,7 +133,9 @@ def check_state(state: Mapping[str, Any], n: int, own: dict[str, Any], *, strict
                 version: int) -> tuple[np.ndarray, np.ndarray]:
     """The priorities and last-update clocks of a table state, checked against the table.
 
-    ``own`` is the table's config as a dict; with ``strict`` the saved one must equal it.
+    ``own`` is the table's config as a dict; with ``strict`` the saved one must equal it,
+    but for ``beta``: it shapes only the weights of later draws, not the priorities or the
+    distribution, and a schedule anneals it from one checkpoint to the next.
     """
     if state.get("version") != version:
         msg = (f"table state version must be {version}, got {state.get('version')!r}; "
@@ -144,7 +146,8 @@ def check_state(state: Mapping[str, Any], n: int, own: dict[str, Any], *, strict
                f"table with n={state['n']}")
         raise ConfigError(msg)
     if strict:
-        diff = sorted(key for key in own if own[key] != state["config"].get(key))
+        diff = sorted(key for key in own
+                      if key != "beta" and own[key] != state["config"].get(key))
         if diff:
             got = {key: state["config"].get(key) for key in diff}
             msg = (f"table state was saved with {got}, this table has "

@@ -214,6 +214,29 @@ def test_an_epoch_whose_last_batch_ends_a_block_moves_on_without_asking_past_it(
     a.close()
 
 
+@pytest.mark.parametrize("depth", [0, 4])
+def test_a_drop_last_epoch_taken_to_its_last_full_batch_moves_on(manifest, ray_local, depth):
+    # 60 rows, batches of 7 with drop_last: 8 full batches, the last 4 rows dropped. A loop
+    # of exactly those 8 steps never asks past them; the 4 rows left are no batch to come,
+    # so the state is the next epoch's start (it stayed in this one, whose resume then gave
+    # no batch and a "dropped every row" warning).
+    make = _make(manifest)
+    a = make()
+    it = a.iter_batches(batch_size=7, epoch=2, prefetch_batches=depth, drop_last=True)
+    assert sum(len(b["id"]) for b in itertools.islice(it, 8)) == 56
+    state = a.state_dict()
+    assert (state["epoch"], state["unit"], state["row"]) == (3, 0, 0)
+    it.close()
+    a.close()
+    # One full batch short of the end, the epoch still has a batch to give.
+    b = make()
+    it = b.iter_batches(batch_size=7, epoch=2, prefetch_batches=depth, drop_last=True)
+    assert sum(len(x["id"]) for x in itertools.islice(it, 7)) == 49
+    assert b.state_dict()["epoch"] == 2
+    it.close()
+    b.close()
+
+
 @pytest.fixture(scope="module")
 def with_bad(tmp_path_factory):
     """40 good images and 30 empty .jpg files in 2 classes."""

@@ -29,3 +29,13 @@ def test_a_pipeline_refuses_what_is_not_a_sampler(tmp_path):
     with pytest.raises(raying.ConfigError, match=r"Pipeline\(sampler=...\) must be a raying "
                                                  r"sampler .* got list"):
         raying.Pipeline(raying.Manifest.scan(str(root)), sampler=[1, 2])
+
+
+def test_a_uniform_sampler_refuses_another_sampler_s_state():
+    s = raying.UniformSampler(seed=3)
+    s.load_state_dict({"sampler": "uniform", "seed": 3})
+    for other in ({"sampler": "weighted", "seed": 3}, {"sampler": "prioritized", "seed": 3}):
+        with pytest.raises(raying.ConfigError, match=rf"saved by a '{other['sampler']}' "
+                                                     r"sampler; this pipeline has Uniform"):
+            s.load_state_dict(other)
+

@@ -403,6 +403,22 @@ def test_load_refuses_a_state_with_other_settings():
         PriorityTable(11).load_state_dict(state)
 
 
+def test_a_state_loads_under_another_beta():
+    # beta shapes only the weights of later draws; a schedule anneals it between checkpoints.
+    saved = PriorityTable(10, beta=0.4)
+    saved.update(np.arange(4), np.array([0.5, 1.0, 2.0, 4.0]))
+    later = PriorityTable(10, beta=0.6)
+    later.load_state_dict(saved.state_dict())
+    assert np.allclose(later.probabilities(np.arange(10)), saved.probabilities(np.arange(10)))
+    assert later.config.beta == 0.6
+
+
+def test_grouped_draws_count_every_id_drawn():
+    t = PriorityTable(1000, alpha=1.0, uniform_mix=0.1)
+    ids, _ = t.sample_in_groups(4096, np.arange(0, 1000, 100), 16)
+    assert ids.size == t.counters["samples"] == 4096
+
+
 # --- the store's pure-numpy parts: coalescing and the snapshot format ---------------------------
 
 

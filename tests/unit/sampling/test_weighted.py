@@ -39,6 +39,17 @@ def test_per_class_weights_by_name_or_index_and_per_sample_weights():
     assert np.allclose(both, np.array([2, 1 / 3, 1 / 3, 1 / 3]) / 3)
 
 
+def test_a_class_weight_is_taken_for_any_class_this_split_lacks():
+    # Classes a, b, c; this split holds rows of a and b only. A weight for c (the last
+    # class) is as valid as one for a middle class the split lacks.
+    labels = np.array([0, 0, 1, 1])
+    for key in ("c", 2):
+        p = static_probabilities(labels, weights={key: 5.0, "a": 2.0}, classes=["a", "b", "c"])
+        assert np.allclose(p, np.array([2, 2, 1, 1]) / 6)
+    with pytest.raises(raying.ConfigError, match=r"has label index 3, expected one in \[0, 3\)"):
+        static_probabilities(labels, weights={3: 1.0}, classes=["a", "b", "c"])
+
+
 @pytest.mark.parametrize(("weights", "match"), [
     ([1.0, 2.0], r"one weight per sample: expected 4, got 2"),
     ([1.0, -1.0, 1.0, 1.0], r"must be finite and >= 0: 1 are not, the first sample 1's "

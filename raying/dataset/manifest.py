@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".webp", ".tif",
                     ".tiff")
-PARQUET_EXTENSIONS = (".parquet", ".pq")
+PARQUET_EXTENSIONS = (".parquet", ".pq", ".parq")  # .parq: fastparquet's and Dask's
 MANIFEST_VERSION = 1
 # Names a manifest file is refused under: it is Parquet whatever its name says.
 _NOT_PARQUET = frozenset({"json", "csv", "txt", "yaml", "yml", "jsonl", "pkl", "pickle"})
@@ -118,11 +118,14 @@ class Manifest:
         fs, path = _storage.resolve(uri, opts)
         listed: dict[str, list[str]] = {}
         infos = _scan.list_dataset(fs, path, uri, listed)
-        if len(infos) == 1 and infos[0].path.rstrip("/") == path.rstrip("/"):
+        named = len(infos) == 1 and infos[0].path.rstrip("/") == path.rstrip("/")
+        if named:
             # One file named by the URI: its folder is the root, the file its only member.
             path = path.rstrip("/").rpartition("/")[0] or "/"
             uri = uri.rstrip("/").rpartition("/")[0] or "/"
         parquet = _scan.parquet_members(path, infos, PARQUET_EXTENSIONS)
+        if named and format == "parquet":  # the user says what the file is, whatever its name
+            parquet = infos
         if format == "auto":
             format = "parquet" if parquet else "images"
             endings_auto = tuple("." + e.lower().lstrip(".") for e in (
@@ -139,8 +142,10 @@ class Manifest:
         columns = _extra_columns(columns, format, uri)
         if format == "parquet":
             if not parquet:
-                msg = (f"no Parquet files (*.parquet) found under {uri}; check the URI, or "
-                       f"use format='images' for an image folder")
+                endings = ", ".join(f"*{e}" for e in PARQUET_EXTENSIONS)
+                msg = (f"no Parquet files ({endings}) found under {uri}; check the URI (one "
+                       f"file of another ending is read when the URI names it), or use "
+                       f"format='images' for an image folder")
                 raise DataError(msg)
             col = "label" if label == "folder" else label
             if col is not None and not isinstance(col, str):

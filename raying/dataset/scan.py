@@ -18,6 +18,7 @@ from raying.options import StorageOptions, settings
 from raying.storage import files as _storage
 
 DECODED_SHAPE_COLUMNS = ("height", "width", "channels")
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # a hive partition folder's value for null
 
 
 def list_dataset(fs: pafs.FileSystem, path: str, uri: str,
@@ -231,6 +232,15 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     with cf.ThreadPoolExecutor(max_workers=workers) as pool:
         footers = list(pool.map(lambda a: _read_footer(fs, a[0].path, a[1]),
                                 zip(infos, uris, strict=True)))
+    # Files of no rows add no sample, and their schema may say nothing of the data: pandas
+    # writes an empty object column as type null (Dask and Spark jobs write empty parts).
+    held = [k for k, fm in enumerate(footers) if fm.num_rows > 0]
+    if not held:
+        msg = f"{uri} holds Parquet files but no rows; the dataset is empty"
+        raise DataError(msg)
+    if len(held) < len(footers):
+        infos, rels, uris, footers = ([xs[k] for k in held] for xs in (infos, rels, uris,
+                                                                       footers))
     schema0 = footers[0].schema.to_arrow_schema()
     image_col = pick_image_column(schema0, image_col, uris[0])
     for fm, u in zip(footers[1:], uris[1:], strict=True):
@@ -239,6 +249,12 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     hive = None
     if label_col is not None and label_col not in schema0.names:
         hive = _hive_values(rels, label_col)  # label=cat/part-0.parquet (pandas partition_cols)
+        if hive is not None and HIVE_NULL in hive:  # where pandas and Spark put null labels
+            where = uris[hive.index(HIVE_NULL)]
+            msg = (f"{where}: its rows have a null label (hive folder "
+                   f"{label_col}={HIVE_NULL}); fill or drop those rows (raying never fills "
+                   f"labels silently)")
+            raise DataError(msg)
         if hive is None:
             msg = (f"{uris[0]} has no label column {label_col!r} (columns: {schema0.names}) "
                    f"and is not under a hive partition folder {label_col}=<value>/; pass "

@@ -81,9 +81,9 @@ class StorageSpec:
             return cls("file", options=StorageOptions(slow=slow)), path
         if scheme in S3_SCHEME_ALIASES:
             bucket, _, key = rest.partition("/")
-            if not bucket or "?" in rest or "#" in rest:
-                msg = (f"S3 URI {uri!r} must look like s3://bucket/key, without a query; "
-                       "pass settings through storage=")
+            if not bucket or "?" in bucket or "#" in bucket or _settings_query(rest):
+                msg = (f"S3 URI {uri!r} must look like s3://bucket/key, without settings in "
+                       "a query (?region=...); pass settings through storage=")
                 raise ConfigError(msg)
             effective = _s3.effective_options(dataclasses.replace(options, slow=slow), bucket)
             return cls("s3", options=effective), f"{bucket}/{key}".rstrip("/")
@@ -132,6 +132,27 @@ class StorageSpec:
         return f"StorageSpec(scheme={self.scheme!r}{where}, options={opts!r}{tail})"
 
     __str__ = __repr__
+
+
+# pyarrow's S3 URI query parameters: "s3://b/k?region=x" means settings to pyarrow, and
+# raying takes its settings from storage= instead. Any other "?" or "#" belongs to the key.
+_PYARROW_S3_QUERY = frozenset((
+    "region", "endpoint_override", "scheme", "access_key", "secret_key", "session_token",
+    "role_arn", "session_name", "external_id", "load_frequency", "anonymous",
+    "proxy_options", "allow_bucket_creation", "allow_bucket_deletion", "background_writes",
+    "force_virtual_addressing", "request_timeout", "connect_timeout", "default_metadata",
+    "check_directory_existence_before_creation", "allow_delayed_open", "tls_ca_file_path",
+    "tls_ca_dir_path", "tls_verify_certificates"))
+
+
+def _settings_query(rest: str) -> bool:
+    """Whether the part after ``s3://`` ends in a query of pyarrow settings."""
+    _, q, query = rest.rpartition("?")
+    if not q:
+        return False
+    names = [part.partition("=")[0] for part in query.split("&")]
+    return any(n.lower() in _PYARROW_S3_QUERY for n in names) and all(
+        "=" in part for part in query.split("&"))
 
 
 def travelling_options(uri: str, storage: StorageOptions | dict | None) -> StorageOptions:

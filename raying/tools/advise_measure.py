@@ -48,8 +48,12 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
     """Format, sample count, bytes and file-size spread from one listing (and one footer).
     The image column of Parquet is found as :meth:`raying.Manifest.scan` finds it (a
     ``DataError`` where it cannot tell: pass ``image_column``)."""
-    infos = _storage.list_files(fs, path)
-    parquet = [i for i in infos if i.path.lower().endswith(PARQUET_EXTENSIONS)]
+    from raying.dataset.scan import parquet_members
+
+    # Listed as Manifest.scan lists: "_" names are kept for images (a class "_other"),
+    # dropped for Parquet (Spark's _SUCCESS, _temporary).
+    infos = _storage.list_files(fs, path, skip_prefixes=".")
+    parquet = parquet_members(path, infos, PARQUET_EXTENSIONS)
     images = [i for i in infos if i.path.lower().endswith(IMAGE_EXTENSIONS)]
     chosen = parquet or images
     if not chosen:
@@ -79,10 +83,14 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
 
         with ThreadPoolExecutor(min(8, len(known))) as pool:
             metas = list(pool.map(footer, known))
-        md = metas[0]
+        # The first file with rows speaks for the set (an empty part's schema may say
+        # nothing: pandas writes an empty object column as type null).
+        first = next((k for k, m in enumerate(metas) if m.num_rows > 0), 0)
+        md = metas[first]
         from raying.dataset.scan import pick_image_column
 
-        rel = known[0].path[len(path.rstrip("/")) + 1:] if known[0].path != path else ""
+        rel = (known[first].path[len(path.rstrip("/")) + 1:] if known[first].path != path
+               else "")
         col = pick_image_column(md.schema.to_arrow_schema(), image_column,
                                  f"{uri.rstrip('/')}/{rel}" if rel else uri)
         typ = str(md.schema.to_arrow_schema().field(col).type)
@@ -94,8 +102,8 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
             samples=int(samples), samples_estimated=estimated,
             row_groups_per_file=md.num_row_groups,
             rows_per_row_group=int(md.num_rows / max(md.num_row_groups, 1)),
-            row_group_bytes=int(parquet[0].size / max(md.num_row_groups, 1)),
-            image_column=col, image_type=typ,
+            row_group_bytes=int(known[first].size / max(md.num_row_groups, 1)),
+            sample_file=known[first].path, image_column=col, image_type=typ,
             pre_decoded=typ.startswith("fixed_size_binary"))
         out["sample_bytes"] = int(out["bytes"] / max(out["samples"], 1))
     else:
@@ -292,7 +300,7 @@ def sample_images(fs: pafs.FileSystem, data: dict[str, Any], n: int = PROBE_DECO
         return out
     if data.get("pre_decoded") or not data.get("image_column"):
         return out
-    path = data["paths"][0]
+    path = data.get("sample_file", data["paths"][0])
     try:
         with _storage.open_input(fs, path) as fh:
             pf = pq.ParquetFile(fh)

@@ -71,6 +71,48 @@ def test_hive_labels_negative_or_spelled_twice_are_refused(tmp_path):
             raying.Manifest.scan(str(root), label="label")
 
 
+def test_parq_files_are_parquet_and_a_file_named_is_read_as_format_says(tmp_path):
+    root = tmp_path / "p"
+    root.mkdir()
+    _parquet(root / "part.0.parq", 4)  # fastparquet's and Dask's ending
+    _parquet(root / "part.1.parquet", 4)
+    assert len(raying.Manifest.scan(str(root))) == 8
+    _parquet(tmp_path / "table.bin", 4)
+    assert len(raying.Manifest.scan(str(tmp_path / "table.bin"), format="parquet")) == 4
+
+
+def test_a_hive_folder_of_null_labels_is_refused(tmp_path):
+    # pandas and Spark write rows of a null partition value under __HIVE_DEFAULT_PARTITION__;
+    # as a class it would sort the integer folders as names and renumber them all.
+    root = tmp_path / "h"
+    for name in ("label=2", "label=10", "label=__HIVE_DEFAULT_PARTITION__"):
+        (root / name).mkdir(parents=True)
+        _parquet(root / name / "part-0.parquet", 4)
+    with pytest.raises(raying.DataError, match=r"label=__HIVE_DEFAULT_PARTITION__/part-0"
+                                               r"\.parquet: its rows have a null label"):
+        raying.Manifest.scan(str(root), label="label")
+
+
+def test_files_of_no_rows_are_left_out_whatever_their_schema_says(tmp_path):
+    # pandas writes an empty object column as type null: such a file holds no sample.
+    import pandas as pd
+
+    root = tmp_path / "p"
+    root.mkdir()
+    df = pd.DataFrame({"image": [b"a%d" % k for k in range(6)], "label": [0, 1] * 3})
+    df.iloc[0:0].to_parquet(root / "a.parquet")  # sorts first: the scan's reference schema
+    df.iloc[:3].to_parquet(root / "b.parquet")
+    df.iloc[3:].to_parquet(root / "c.parquet")
+    assert pq.read_schema(root / "a.parquet").field("image").type == pa.null()
+    m = raying.Manifest.scan(str(root), label="label")
+    assert (len(m), m.files) == (6, ["b.parquet", "c.parquet"])
+    np.testing.assert_array_equal(m.labels, [0, 1, 0, 1, 0, 1])
+    df.iloc[0:0].to_parquet(root / "b.parquet")
+    df.iloc[0:0].to_parquet(root / "c.parquet")
+    with pytest.raises(raying.DataError, match="holds Parquet files but no rows"):
+        raying.Manifest.scan(str(root), label="label")
+
+
 @pytest.mark.parametrize(("fn", "pattern"), [
     (lambda p: None if p.startswith("class_01") else "a",
      r"returned None \(NoneType\) for 'class_01/.*' under .*; return a class name \(str\) or "

@@ -79,6 +79,11 @@ def test_file_uri_with_a_remote_host_is_refused():
     ("s3://bucket/prefix/", "bucket/prefix"),
     ("s3://bucket", "bucket"),
     ("s3a://bucket/k", "bucket/k"),
+    # "#" and "?" are a key's characters (a run named "run #3"), unless they start pyarrow's
+    # settings query.
+    ("s3://bucket/run #3/a.jpg", "bucket/run #3/a.jpg"),
+    ("s3://bucket/q?x/a.jpg", "bucket/q?x/a.jpg"),
+    ("s3://bucket/what?region", "bucket/what?region"),
 ])
 def test_s3_uris(uri, path):
     spec, got = StorageSpec.from_uri(uri, {"endpoint_url": "http://127.0.0.1:9"})
@@ -86,7 +91,8 @@ def test_s3_uris(uri, path):
     assert spec.uri(got) == "s3://" + path
 
 
-@pytest.mark.parametrize("uri", ["s3://", "s3:///key", "s3://b/k?endpoint_override=x"])
+@pytest.mark.parametrize("uri", ["s3://", "s3:///key", "s3://b/k?endpoint_override=x",
+                                 "s3://b/k?region=eu-west-1&scheme=http", "s3://b?x/k"])
 def test_malformed_s3_uris(uri):
     with pytest.raises(ConfigError, match="must look like s3://bucket/key"):
         StorageSpec.from_uri(uri)

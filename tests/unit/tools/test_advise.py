@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import raying
 from raying.tools.advise import format_report, recommend
 
 GIB = 1024**3
@@ -147,6 +148,32 @@ def test_parquet_sample_count_is_exact_for_files_of_different_rows(tmp_path):
                        tmp_path / f"{name}.parquet")
     got = measure_dataset(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path))
     assert (got["samples"], got["samples_estimated"]) == (64, False)
+
+
+def test_the_dataset_is_counted_as_the_scan_counts_it(tmp_path):
+    """An image class folder "_other" is a class; a Parquet set's empty first part, of no
+    schema to speak of, neither speaks for the set nor gives the decode sample."""
+    import pandas as pd
+    import pyarrow.fs as pafs
+
+    from raying.tools import advise_measure as m
+    from raying.tools.datagen import make_image_folder
+
+    fs = pafs.LocalFileSystem()
+    root = make_image_folder(tmp_path / "img", n=12, classes=3, size=(16, 16), seed=1)
+    (root / "class_00").rename(root / "_other")
+    got = m.measure_dataset(fs, str(root), str(root))
+    assert got["samples"] == len(raying.Manifest.scan(str(root))) == 12
+    images = [p.read_bytes() for p in sorted(root.rglob("*.jpg"))]
+    pq_root = tmp_path / "pq"
+    pq_root.mkdir()
+    df = pd.DataFrame({"image": images, "label": [0, 1] * 6})
+    df.iloc[0:0].to_parquet(pq_root / "part-000.parquet")
+    df.iloc[:6].to_parquet(pq_root / "part-001.parquet", row_group_size=3)
+    df.iloc[6:].to_parquet(pq_root / "part-002.parquet", row_group_size=3)
+    got = m.measure_dataset(fs, str(pq_root), str(pq_root))
+    assert (got["samples"], got["rows_per_row_group"], got["image_column"]) == (12, 3, "image")
+    assert len(m.sample_images(fs, got).images) == 3  # the first row group of part-001
 
 
 def test_an_unreadable_parquet_footer_is_a_data_error_naming_the_file(tmp_path):

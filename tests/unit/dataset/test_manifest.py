@@ -76,9 +76,10 @@ def test_parq_files_are_parquet_and_a_file_named_is_read_as_format_says(tmp_path
     root.mkdir()
     _parquet(root / "part.0.parq", 4)  # fastparquet's and Dask's ending
     _parquet(root / "part.1.parquet", 4)
-    assert len(raying.Manifest.scan(str(root))) == 8
+    assert len(raying.Manifest.scan(str(root), label=None)) == 8
     _parquet(tmp_path / "table.bin", 4)
-    assert len(raying.Manifest.scan(str(tmp_path / "table.bin"), format="parquet")) == 4
+    assert len(raying.Manifest.scan(str(tmp_path / "table.bin"), format="parquet",
+                                    label=None)) == 4
 
 
 def test_a_hive_folder_of_null_labels_is_refused(tmp_path):

@@ -438,10 +438,16 @@ class IOConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.cache, Mapping):
-            object.__setattr__(self, "cache", CacheConfig(**self.cache))
+            object.__setattr__(self, "cache", _coerce(CacheConfig, self.cache, "IOConfig cache"))
         if self.cache is not None and not isinstance(self.cache, CacheConfig):
             msg = f"IOConfig(cache=...) must be a CacheConfig, a dict or None, got {self.cache!r}"
             raise ConfigError(msg)
+        for name in ("concurrency", "gap_bytes", "max_request_bytes", "prefetch_windows"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, np.integer))):
+                msg = f"IOConfig({name}=...) must be an int, got {value!r}"
+                raise ConfigError(msg)
         if self.concurrency is not None and self.concurrency < 1:
             msg = f"IOConfig(concurrency=...) must be >= 1 or None, got {self.concurrency!r}"
             raise ConfigError(msg)
@@ -461,7 +467,7 @@ class IOConfig:
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
-            return cls(**value)
+            return _coerce(cls, value, "io")
         msg = f"io must be an IOConfig, a dict or None, got {type(value).__name__}"
         raise ConfigError(msg)
 
@@ -558,6 +564,13 @@ class PipelineConfig:
             msg = (f"PipelineConfig(block_rows=...) must be an integer >= 1 or None, got "
                    f"{self.block_rows!r}")
             raise ConfigError(msg)
+        pixels = self.max_image_pixels
+        if pixels is not None and (not whole(pixels) or pixels < 1):
+            msg = (f"PipelineConfig(max_image_pixels=...) must be an integer >= 1 or None, got "
+                   f"{pixels!r}")
+            raise ConfigError(msg)
+        if self.io is not None:
+            object.__setattr__(self, "io", IOConfig.coerce(self.io))
         if self.window is not None and (not whole(self.window) or self.window < 1):
             msg = f"PipelineConfig(window=...) must be an integer >= 1 or None, got {self.window!r}"
             raise ConfigError(msg)

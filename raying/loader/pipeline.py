@@ -167,7 +167,8 @@ class Pipeline:
         With ``with_rng=True`` it is called as ``fn(batch, rng=generator)``: a
         ``numpy.random.Generator`` derived from (sampler seed, epoch, the stage's position,
         the batch's ids), so an epoch is reproducible and a retried or resumed read task
-        yields the same pixels. Draw every random number from it.
+        yields the same pixels (under the same ``block_rows``, which decides the rows each
+        call gets). Draw every random number from it.
 
         If ``fn`` raises, the iteration stops with a :class:`raying.errors.UserFunctionError`
         naming ``fn``, the epoch and the batch's ids, with ``fn``'s traceback; ``on_error=

@@ -112,7 +112,7 @@ def _batch_spec(tf: Any, name: str, value: np.ndarray, n: int | None):
     """The tf spec of a column as a numpy batch holds it, and the dtype of its rows when it
     is a variable-length list (carried ragged), else None."""
     if value.dtype.kind in "US":
-        return tf.TensorSpec((n,), tf.string), None
+        return tf.TensorSpec((n, *value.shape[1:]), tf.string), None
     if value.dtype == object:
         row = value[0] if len(value) else ""
         if isinstance(row, (str, bytes)):

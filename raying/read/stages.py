@@ -222,6 +222,10 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
         raise bad(f"returned {type(out).__name__}; expected the batch: a dict of numpy "
                   f"arrays (return the dict it was given, changed)")
     out = dict(out)
+    odd = [k for k in out if not isinstance(k, str)]
+    if odd:
+        raise bad(f"returned the column key {odd[0]!r} ({type(odd[0]).__name__}); name "
+                  f"columns by strings, e.g. {str(odd[0])!r}")
     got = out.get("id")
     if got is None or not np.array_equal(np.asarray(got), ids):
         raise bad("changed or dropped the 'id' column; expected the ids it was given, in "

@@ -144,6 +144,7 @@ def test_to_tf_carries_what_stages_add_and_soft_labels(parquet_set, ray_local):
         batch["label"] = soft
         batch["twice"] = batch["id"] * 2.0
         batch["name"] = np.array([f"s{i}" for i in batch["id"]])
+        batch["tags"] = np.array([[f"a{i}", f"b{i}"] for i in batch["id"]])  # (n, 2) strings
         rows = np.empty(n, dtype=object)
         rows[:] = [np.arange(i % 3, dtype=np.int32) for i in batch["id"]]
         batch["steps"] = rows
@@ -157,8 +158,10 @@ def test_to_tf_carries_what_stages_add_and_soft_labels(parquet_set, ray_local):
             assert isinstance(b["steps"], tf.RaggedTensor) and b["steps"].dtype == tf.int32
             for k, i in enumerate(b["id"].numpy().tolist()):
                 got[i] = (int(np.argmax(b["label"][k])), float(b["twice"][k]),
-                          b["name"][k].numpy().decode(), b["steps"][k].numpy().tolist())
-        assert got == {i: (i % 3, 2.0 * i, f"s{i}", list(range(i % 3))) for i in range(36)}
+                          b["name"][k].numpy().decode(), b["steps"][k].numpy().tolist(),
+                          [t.decode() for t in b["tags"][k].numpy().tolist()])
+        assert got == {i: (i % 3, 2.0 * i, f"s{i}", list(range(i % 3)), [f"a{i}", f"b{i}"])
+                       for i in range(36)}
     pipe.close()
 
 

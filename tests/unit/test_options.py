@@ -9,7 +9,7 @@ import pytest
 
 import raying
 from raying.errors import ConfigError
-from raying.options import CacheConfig
+from raying.options import CacheConfig, IOConfig
 
 
 @pytest.mark.parametrize(("field", "value", "pattern"), [
@@ -179,3 +179,18 @@ def test_the_default_sampler_takes_the_environment_the_pipeline_read(monkeypatch
         assert pipe.settings.parquet_window_row_groups == int(window)
         assert pipe.sampler.window_row_groups == int(window)  # not the last pipeline's
         pipe.close()
+
+
+@pytest.mark.parametrize(("make", "pattern"), [
+    (lambda: IOConfig(concurrency="4"), r"IOConfig\(concurrency=...\) must be an int, got '4'"),
+    (lambda: IOConfig(prefetch_windows=True), r"IOConfig\(prefetch_windows=...\) must be an int"),
+    (lambda: IOConfig(cache={"bogus": 1}), r"IOConfig cache option\(s\) \['bogus'\] not known"),
+    (lambda: IOConfig.coerce({"cachee": None}), r"io option\(s\) \['cachee'\] not known"),
+    (lambda: raying.PipelineConfig(io={"gap_bytes": -1}), r"IOConfig\(gap_bytes=...\) must be"),
+    (lambda: raying.PipelineConfig(max_image_pixels=-5),
+     r"PipelineConfig\(max_image_pixels=...\) must be an integer >= 1 or None, got -5"),
+])
+def test_config_values_of_the_wrong_type_or_name_are_config_errors_at_construction(make,
+                                                                                   pattern):
+    with pytest.raises(raying.ConfigError, match=pattern):
+        make()

@@ -585,6 +585,8 @@ def test_a_raising_stage_names_itself_epoch_ids_and_traceback_even_under_skip(pa
     (lambda b: None, r"returned NoneType; expected the batch"),
     (lambda b: {**b, "id": b["id"][::-1]}, r"changed or dropped the 'id' column"),
     (lambda b: {k: v[:-1] for k, v in b.items()}, r"changed or dropped the 'id' column"),
+    (lambda b: {**b, 1: np.zeros(len(b["id"]))}, r"returned the column key 1 \(int\); name "
+                                                 r"columns by strings"),
     (lambda b: {**b, "extra": np.zeros(3)}, r"returned column 'extra' with 3 rows; expected"),
     (lambda b: {**b, "image": b["image"] / 255.0},
      r"returned float64 \(\d+, 16, 16, 3\); expected 'image' as uint8"),

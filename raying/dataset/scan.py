@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
+import os
 import socket
 import warnings
 from typing import Any
@@ -36,11 +37,52 @@ def list_dataset(fs: pafs.FileSystem, path: str, uri: str,
         return [info]
     # Names starting with "_" are kept here (a class folder may be "_other"); Parquet scans
     # drop them (Spark's _temporary, _SUCCESS): see parquet_members.
+    if isinstance(fs, pafs.LocalFileSystem):
+        _check_links(path, uri)
     files = _storage.list_files(fs, path, recursive=True, skip_prefixes=".", report=report)
     if not files:
         msg = f"{uri} is empty: no files to read; point raying at a folder of images or Parquet"
         raise DataError(msg)
     return files
+
+
+def _check_links(root: str, uri: str) -> None:
+    """Look at the symbolic links under a local ``root`` before it is listed: a link to a
+    folder that holds it (a loop) is refused, as the listing would follow it again and again
+    (each image listed some 40 times over, or for hours where two loops cross); links that
+    lead nowhere are named in a warning, as the listing leaves them out without a word (a
+    split made of links into a store would lose those samples unseen). One pass of
+    ``os.scandir``: only links cost a ``stat``."""
+    broken: list[str] = []
+    seen = {os.path.realpath(root)}
+    stack = [(root, os.path.realpath(root))]
+    while stack:
+        folder, real_folder = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue  # the listing reports what it could not read
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            if e.is_symlink() and not os.path.exists(e.path):
+                broken.append(e.path)
+            elif e.is_dir():
+                real = os.path.realpath(e.path)
+                if e.is_symlink() and os.path.commonpath([real, real_folder]) == real:
+                    msg = (f"{uri}: the symbolic link {e.path} -> {os.readlink(e.path)} leads "
+                           f"back to a folder that holds it, so every image under it would "
+                           f"be listed again and again; remove the link")
+                    raise DataError(msg)
+                if real not in seen:  # two links to one folder: walked once here
+                    seen.add(real)
+                    stack.append((e.path, real))
+    if broken:
+        broken.sort()
+        shown = ", ".join(f"{b} -> {os.readlink(b)}" for b in broken[:3])
+        warnings.warn(f"{uri}: {len(broken)} symbolic links lead to nothing and are left out "
+                      f"of the scan (e.g. {shown}); restore their targets or remove them",
+                      UserWarning, stacklevel=4)  # the caller of Manifest.scan
 
 
 def parquet_members(root: str, infos: list[pafs.FileInfo], endings: tuple[str, ...]

@@ -71,6 +71,29 @@ def test_hive_labels_negative_or_spelled_twice_are_refused(tmp_path):
             raying.Manifest.scan(str(root), label="label")
 
 
+def test_links_that_lead_nowhere_are_named_in_a_warning(folder, tmp_path):
+    # A split made of links into a store: a link whose target is gone would be left out of
+    # the listing without a word.
+    split = tmp_path / "split"
+    for k, src in enumerate(sorted(folder.rglob("*.jpg"))[:4]):
+        (split / src.parent.name).mkdir(parents=True, exist_ok=True)
+        (split / src.parent.name / src.name).symlink_to(src)
+    (split / "class_00" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    (split / "class_01" / "again").symlink_to(folder / "class_02")  # a second link: listed
+    with pytest.warns(UserWarning, match=r"1 symbolic links lead to nothing and are left out "
+                                         r"of the scan \(e\.g\. .*gone\.jpg -> .*nowhere\.jpg\)"):
+        m = raying.Manifest.scan(str(split))
+    paths = list(m.path_of(np.arange(len(m))))
+    assert not any("gone" in p for p in paths)
+    assert len(paths) == 4 + len(list((folder / "class_02").iterdir()))
+    # A link back up the tree would list each image again at every level (some 40 times;
+    # for hours where two loops cross): refused, naming the link.
+    (split / "class_00" / "loop").symlink_to(split)
+    with pytest.raises(raying.DataError, match=r"symbolic link .*class_00/loop -> .*split "
+                                               r"leads back to a folder that holds it"):
+        raying.Manifest.scan(str(split))
+
+
 def test_parq_files_are_parquet_and_a_file_named_is_read_as_format_says(tmp_path):
     root = tmp_path / "p"
     root.mkdir()

@@ -75,7 +75,7 @@ def test_links_that_lead_nowhere_are_named_in_a_warning(folder, tmp_path):
     # A split made of links into a store: a link whose target is gone would be left out of
     # the listing without a word.
     split = tmp_path / "split"
-    for k, src in enumerate(sorted(folder.rglob("*.jpg"))[:4]):
+    for src in sorted(folder.rglob("*.jpg"))[:4]:
         (split / src.parent.name).mkdir(parents=True, exist_ok=True)
         (split / src.parent.name / src.name).symlink_to(src)
     (split / "class_00" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")

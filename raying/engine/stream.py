@@ -257,8 +257,14 @@ class BlockStream:
                  and self._next_epoch_plan.epoch == epoch and start_unit == 0 and skip_rows == 0)
         keys = list(self._inflight)
         self._consuming = epoch
-        if reuse and keys and keys[0] == (epoch, 0, 0):
-            return self._next_epoch_plan  # type: ignore[return-value]  # warm: already running
+        if reuse and keys and keys[0] == (epoch, 0, 0):  # warm: already running
+            # What a consumer that stopped inside an earlier epoch left being read goes, as
+            # a cancel would drop it (a kept ref pins its unread blocks in the store).
+            for key in [k for k in self._reading if k[0] != epoch]:
+                del self._reading[key]
+            for part in [k for k in self._nparts if k[0] != epoch]:
+                del self._nparts[part]
+            return self._next_epoch_plan  # type: ignore[return-value]
         self.cancel()  # (keeps _consuming)
         plan = self._make_plan(epoch)
         units = [u for u in plan.units if u.index >= start_unit]

@@ -42,15 +42,18 @@ ACCOUNT_KEYS = (
 )
 
 
-def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
-                 ) -> tuple[list[Any], dict[str, int]]:
+def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any, *,
+                 scores: Any = None) -> tuple[list[Any], dict[str, int]]:
     """The bytes of each path of an image unit (or its error), and the I/O account.
 
     Args:
         spec: the ReadSpec; its ``io`` (an IOConfig, a dict, or None) picks the read path.
         fs: the dataset's filesystem.
         paths: the unit's file paths on ``fs``, one per id (repeats allowed).
-        unit: the ReadUnit; its ``probs`` (the sampler's ``P_i``) score cache entries.
+        unit: the ReadUnit; its ``probs`` (the sampler's ``P_i``) score cache entries when
+            ``paths`` are the unit's, one per id.
+        scores: the scores of ``paths`` where they are some of the unit's rows (the misses
+            of a decoded cache): each path's own row's ``P_i``.
 
     Returns:
         ``(datas, account)``: bytes (or a memoryview) or the StorageError per path; the
@@ -66,7 +69,7 @@ def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
         datas = _storage.read_many(fs, paths, on_retry=count)
         account = {"io_retries": retried[0]} if retried[0] else {}
     else:
-        probs = getattr(unit, "probs", None)
+        probs = getattr(unit, "probs", None) if scores is None else scores
         datas, account = fetch_files(fs, paths, io=io, scores=probs, namespace=spec.dataset_key)
     refuse_outage(datas)
     return datas, account

@@ -53,7 +53,9 @@ def open_source(spec: ReadSpec, fs: Any, root: str, unit: ReadUnit, ids: np.ndar
         if spec.decoded_cache_bytes:
             def fetch(part: slice, miss: list[int]):
                 picked = [full[part][k] for k in miss]
-                return _fetch.read_samples(spec, fs, picked, unit)
+                probs = getattr(unit, "probs", None)  # the misses' own rows' scores
+                scores = None if probs is None else np.asarray(probs)[part][miss]
+                return _fetch.read_samples(spec, fs, picked, unit, scores=scores)
 
             return CachedPixels(spec, unit, ids, list(paths), fetch, bytes_from_io=False)
         return EncodedFiles(spec, fs, unit, ids, full, list(paths))

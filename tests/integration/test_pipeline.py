@@ -382,6 +382,28 @@ def test_keep_warm_reads_one_epoch_ahead_not_more(image_folder, ray_local):
     pipe.close()
 
 
+def test_epochs_broken_off_in_their_last_unit_leave_nothing_being_read(image_folder,
+                                                                        ray_local):
+    """A loop that stops inside each epoch's last unit, while the next epoch already reads
+    (keep_warm): the next epoch takes its running reads, and what the stopped one left being
+    read goes (one ref per epoch stayed, pinning its unread blocks until close)."""
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=16, window=8,
+                                                        decoded_cache="off"))
+    for epoch in range(4):
+        it = pipe.iter_batches(batch_size=8, epoch=epoch, prefetch_batches=0)
+        seen = 0
+        for b in it:
+            seen += len(b["id"])
+            if seen >= 56:  # 60 rows in units of 16: inside the last one
+                break
+        it.close()
+        assert {key[0] for key in pipe._stream._reading} <= {epoch}, list(pipe._stream._reading)
+        assert {key[0] for key in pipe._stream._nparts} <= {epoch, epoch + 1}
+    pipe.close()
+
+
 def test_start_with_an_epoch_reads_its_first_window_before_the_iteration_takes_it(
         image_folder, ray_local):
     """start(epoch=e) submits e's first window; iterating e takes those very tasks (their refs

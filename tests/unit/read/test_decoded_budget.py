@@ -350,3 +350,44 @@ def test_a_decoded_cache_root_that_cannot_hold_folders_is_named_with_the_fix(tmp
     with pytest.raises(ConfigError, match=r"RAYING_DECODED_CACHE_DIR='.*afile' must name a "
                                           r"folder .*PipelineConfig\(decoded_cache='off'\)"):
         decoded_dirs.claim("p-1", decoded_dirs.owner_id())
+
+
+def test_the_misses_of_a_cached_unit_are_scored_by_their_own_rows(monkeypatch, tmp_path):
+    """With the decoded cache on, a unit's misses are fetched alone: the bytes cache must rank
+    each by its own row's P_i, not by the unit's first rows'."""
+    import dataclasses
+
+    import raying
+    from raying.options import CacheConfig, IOConfig
+    from raying.read import fetch
+    from raying.read.spec import ReadSpec
+    from raying.read.task import run_unit
+    from raying.sampling.plan import ManifestLookup, ReadUnit
+    from raying.tools.datagen import make_image_folder
+
+    monkeypatch.setenv("RAYING_DECODED_CACHE_DIR", str(tmp_path / "decoded"))
+    root = make_image_folder(tmp_path / "imgs", n=8, classes=1, size=(16, 16))
+    m = raying.Manifest.scan(str(root))
+    io = IOConfig(cache=CacheConfig(memory_bytes=1 << 20, memory_dir=str(tmp_path / "bytes")))
+    spec = dataclasses.replace(
+        ReadSpec.of(m, raying.ImageTransform(size=8), seed=0, on_error="skip", io=io),
+        decoded_cache_bytes=8 << 20, decoded_cache_name="scores", decoded_cache_fill=None,
+        cache_namespace="scores")
+    seen = []
+    real = fetch.fetch_files
+
+    def spy(fs, paths, *, io, scores=None, namespace=""):
+        seen.append(dict(zip(paths, scores, strict=True)))
+        return real(fs, paths, io=io, scores=scores, namespace=namespace)
+
+    monkeypatch.setattr(fetch, "fetch_files", spy)
+    lookup = ManifestLookup(m)
+    ids, probs = np.arange(8), np.arange(1, 9) / 100.0
+    try:
+        run_unit(spec, *lookup.complete(ReadUnit(0, 0, 4, ids=ids[:4], probs=probs[:4])))
+        seen.clear()
+        run_unit(spec, *lookup.complete(ReadUnit(1, 0, 8, ids=ids, probs=probs)))
+        full = [f"{root}/{p}" for p in m.path_of(ids)]
+        assert seen == [{full[k]: probs[k] for k in range(4, 8)}]  # ids 0-3 hit
+    finally:
+        decoded_dirs.release("scores")

@@ -496,7 +496,8 @@ class PipelineConfig:
         decoded_cache: keep decoded pixels in the node's memory tier across epochs:
             ``"auto"`` (on only when ``epochs`` says enough epochs follow to repay the
             first epoch's writes, and the decoded dataset fits in a quarter of free memory),
-            ``"off"``, or a budget in bytes (on from the first epoch). See
+            ``"off"``, or a budget in bytes (on from the first epoch; each share of a
+            sharded pipeline, a Train worker's, gets its share of it). See
             :mod:`raying.read.decoded_cache`.
         decoded_cache_fill: how much filling the decoded cache may slow a read task, as a
             share of its time (default ``DEFAULT_DECODED_CACHE_FILL_SHARE``, 5 %): a fill

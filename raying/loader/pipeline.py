@@ -323,8 +323,10 @@ class Pipeline:
             def size_of(ids):
                 return decoded.header_sizes(self.manifest, ids)
 
+            shard = self.config.shard  # each share caches a copy, maybe on the same node
             budget = decoded.plan_budget(self.config.decoded_cache, self.manifest,
-                                         size_of=size_of, epochs=self.config.epochs)
+                                         size_of=size_of, epochs=self.config.epochs,
+                                         copies=1 if shard is None else shard[1])
             admit = 1.0  # "auto" is on only when the whole decoded set fits
             if budget and self.config.decoded_cache != "auto":
                 admit = decoded.admit_share(budget, self.manifest, size_of)

@@ -71,7 +71,7 @@ def auto_budget(directory: str | None = None) -> int:
 
 
 def plan_budget(setting: Any, manifest: Any, *, size_of: Any = None,
-                epochs: int | None = None) -> int:
+                epochs: int | None = None, copies: int = 1) -> int:
     """The cache budget in bytes for a pipeline (0 = off), resolved in the driver.
 
     Args:
@@ -80,7 +80,12 @@ def plan_budget(setting: Any, manifest: Any, *, size_of: Any = None,
         size_of: ``ids -> [(h, w), ...]`` from headers, to estimate the decoded size.
         epochs: the epochs the job reads, if known; ``"auto"`` needs at least
             ``DEFAULT_DECODED_CACHE_MIN_EPOCHS``.
+        copies: caches of this one budget that may share a node: the shares of a sharded
+            pipeline (Train workers), each of which reads every id over its epochs and so
+            caches its own copy. Each gets ``1/copies`` of a fixed budget; ``"auto"`` is on
+            only when that many copies of the decoded set fit the node's.
     """
+    copies = max(1, int(copies))
     if setting in (None, "off", 0, False):
         return 0
     if manifest.format == "parquet" and manifest.meta.get("decoded"):
@@ -92,9 +97,9 @@ def plan_budget(setting: Any, manifest: Any, *, size_of: Any = None,
         if budget <= 0 or size_of is None:
             return 0
         total = decoded_size(manifest, size_of)
-        return budget if total is not None and total <= budget else 0
+        return budget // copies if total is not None and total * copies <= budget else 0
     if isinstance(setting, (int, np.integer)) and not isinstance(setting, bool) and setting > 0:
-        return int(setting)
+        return int(setting) // copies
     msg = (f"decoded_cache must be 'auto', 'off' or a positive number of bytes, got "
            f"{setting!r}")
     raise ConfigError(msg)

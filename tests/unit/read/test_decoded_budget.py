@@ -45,6 +45,13 @@ def test_auto_turns_on_only_when_the_decoded_set_fits(monkeypatch):
     unknown = decoded_cache.plan_budget("auto", _M(10), size_of=lambda ids: [None] * len(ids),
                                         epochs=long)
     assert unknown == 0  # no header read: no estimate, no cache
+    # The shares of a sharded pipeline (Train workers) each cache a copy, maybe on one
+    # node: "auto" asks room for every copy, a budget in bytes is split among them.
+    halves = decoded_cache.plan_budget("auto", _M(150), size_of=sizes, epochs=long, copies=2)
+    assert halves == 5_000_000
+    assert decoded_cache.plan_budget("auto", _M(300), size_of=sizes, epochs=long,
+                                     copies=2) == 0
+    assert decoded_cache.plan_budget(12_000, _M(10), copies=4) == 3_000
 
 
 def test_auto_stays_off_unless_enough_epochs_follow_to_repay_the_first(monkeypatch):
@@ -391,3 +398,19 @@ def test_the_misses_of_a_cached_unit_are_scored_by_their_own_rows(monkeypatch, t
         assert seen == [{full[k]: probs[k] for k in range(4, 8)}]  # ids 0-3 hit
     finally:
         decoded_dirs.release("scores")
+
+
+def test_a_share_of_a_sharded_pipeline_gets_its_share_of_the_budget(tmp_path, monkeypatch):
+    import raying
+    from raying.tools.datagen import make_image_folder
+
+    monkeypatch.setenv("RAYING_DECODED_CACHE_DIR", str(tmp_path / "decoded"))
+    m = raying.Manifest.scan(str(make_image_folder(tmp_path / "i", n=8, classes=2,
+                                                   size=(16, 16))))
+    for shard, want in ((None, 1_000_000), ((1, 4), 250_000)):
+        p = raying.Pipeline(m, config=raying.PipelineConfig(shard=shard,
+                                                            decoded_cache=1_000_000))
+        try:
+            assert p._ready_spec().decoded_cache_bytes == want
+        finally:
+            p.close()

@@ -255,15 +255,10 @@ class StorageOptions:
         if isinstance(value, cls):
             return value
         if isinstance(value, Mapping):
-            aliases = {"endpoint": "endpoint_url", "endpoint_override": "endpoint_url",
-                       "key": "access_key_id", "secret": "secret_access_key",
-                       "aws_access_key_id": "access_key_id",
-                       "aws_secret_access_key": "secret_access_key",
-                       "aws_session_token": "session_token"}
             fields = {f.name for f in dataclasses.fields(cls)}
             kwargs = {}
             for key, val in value.items():
-                name = aliases.get(key, key)
+                name = STORAGE_ALIASES.get(key, key)
                 if name not in fields:
                     msg = (f"storage option {key!r} is not known; expected one of "
                            f"{sorted(fields)}")
@@ -279,6 +274,14 @@ class StorageOptions:
         for secret in ("access_key_id", "secret_access_key", "session_token"):
             out.pop(secret)
         return out
+
+
+# Other names users give storage options (s3fs's, pyarrow's, boto's), as StorageOptions names.
+STORAGE_ALIASES = {"endpoint": "endpoint_url", "endpoint_override": "endpoint_url",
+                   "key": "access_key_id", "secret": "secret_access_key",
+                   "aws_access_key_id": "access_key_id",
+                   "aws_secret_access_key": "secret_access_key",
+                   "aws_session_token": "session_token"}
 
 
 # --- I/O: read planning and the tiered cache ----------------------------------------------------

@@ -7,7 +7,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raying.errors import ConfigError, DataError
-from raying.options import StorageOptions
+from raying.options import STORAGE_ALIASES, StorageOptions
 from raying.storage import files as _storage
 from raying.storage.errors import NotFoundError
 
@@ -115,6 +115,15 @@ class Manifest:
             from raying.storage.spec import _local_path
 
             uri = _local_path(uri)
+        else:  # and one per remote root: s3a://b/p/ is s3://b/p (the fingerprint, the caches)
+            from raying.storage.spec import S3_SCHEME_ALIASES
+
+            scheme, _, rest = uri.partition("://")
+            scheme = "s3" if scheme.lower() in S3_SCHEME_ALIASES else scheme.lower()
+            host, _, path = rest.partition("/")
+            if scheme == "s3" or path.strip("/"):  # hdfs://nn:9000/ keeps its root's "/"
+                rest = rest.rstrip("/")
+            uri = f"{scheme}://{rest}"
         fs, path = _storage.resolve(uri, opts)
         listed: dict[str, list[str]] = {}
         infos = _scan.list_dataset(fs, path, uri, listed)
@@ -226,7 +235,8 @@ class Manifest:
         saved = {k: v for k, v in meta.get("storage", {}).items() if v is not None}
         if storage is not None:  # the caller's settings and keys (never saved) win
             fields = dataclasses.asdict(opts)
-            given = ({k: fields[k] for k in storage} if isinstance(storage, dict)
+            given = ({STORAGE_ALIASES.get(k, k): fields[STORAGE_ALIASES.get(k, k)]
+                      for k in storage} if isinstance(storage, Mapping)
                      else {k: v for k, v in fields.items() if v})
             if any(given.get(k) for k in ("access_key_id", "secret_access_key",
                                           "session_token", "profile")):

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 from raying.errors import ConfigError, DataError, StorageError
 from raying.options import StorageOptions, settings
 from raying.storage import files as _storage
+from raying.storage.errors import NotFoundError
 
 DECODED_SHAPE_COLUMNS = ("height", "width", "channels")
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # a hive partition folder's value for null
@@ -32,7 +33,7 @@ def list_dataset(fs: pafs.FileSystem, path: str, uri: str,
         if down is not None:
             raise down
         msg = f"{uri} does not exist; check the path (and for S3 the bucket and prefix)"
-        raise StorageError(msg)
+        raise NotFoundError(msg)
     if info.type == pafs.FileType.File:
         return [info]
     # Names starting with "_" are kept here (a class folder may be "_other"); Parquet scans

@@ -168,6 +168,12 @@ def test_save_load_roundtrip(folder, tmp_path):
     assert np.array_equal(back.labels, m.labels)
     assert back.path_of(np.arange(12)) == m.path_of(np.arange(12))
     assert back.fingerprint() == m.fingerprint()
+    # Storage options under the other names StorageOptions takes (boto's, s3fs's).
+    for given in ({"endpoint": "http://127.0.0.1:9"},
+                  {"aws_access_key_id": "AKIAEXAMPLE", "aws_secret_access_key": "s" * 40}):
+        back = raying.Manifest.load(str(tmp_path / "m.parquet"), storage=given)
+        assert back.fingerprint() == m.fingerprint()
+    assert back.storage.access_key_id == "AKIAEXAMPLE"
 
 
 def test_save_refuses_a_name_that_says_another_format(folder, tmp_path):
@@ -194,8 +200,9 @@ def test_empty_folder_and_missing_uri(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(raying.DataError, match=r"no images .* found endings \.txt"):
         raying.Manifest.scan(str(tmp_path))
-    with pytest.raises(raying.StorageError, match="does not exist"):
+    with pytest.raises(raying.StorageError, match="does not exist") as info:
         raying.Manifest.scan(str(tmp_path / "nope"))
+    assert isinstance(info.value, FileNotFoundError)  # as a missing file or manifest is
     with pytest.raises(raying.ConfigError, match="format must be one of"):
         raying.Manifest.scan(str(tmp_path), format="tfrecord")
     with pytest.raises(raying.ConfigError, match="scheme"):

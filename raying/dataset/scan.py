@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from raying.errors import ConfigError, DataError, StorageError
+from raying.errors import ConfigError, DataError
 from raying.options import StorageOptions, settings
 from raying.storage import files as _storage
 from raying.storage.errors import NotFoundError

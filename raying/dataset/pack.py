@@ -70,6 +70,10 @@ def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: Storag
     else:
         paths = [str(p) for p in src.column("path")[ids]]
         datas = _storage.read_many(fs, [f"{root.rstrip('/')}/{p}" for p in paths])
+    # A storage that is down or refuses access is no property of these samples (Parquet rows
+    # share their file's read error): stop, as the read tasks do, instead of packing the
+    # shard without them.
+    _storage.refuse_outage(datas, again="run pack again")
     skipped: list[dict[str, Any]] = []
     keep = np.ones(len(ids), dtype=bool)
     for k, d in enumerate(datas):

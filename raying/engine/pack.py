@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from raying.dataset.manifest import Manifest
+from raying.dataset.manifest import PARQUET_EXTENSIONS, Manifest
 from raying.dataset.pack import PACK_COLUMNS, SHARD_NAME, PackResult, pack_shard
 from raying.errors import ConfigError
 from raying.options import StorageOptions, settings
@@ -149,7 +149,12 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
         refs.append(task.remote(src_ref, ids, dst, out_opts, SHARD_NAME.format(k),
                                 decode_size=decode_size, row_group_rows=row_group_rows,
                                 on_error=on_error, verify=verify))
-    results = _wait_all(refs, total=n, progress=progress)
+    try:
+        results = _wait_all(refs, total=n, progress=progress)
+    except BaseException:
+        # A pack that stops part-way must not leave shards that scan as a whole dataset.
+        _remove_shards(refs, out_fs, out_root, [SHARD_NAME.format(k) for k in range(len(refs))])
+        raise
     results.sort(key=lambda r: r["shard"])
     skipped = [s for r in results for s in r["skipped"]]
     return PackResult(dst=dst, shards=[r["shard"] for r in results],
@@ -208,7 +213,7 @@ def _refuse_inside_source(src: str, storage: Any, out_fs: Any, out_root: str,
 def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None:
     """Refuse (or, with ``overwrite``, delete) Parquet files already under the destination."""
     try:
-        old = _storage.list_files(fs, root, extensions=(".parquet",))
+        old = _storage.list_files(fs, root, extensions=PARQUET_EXTENSIONS)  # what a scan reads
     except _storage.NotFoundError:
         return
     if not old:
@@ -224,6 +229,29 @@ def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None
             fs.delete_file(info.path)
         except Exception as exc:
             raise _storage.storage_error(exc, info.path, action="delete") from None
+
+
+def _remove_shards(refs: list[Any], fs: Any, root: str, names: list[str]) -> None:
+    """Cancel the shard tasks still running, wait for them (a task past its write would
+    write its shard after the removal) and remove every shard this pack wrote."""
+    import ray
+
+    for ref in refs:
+        try:
+            ray.cancel(ref)
+        except Exception:  # noqa: BLE001, S110 - a task that already ended
+            pass
+    ray.wait(refs, num_returns=len(refs), timeout=60)
+    import pyarrow.fs as pafs
+
+    for name in names:
+        path = f"{root.rstrip('/')}/{name}"
+        try:
+            if fs.get_file_info(path).type != pafs.FileType.NotFound:
+                fs.delete_file(path)
+        except Exception as exc:  # noqa: BLE001 - said, and the pack's own error goes on
+            logger.warning("pack: could not remove the shard %s of this stopped pack (%s); "
+                           "remove it before scanning the destination", path, exc)
 
 
 def _wait_all(refs: list[Any], *, total: int, progress: bool) -> list[dict[str, Any]]:

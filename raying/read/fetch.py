@@ -22,12 +22,11 @@ from typing import Any
 import numpy as np
 import pyarrow.fs as pafs
 
-from raying.errors import CredentialsError, StorageError
 from raying.options import DEFAULT_CACHE_QUEUE_WAIT_S, IOConfig
 from raying.read.cache.tiered import TIER_NAMES, CacheStats, open_cache
 from raying.read.planner import OpStats, plan_files, read_amplification, run_ops
 from raying.storage import files as _storage
-from raying.storage.errors import NotFoundError
+from raying.storage.files import refuse_outage
 from raying.storage.tiers import profile_for
 
 _OWNERS = itertools.count()  # a claim owner per fetch: pid, thread and this counter
@@ -73,44 +72,6 @@ def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
         datas, account = fetch_files(fs, paths, io=io, scores=probs, namespace=spec.dataset_key)
     refuse_outage(datas)
     return datas, account
-
-
-def refuse_outage(datas: Sequence[Any]) -> None:
-    """Raise when a read of the unit failed on the storage itself, not on its file.
-
-    ``on_error="skip"`` sets bad files aside; an endpoint that is down or credentials that are
-    refused are not a property of the samples: skipping them would set good files aside (and
-    a sampler would never draw them again), or end the epoch "normally" with nothing
-    delivered. So one read that found the storage unreachable (``StorageError.outage``) stops
-    the unit, whatever the other reads did; other storage errors (an I/O error, a refusal)
-    stop it when every read of the unit failed so (at least two). A lone failure among good
-    reads is still skipped and reported, and a unit of one read is left to that policy.
-    """
-    down = next((d for d in datas if isinstance(d, StorageError) and d.outage), None)
-    if down is not None:
-        failed = sum(isinstance(d, StorageError) and d.outage for d in datas)
-        msg = (f"{failed} of the {len(datas)} reads of this unit could not reach the storage; "
-               f"the first failed with: {str(down).splitlines()[0]}. on_error='skip' sets bad "
-               f"files aside, not outages: bring the storage back (or fix its address), then "
-               f"run the epoch again (an outage longer than the retries' few seconds of "
-               f"backoff: raise RAYING_READ_RETRIES)")
-        err = StorageError(msg)
-        err.outage = True
-        raise err
-    if len(datas) < 2:
-        return
-    first = None
-    for d in datas:
-        if not isinstance(d, StorageError) or isinstance(d, NotFoundError):
-            return
-        first = first or d
-    kind = type(first) if isinstance(first, CredentialsError) else StorageError
-    msg = (f"none of the {len(datas)} reads of this unit succeeded; the first failed with: "
-           f"{str(first).splitlines()[0]}. The storage is unreachable or refusing access: "
-           f"on_error='skip' sets bad files aside, not outages: check the endpoint and the "
-           f"credentials, then run the epoch again (an outage longer than the retries' few "
-           f"seconds of backoff: raise RAYING_READ_RETRIES)")
-    raise kind(msg)
 
 
 def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,

@@ -13,6 +13,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pyarrow.fs as pafs
 
@@ -248,7 +249,7 @@ def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
     again = [i for i, r in enumerate(got) if isinstance(r, StorageError)
              and not isinstance(r, (NotFoundError, CredentialsError))]
     # Only beside reads that succeeded: when every read failed the storage is down, and the
-    # caller reports that at once (fetch.refuse_outage) rather than after another round.
+    # caller reports that at once (refuse_outage, below) rather than after another round.
     if again and len(again) < len(got):
         for i, result in zip(again, each([names[i] for i in again]), strict=True):
             got[i] = result
@@ -382,3 +383,41 @@ def _retry(call, fs, path, retries=None, backoff=None,
     s = settings()
     return _errors.retrying(call, fs, path, s.read_retries if retries is None else retries,
                             s.read_retry_backoff_s if backoff is None else backoff, on_retry, uri)
+
+
+def refuse_outage(datas: Sequence[Any], *, again: str = "run the epoch again") -> None:
+    """Raise when a read of the unit failed on the storage itself, not on its file.
+
+    ``on_error="skip"`` sets bad files aside; an endpoint that is down or credentials that are
+    refused are not a property of the samples: skipping them would set good files aside (and
+    a sampler would never draw them again), or end the epoch "normally" with nothing
+    delivered. So one read that found the storage unreachable (``StorageError.outage``) stops
+    the unit, whatever the other reads did; other storage errors (an I/O error, a refusal)
+    stop it when every read of the unit failed so (at least two). A lone failure among good
+    reads is still skipped and reported, and a unit of one read is left to that policy.
+    """
+    down = next((d for d in datas if isinstance(d, StorageError) and d.outage), None)
+    if down is not None:
+        failed = sum(isinstance(d, StorageError) and d.outage for d in datas)
+        msg = (f"{failed} of the {len(datas)} reads of this unit could not reach the storage; "
+               f"the first failed with: {str(down).splitlines()[0]}. on_error='skip' sets bad "
+               f"files aside, not outages: bring the storage back (or fix its address), then "
+               f"{again} (an outage longer than the retries' few seconds of "
+               f"backoff: raise RAYING_READ_RETRIES)")
+        err = StorageError(msg)
+        err.outage = True
+        raise err
+    if len(datas) < 2:
+        return
+    first = None
+    for d in datas:
+        if not isinstance(d, StorageError) or isinstance(d, NotFoundError):
+            return
+        first = first or d
+    kind = type(first) if isinstance(first, CredentialsError) else StorageError
+    msg = (f"none of the {len(datas)} reads of this unit succeeded; the first failed with: "
+           f"{str(first).splitlines()[0]}. The storage is unreachable or refusing access: "
+           f"on_error='skip' sets bad files aside, not outages: check the endpoint and the "
+           f"credentials, then {again} (an outage longer than the retries' few "
+           f"seconds of backoff: raise RAYING_READ_RETRIES)")
+    raise kind(msg)

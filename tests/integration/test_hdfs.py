@@ -423,7 +423,7 @@ def test_a_namenode_that_does_not_answer_is_named_not_a_missing_path(hdfs, hdfs_
                              rf"hdfs://127\.0\.0\.1:{port}/ds .*NameNode is up") as info:
         raying.Manifest.scan(f"hdfs://127.0.0.1:{port}/ds")
     # An outage, not a property of the path: a read that meets it stops its unit, whatever
-    # on_error says (raying.read.fetch.refuse_outage), rather than setting the file aside.
+    # on_error says (raying.storage.files.refuse_outage), rather than setting the file aside.
     assert info.value.outage
     with pytest.raises(raying.StorageError, match=r"/nope/ds does not exist; check the path"):
         raying.Manifest.scan(hdfs.uri("/nope/ds"))

@@ -40,14 +40,31 @@ def test_pack_refuses_a_destination_with_parquet_unless_overwrite(image_folder, 
 
     dst = tmp_path / "again"
     shutil.copytree(packed, dst)  # 3 shards of 25 rows
+    shutil.move(dst / "part-00002.parquet", dst / "old.pq")  # a scan reads .pq too
     with pytest.raises(raying.ConfigError, match=r"already holds 3 Parquet.*overwrite=True"):
         raying.pack(str(image_folder), str(dst), shard_rows=100, progress=False)
-    assert len(list(dst.glob("*.parquet"))) == 3  # nothing deleted when refused
+    assert len(list(dst.glob("*.parquet")) + list(dst.glob("*.pq"))) == 3  # nothing deleted
     res = raying.pack(str(image_folder), str(dst), shard_rows=100, progress=False,
                       overwrite=True)
     assert res.shards == ["part-00000.parquet"]
     back = raying.Manifest.scan(str(dst), format="parquet", label="label")
     assert len(back) == 60, "old shards must not be read with the new one"
+
+
+def test_a_pack_that_stops_part_way_leaves_no_shard(image_folder, tmp_path, ray_local):
+    """One bad image under on_error="raise": the pack raises, and none of the shards written
+    before stays to be scanned as a whole dataset (a later scan read 190 of 200 rows)."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(image_folder, src)
+    bad = sorted(src.rglob("*.jpg"))[-1]
+    bad.write_bytes(b"not an image")
+    dst = tmp_path / "out"
+    with pytest.raises(raying.DataError, match=bad.name):
+        raying.pack(str(src), str(dst), shard_rows=6, shuffle=False, on_error="raise",
+                    progress=False)
+    assert list(dst.glob("*.parquet")) == []
 
 
 def test_pack_refuses_a_destination_inside_its_source(image_folder, packed, tmp_path,

@@ -111,6 +111,29 @@ def test_rows_of_an_unreadable_parquet_file_are_set_aside_as_read_errors(tmp_pat
                    decode_size=None, row_group_rows=8, on_error="raise", verify=False)
 
 
+def test_a_storage_outage_stops_the_shard_instead_of_setting_its_rows_aside(tmp_path,
+                                                                           monkeypatch):
+    from raying.errors import StorageError
+    from raying.storage import files
+
+    root = make_image_folder(tmp_path / "imgs", n=6, classes=2, size=(8, 8))
+    m = raying.Manifest.scan(str(root))
+
+    def down(fs, paths, **_):
+        err = StorageError("cannot reach the storage")
+        err.outage = True
+        return [err] * len(paths)
+
+    monkeypatch.setattr(files, "read_many", down)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(StorageError, match=r"6 of the 6 reads .* could not reach the storage"
+                                           r".*run pack again"):
+        pack_shard(m, np.arange(6), str(out), StorageOptions(), "part-00000.parquet",
+                   decode_size=None, row_group_rows=8, on_error="skip", verify=False)
+    assert list(out.iterdir()) == []
+
+
 def test_a_column_carried_under_another_key_is_packed_under_that_key(tmp_path):
     """A source column named as a batch key (its own ``id``) is read by its name and written
     under the key it is carried as; the packed set scans back with that key."""

@@ -604,8 +604,7 @@ def test_slow_filesystem_pickles_and_writes(tmp_path):
 
 def test_a_unit_whose_every_read_failed_on_the_storage_raises():
     from raying.errors import CredentialsError, StorageError
-    from raying.storage.files import refuse_outage
-    from raying.storage.files import NotFoundError
+    from raying.storage.files import NotFoundError, refuse_outage
 
     down = StorageError("cannot reach the S3 endpoint http://x to read s3://b/k")
     refused = CredentialsError("access to s3://b/k was refused")
@@ -624,8 +623,8 @@ def test_a_read_that_could_not_reach_the_storage_stops_its_unit_beside_good_read
     """A NameNode or endpoint that went down mid-epoch: the reads that failed on it are not
     bad files, whether the unit's other reads succeeded or it had only one."""
     from raying.errors import StorageError
-    from raying.storage.files import refuse_outage
     from raying.storage.errors import storage_error
+    from raying.storage.files import refuse_outage
 
     lost = storage_error(OSError("Connection refused"), None, "b/k", uri="s3://b/k",
                          attempts=5)

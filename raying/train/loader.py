@@ -265,6 +265,18 @@ class Loader:
                     self.restored = pickle.load(fh)
             path = os.path.join(folder, _POSITION.format(self.rank))
             if not os.path.exists(path):
+                held = sorted(glob.glob(os.path.join(folder, _POSITION.format("*"))))
+                if held:
+                    # Other workers' positions without this one's: it would start the epochs
+                    # over while they go on, out of step (collectives hang).
+                    with open(held[0], "rb") as fh:
+                        size = pickle.load(fh).get("world_size")
+                    names = [os.path.basename(h) for h in held]
+                    msg = (f"the checkpoint holds the positions {names} but not rank "
+                           f"{self.rank}'s: every Train worker must pass its own "
+                           f"loader.checkpoint() to ray.train.report (not rank 0 alone); it "
+                           f"was made by {size} workers, this run has {self.world_size}")
+                    raise ConfigError(msg)
                 return None  # a checkpoint of another shape: restart the epochs' count only
             with open(path, "rb") as fh:
                 saved = pickle.load(fh)

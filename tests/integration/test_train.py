@@ -360,6 +360,14 @@ def test_a_tf_loop_of_steps_checkpointed_at_its_epoch_end_resumes_at_the_next_ep
                         checkpoint=Checkpoint.from_directory(str(both)))
         assert list(worker.epochs()) == [1, 2], rank
         worker.close()
+    # Rank 0's position alone (only rank 0 reported its checkpoint): rank 1 would start the
+    # epochs over while rank 0 went on (it did, silently); refused, saying what to report.
+    (both / _POSITION.format(1)).unlink()
+    with pytest.raises(raying.ConfigError, match=r"holds the positions \['raying-position-"
+                                                 r"rank0.pkl'\] but not rank 1's: every Train "
+                                                 r"worker must pass its own"):
+        Loader(Feed.of(pipe, 3), rank=1, world_size=2,
+               checkpoint=Checkpoint.from_directory(str(both)))
     resumed.close()
     loader.close()
     pipe.close()

@@ -82,12 +82,13 @@ def center_boxes(heights: np.ndarray, widths: np.ndarray, size: int, resize: int
     """Source boxes of torchvision's ``Resize(resize)`` then ``CenterCrop(size)``.
 
     Resizing the shorter side to ``resize`` (the longer one to ``int(resize * long /
-    short)``) and cropping the centre ``size`` x ``size`` is the same as cropping the box
-    returned here from the source and resizing it to ``size`` x ``size``, up to rounding the
-    box to whole source pixels.
+    short)``) and cropping the centre ``size`` x ``size`` samples the source where resampling
+    the box returned here to ``size`` x ``size`` does: the box is exact, in fractions of a
+    source pixel (a whole-pixel box was off by up to half a source pixel, one to three
+    output pixels for an image smaller than ``size``).
 
     Returns:
-        (n, 4) int64 boxes ``(top, left, height, width)``.
+        (n, 4) float64 boxes ``(top, left, height, width)``.
     """
     h = heights.astype(np.float64)
     w = widths.astype(np.float64)
@@ -101,11 +102,11 @@ def center_boxes(heights: np.ndarray, widths: np.ndarray, size: int, resize: int
     left_r = np.rint((resized_w - size) / 2.0)
     fy = h / resized_h
     fx = w / resized_w
-    box_h = np.clip(np.rint(size * fy), 1, h)
-    box_w = np.clip(np.rint(size * fx), 1, w)
-    top = np.clip(np.rint(top_r * fy), 0, h - box_h)
-    left = np.clip(np.rint(left_r * fx), 0, w - box_w)
-    return np.stack([top, left, box_h, box_w], axis=1).astype(np.int64)
+    box_h = np.minimum(size * fy, h)
+    box_w = np.minimum(size * fx, w)
+    top = np.clip(top_r * fy, 0, h - box_h)
+    left = np.clip(left_r * fx, 0, w - box_w)
+    return np.stack([top, left, box_h, box_w], axis=1)
 
 
 def reduce_eighths(crop_h: int, crop_w: int, size: int) -> int:

@@ -188,8 +188,10 @@ class ImageTransform:
             epoch: the epoch number.
 
         Returns:
-            ``(boxes, flips)``: (n, 4) int64 ``(top, left, height, width)`` inside the image,
-            and (n,) bool.
+            ``(boxes, flips)``: (n, 4) ``(top, left, height, width)`` inside the image, and
+            (n,) bool. Random crops are whole pixels (int64), as torchvision's; the centre
+            crop is torchvision's resize-then-crop window on the source, to the sub-pixel
+            (float64).
         """
         h = np.asarray(heights, dtype=np.int64).reshape(-1)
         w = np.asarray(widths, dtype=np.int64).reshape(-1)
@@ -265,7 +267,7 @@ class ImageTransform:
                     height, width = width, height
                 heights[i], widths[i] = height, width
         boxes, flips = self.crop_params(heights, widths, ids, seed=seed, epoch=epoch)
-        boxes, flips = boxes.tolist(), flips.tolist()  # Python scalars: cheaper per element
+        boxes, flips = _box_list(boxes), flips.tolist()  # Python scalars: cheaper per element
         ok = np.zeros(n, dtype=bool)
         slot = 0
         decoded_s = 0.0
@@ -284,7 +286,7 @@ class ImageTransform:
                     arr = decode_pil(bufs[i], max_pixels)
                     box, flip = self.crop_params(arr.shape[0], arr.shape[1], ids[i:i + 1],
                                                  seed=seed, epoch=epoch)
-                    self._render_array(arr, box[0].tolist(), bool(flip[0]), out[slot])
+                    self._render_array(arr, _box_list(box)[0], bool(flip[0]), out[slot])
             except DecodeError as exc:
                 failed[i] = exc
                 continue
@@ -324,7 +326,7 @@ class ImageTransform:
             widths = np.array([np.shape(a)[1] if np.ndim(a) >= 2 else 0 for a in images],
                               dtype=np.int64)
         boxes, flips = self.crop_params(heights, widths, ids, seed=seed, epoch=epoch)
-        boxes, flips = boxes.tolist(), flips.tolist()
+        boxes, flips = _box_list(boxes), flips.tolist()
         for i in range(n):
             self._render_array(images[i], boxes[i], flips[i], out[i])
         return out[:n]
@@ -370,7 +372,7 @@ class ImageTransform:
                                                          flip, dst):
             return
         src = decode_jpeg_stored(buf, height, width, eighths)
-        if eighths == 8 and orientation == 1:
+        if eighths == 8 and orientation == 1 and _whole(box):
             self._resize(src, box, flip, dst)
             return
         # libjpeg's n/8 scaled IDCT maps full-size pixel edges exactly by n/8.
@@ -383,7 +385,8 @@ class ImageTransform:
         resampled into dst; False when the region decode declined. ``as_array`` (full scale
         only) resamples the region as :meth:`_render_array` does a whole image's crop."""
         top, left, box_h, box_w = box
-        if eighths == 8:  # whole pixels: the crop itself, resized
+        whole = _whole(box)
+        if eighths == 8 and whole:  # whole pixels: the crop itself, resized
             y0, x0, rh, rw = top, left, box_h, box_w
         else:  # the crop's scaled footprint and the resampler's support around it
             s = eighths / 8
@@ -397,9 +400,9 @@ class ImageTransform:
         if not decode_jpeg_region(buf, eighths, y0, x0, rh, rw, src):
             return False
         if as_array:
-            self._render_array(src, (0, 0, box_h, box_w), flip, dst)
+            self._render_array(src, (top - y0, left - x0, box_h, box_w), flip, dst)
             return True
-        if eighths == 8:
+        if eighths == 8 and whole:
             self._resize(src, (0, 0, box_h, box_w), flip, dst)
             return True
         matrix = _crop.inverse_map(box, flip, self.size, 1, height, width, eighths / 8)
@@ -421,11 +424,17 @@ class ImageTransform:
         top, left, box_h, box_w = box
         eighths = _crop.reduce_eighths(box_h, box_w, self.size)
         if eighths == 8:
-            self._resize(arr, box, flip, dst)
+            if _whole(box):
+                self._resize(arr, box, flip, dst)
+            else:  # a sub-pixel box (the centre crop): sampled in place, its edges blended
+                self._warp(arr, _crop.inverse_map(box, flip, self.size, 1, 0, 0, 1.0), dst)
             return
         # Halve the crop until the final resample shrinks by less than 2x, as the JPEG path's
-        # DCT scaling does: INTER_AREA on exact halves is a cheap, alias-free box filter.
-        src = arr[top:top + box_h, left:left + box_w]
+        # DCT scaling does: INTER_AREA on exact halves is a cheap, alias-free box filter. A
+        # sub-pixel box is halved from the whole pixels that hold it.
+        y0, x0 = int(math.floor(top)), int(math.floor(left))
+        y1, x1 = int(math.ceil(top + box_h)), int(math.ceil(left + box_w))
+        src = arr[y0:y1, x0:x1]
         scale = 1.0
         while eighths < 8:
             h2, w2 = max(1, src.shape[0] // 2), max(1, src.shape[1] // 2)
@@ -433,7 +442,8 @@ class ImageTransform:
                              interpolation=cv2.INTER_AREA)
             scale /= 2
             eighths *= 2
-        matrix = _crop.inverse_map((0, 0, box_h, box_w), flip, self.size, 1, 0, 0, scale)
+        matrix = _crop.inverse_map((top - y0, left - x0, box_h, box_w), flip, self.size, 1,
+                                   0, 0, scale)
         self._warp(src, matrix, dst)
 
     def _resize(self, src: np.ndarray, box, flip, dst: np.ndarray) -> None:
@@ -463,6 +473,21 @@ class ImageTransform:
         else:
             _to_rgb(cv2.warpAffine(src, matrix, size, flags=flags,
                                    borderMode=cv2.BORDER_REPLICATE), dst)
+
+
+def _whole(box) -> bool:
+    """Whether a crop box lies on whole pixels (random crops; the centre crop's may not)."""
+    return all(isinstance(v, int) for v in box)
+
+
+def _box_list(boxes: np.ndarray) -> list[list[int | float]]:
+    """Boxes as Python numbers: ints where a box lies on whole pixels (slices, the region
+    decode and the plain resize take it), floats where it does not (a sub-pixel warp)."""
+    boxes = np.asarray(boxes)
+    if boxes.dtype.kind in "iu":  # random crops: whole pixels already
+        return boxes.tolist()
+    return [[int(v) for v in b] if all(float(v).is_integer() for v in b) else b
+            for b in boxes.tolist()]
 
 
 def _cv2_ready(a: np.ndarray) -> np.ndarray:

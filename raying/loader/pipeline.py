@@ -608,13 +608,18 @@ class Pipeline:
 
     def to_tf(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int | None = 0,
               normalize: bool = False, as_supervised: bool = False,
-              prefetch_batches: int | None = None, drop_last: bool = False):
-        """A tf.data.Dataset of the same batch dicts (see :mod:`raying.loader.tf`)."""
+              prefetch_batches: int | None = None, drop_last: bool = False,
+              mean: tuple[float, float, float] | None = None,
+              std: tuple[float, float, float] | None = None):
+        """A tf.data.Dataset of the same batch dicts (see :mod:`raying.loader.tf`);
+        ``normalize=True`` makes ``image`` float32 ``(x/255 - mean)/std`` (ImageNet's by
+        default, as ``iter_torch_batches``)."""
         from raying.loader.tf import to_tf
 
-        return to_tf(self, batch_size=batch_size, epoch=None if epoch is None else _epoch(epoch), normalize=normalize,
+        return to_tf(self, batch_size=batch_size,
+                     epoch=None if epoch is None else _epoch(epoch), normalize=normalize,
                      as_supervised=as_supervised, prefetch_batches=prefetch_batches,
-                     drop_last=drop_last)
+                     drop_last=drop_last, mean=mean, std=std)
 
     def dataset(self, epoch: int = 0):
         """A ``ray.data.Dataset`` of this epoch (read + decode + augment fused in its reads).

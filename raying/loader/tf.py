@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from raying.errors import ConfigError, require
-from raying.loader.batches import BatchAssembler
+from raying.loader.batches import BatchAssembler, _channel_stats
 from raying.options import DEFAULT_MEAN, DEFAULT_STD
 
 
@@ -17,7 +17,8 @@ def _tf():
 
 
 def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
-          as_supervised: bool, prefetch_batches: int | None, drop_last: bool):
+          as_supervised: bool, prefetch_batches: int | None, drop_last: bool,
+          mean: Any = None, std: Any = None):
     """A tf.data.Dataset over ``pipe``'s batches.
 
     Each pass over the dataset (each Keras epoch) reads the next epoch of the plan, starting
@@ -39,6 +40,11 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     """
     tf = _tf()
     BatchAssembler(batch_size, drop_last=drop_last)  # bad arguments fail here, before Ray starts
+    mean = _channel_stats("mean", DEFAULT_MEAN if mean is None else mean)
+    std = _channel_stats("std", DEFAULT_STD if std is None else std)
+    if not all(x > 0 for x in std):
+        msg = f"std must be 3 numbers > 0 (per RGB channel, on the 0-1 scale), got {std}"
+        raise ConfigError(msg)
     pipe._depth(prefetch_batches)
     # Start Ray (if needed) in this thread, not in tf.data's.
     pipe._block_stream().set_batch_rows(batch_size)
@@ -94,12 +100,12 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
             yield batch
     ds = tf.data.Dataset.from_generator(gen, output_signature=signature)
     if normalize:
-        mean = tf.constant([m * 255.0 for m in DEFAULT_MEAN], tf.float32)
-        inv = tf.constant([1.0 / (s * 255.0) for s in DEFAULT_STD], tf.float32)
+        shift = tf.constant([m * 255.0 for m in mean], tf.float32)
+        inv = tf.constant([1.0 / (s * 255.0) for s in std], tf.float32)
 
         def norm(b):
             b = dict(b)
-            b["image"] = (tf.cast(b["image"], tf.float32) - mean) * inv
+            b["image"] = (tf.cast(b["image"], tf.float32) - shift) * inv
             return b
 
         ds = ds.map(norm, num_parallel_calls=tf.data.AUTOTUNE)

@@ -145,7 +145,7 @@ class Loader:
 
     def to_tf(self, *, batch_size: int = DEFAULT_BATCH_SIZE, normalize: bool = True,
               as_supervised: bool = False, drop_last: bool = False,
-              prefetch_batches: int | None = None):
+              prefetch_batches: int | None = None, mean: Any = None, std: Any = None):
         """This worker's share of the current epoch as a ``tf.data.Dataset``.
 
         Its auto-sharding is off (the share is this worker's already). Under
@@ -157,7 +157,7 @@ class Loader:
 
         ds = self.pipe.to_tf(batch_size=batch_size, epoch=self.epoch, normalize=normalize,
                              as_supervised=as_supervised, drop_last=drop_last,
-                             prefetch_batches=prefetch_batches)
+                             prefetch_batches=prefetch_batches, mean=mean, std=std)
         options = tf.data.Options()
         options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.OFF)

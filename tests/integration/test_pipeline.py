@@ -311,6 +311,15 @@ def test_to_tf_trains_keras_model(image_folder, ray_local):
     first = next(iter(dict_ds))
     assert set(first) == {"id", "label", "image", "weight", "prob"}
     assert first["image"].dtype == tf.uint8
+    # normalize with the caller's mean and std, as iter_torch_batches takes them.
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    normed = next(iter(pipe.to_tf(batch_size=16, epoch=0, normalize=True, mean=mean,
+                                  std=std)))
+    want = (first["image"].numpy() / 255.0 - np.array(mean)) / np.array(std)
+    assert normed["image"].dtype == tf.float32
+    np.testing.assert_allclose(normed["image"].numpy(), want, atol=1e-5)
+    with pytest.raises(raying.ConfigError, match="looks like the 0-255 scale"):
+        pipe.to_tf(batch_size=16, normalize=True, mean=(124, 116, 104))
     pipe.close()
 
 

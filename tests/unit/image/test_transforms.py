@@ -384,19 +384,48 @@ def test_flip_mirrors_the_crop():
         np.testing.assert_array_equal(flipped[k], ref)
 
 
-def test_eval_mode_is_resize_then_centre_crop():
-    img = _smooth(300, 400)
+@pytest.mark.parametrize(("h", "w"), [(300, 400), (200, 200), (50, 40), (223, 300),
+                                      (90, 120), (1000, 250), (256, 256), (48, 48)])
+def test_eval_mode_is_resize_then_centre_crop(h, w):
+    """torchvision's Resize(256) then CenterCrop(224), to the sub-pixel: the window is not
+    rounded to whole source pixels (that shifted it by up to half a source pixel, up to 9
+    levels on an image smaller than 224, which is enlarged)."""
+    img = _smooth(h, w)
     t = ImageTransform(size=224, random_crop=False, flip=False, resize=256)
+    rh, rw = (256, int(256 * w / h)) if h <= w else (int(256 * h / w), 256)
+    resized = cv2.resize(img, (rw, rh), interpolation=cv2.INTER_LINEAR)
+    top, left = int(round((rh - 224) / 2)), int(round((rw - 224) / 2))
+    ref = resized[top:top + 224, left:left + 224].astype(int)
     got = t.apply_decoded([img], [0], seed=0, epoch=0)[0]
-    resized = cv2.resize(img, (341, 256), interpolation=cv2.INTER_LINEAR)  # int(256*400/300)
-    ref = resized[16:240, 58:282]  # round((256-224)/2), round((341-224)/2)
-    assert np.abs(got.astype(int) - ref).mean() < 2.0
+    if h < 4 * 256:  # no 2x reduction before the resample: cv2's bilinear, as the reference
+        assert np.abs(got - ref).max() <= 1
+    assert np.abs(got - ref).mean() < 0.5
+    png = t.apply_encoded([cv2.imencode(".png", img[..., ::-1])[1].tobytes()], [0], seed=0,
+                          epoch=0).images[0]
+    np.testing.assert_array_equal(png, got)
     # Deterministic and the same for every seed, epoch and id.
     again = t.apply_decoded([img], [9], seed=4, epoch=7)[0]
     np.testing.assert_array_equal(got, again)
+
+
+def test_the_centre_crop_window_of_a_jpeg_is_its_decoded_image_s():
+    """A JPEG's region decode (full scale, or DCT-scaled) samples the sub-pixel window as the
+    whole decoded image does (a decoded-cache hit and its miss agree to the pixel)."""
+    img = _smooth(333, 500)
+    jpeg = cv2.imencode(".jpg", img[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 95])[1].tobytes()
+    whole = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)[..., ::-1].copy()
+    for size, resize in ((224, 256), (64, 80)):
+        t = ImageTransform(size=size, random_crop=False, flip=True, resize=resize)
+        for k in range(2):  # flipped or not
+            want = t.apply_decoded([whole], [k], seed=0, epoch=0)[0]
+            full = t.apply_encoded([jpeg], [k], seed=0, epoch=0, scaled=False).images[0]
+            np.testing.assert_array_equal(full, want)
+            dct = t.apply_encoded([jpeg], [k], seed=0, epoch=0).images[0]
+            assert np.abs(dct.astype(int) - want).mean() < 1.5
     boxes, _ = ImageTransform(random_crop=False).crop_params([300], [400], [0], seed=0, epoch=0)
-    # resize=size: 300x400 -> 224x298, centre 224x224 -> source box 300x301 at left 50.
-    assert tuple(boxes[0]) == (0, 50, 300, 301)
+    # resize=size: 300x400 -> 224x298, centre 224x224 at left 37 -> source box 300 x
+    # 224*400/298 at left 37*400/298.
+    np.testing.assert_allclose(boxes[0], (0, 37 * 400 / 298, 300, 224 * 400 / 298))
 
 
 def test_dct_downscale_path_matches_full_decode(monkeypatch):

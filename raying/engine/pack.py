@@ -236,12 +236,16 @@ def _remove_shards(refs: list[Any], fs: Any, root: str, names: list[str]) -> Non
     write its shard after the removal) and remove every shard this pack wrote."""
     import ray
 
-    for ref in refs:
-        try:
-            ray.cancel(ref)
-        except Exception:  # noqa: BLE001, S110 - a task that already ended
-            pass
-    ray.wait(refs, num_returns=len(refs), timeout=60)
+    try:
+        for ref in refs:
+            try:
+                ray.cancel(ref)
+            except Exception:  # noqa: BLE001, S110 - a task that already ended
+                pass
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+    except Exception as exc:  # noqa: BLE001 - Ray itself gone: the pack's own error goes on
+        logger.warning("pack: could not wait for the shard tasks of this stopped pack (%s); "
+                       "a shard may still be written after its removal", exc)
     import pyarrow.fs as pafs
 
     for name in names:

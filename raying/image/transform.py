@@ -426,8 +426,18 @@ class ImageTransform:
         if eighths == 8:
             if _whole(box):
                 self._resize(arr, box, flip, dst)
-            else:  # a sub-pixel box (the centre crop): sampled in place, its edges blended
-                self._warp(arr, _crop.inverse_map(box, flip, self.size, 1, 0, 0, 1.0), dst)
+                return
+            # A sub-pixel box (the centre crop), sampled in place with its edges blended, from
+            # the window the region decode gives a JPEG (the box and the resampler's support
+            # around it): a decoded-cache hit (the whole image) and its miss (that region)
+            # then call the warp alike, as cubic's fixed-point offsets need for equal pixels.
+            y0 = max(0, int(top) - _REGION_SUPPORT)
+            x0 = max(0, int(left) - _REGION_SUPPORT)
+            y1 = min(arr.shape[0], int(math.ceil(top + box_h)) + _REGION_SUPPORT)
+            x1 = min(arr.shape[1], int(math.ceil(left + box_w)) + _REGION_SUPPORT)
+            matrix = _crop.inverse_map((top - y0, left - x0, box_h, box_w), flip, self.size, 1,
+                                       0, 0, 1.0)
+            self._warp(arr[y0:y1, x0:x1], matrix, dst)
             return
         # Halve the crop until the final resample shrinks by less than 2x, as the JPEG path's
         # DCT scaling does: INTER_AREA on exact halves is a cheap, alias-free box filter. A

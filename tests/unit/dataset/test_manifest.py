@@ -90,7 +90,15 @@ def test_links_that_lead_nowhere_are_named_in_a_warning(folder, tmp_path):
     # for hours where two loops cross): refused, naming the link.
     (split / "class_00" / "loop").symlink_to(split)
     with pytest.raises(raying.DataError, match=r"symbolic link .*class_00/loop -> .*split "
-                                               r"leads back to a folder that holds it"):
+                                               r"makes a loop"):
+        raying.Manifest.scan(str(split))
+    # Loops across folders (two links each way: the listing ran for hours).
+    (split / "class_00" / "loop").unlink()
+    for k in (1, 2):
+        (split / "class_00" / f"to_1_{k}").symlink_to("../class_01")
+        (split / "class_01" / f"to_0_{k}").symlink_to("../class_00")
+    with pytest.raises(raying.DataError, match=r"symbolic link .*/to_\d_\d -> \.\./class_0\d "
+                                               r"makes a loop"):
         raying.Manifest.scan(str(split))
 
 

@@ -414,8 +414,10 @@ def test_the_centre_crop_window_of_a_jpeg_is_its_decoded_image_s():
     img = _smooth(333, 500)
     jpeg = cv2.imencode(".jpg", img[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 95])[1].tobytes()
     whole = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)[..., ::-1].copy()
-    for size, resize in ((224, 256), (64, 80)):
-        t = ImageTransform(size=size, random_crop=False, flip=True, resize=resize)
+    for size, resize, interpolation in ((224, 256, "linear"), (64, 80, "linear"),
+                                        (224, 256, "cubic"), (64, 80, "cubic")):
+        t = ImageTransform(size=size, random_crop=False, flip=True, resize=resize,
+                           interpolation=interpolation)
         for k in range(2):  # flipped or not
             want = t.apply_decoded([whole], [k], seed=0, epoch=0)[0]
             full = t.apply_encoded([jpeg], [k], seed=0, epoch=0, scaled=False).images[0]

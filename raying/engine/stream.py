@@ -298,12 +298,13 @@ class BlockStream:
     # -- consumption ---------------------------------------------------------------------------
     def iter_epoch(self, epoch: int, *, start_unit: int = 0, skip_rows: int = 0,
                    on_account: Callable[[UnitAccount], None] | None = None,
-                   on_last_unit: Callable[[int], None] | None = None
+                   on_last_unit: Callable[[int, dict[int, int]], None] | None = None
                    ) -> Iterator[tuple[int, dict[str, np.ndarray], bool]]:
         """Yield ``(unit index, block, last block of the unit)`` for the units of ``epoch``
         from ``start_unit`` on; a unit yields one block per ``block_rows`` rows, in order.
-        ``on_last_unit`` gets the index of the epoch's last unit (-1: none) before any
-        block."""
+        ``on_last_unit`` gets the index of the epoch's last unit (-1: none) and the rows
+        planned for each unit from ``start_unit`` on (at most what it yields: bad samples
+        are set aside), before any block."""
         import ray
 
         with self._lock:
@@ -312,7 +313,9 @@ class BlockStream:
             plan = self._start(epoch, start_unit, skip_rows)
         last = plan.units[-1].index if plan.units else -1
         if on_last_unit is not None:
-            on_last_unit(last)
+            on_last_unit(last, {u.index: int(u.draw) - (skip_rows if u.index == start_unit
+                                                          else 0)
+                                for u in plan.units if u.index >= start_unit})
         index = start_unit
         while index <= last:
             if self._unread:

@@ -450,7 +450,8 @@ class Pipeline:
         keys: dict[str, np.ndarray] | None = None
         blocks = stream.iter_epoch(int(epoch), start_unit=start_unit, skip_rows=skip,
                                    on_account=tally.add,
-                                   on_last_unit=lambda i: cursor.__setitem__("last_unit", i))
+                                   on_last_unit=lambda i, rows: cursor.update(
+                                       last_unit=i, planned=rows))
         while True:
             # An iteration begun before ray.shutdown() and resumed after it would read the old
             # session's streams: Ray's core aborts the process on them once ray.init() ran
@@ -893,7 +894,21 @@ def _delivered_to_end(cur: dict[str, Any]) -> bool:
         return False
     if cur.get("blocks_done"):
         return True
-    return bool(units) and units[-1][0] == cur.get("last_unit") and units[-1][3]
+    if bool(units) and units[-1][0] == cur.get("last_unit") and units[-1][3]:
+        return True
+    if not cur.get("tail") or "planned" not in cur:
+        return False
+    # drop_last: the blocks not received yet hold at most the rows planned for them (bad
+    # samples are set aside); with the rows left, fewer than a batch: no batch is to come.
+    planned = cur["planned"]
+    if units:
+        index, _, _, whole = units[-1]
+        got = sum(end - begin for i, begin, end, _ in units if i == index)
+        to_come = (0 if whole else max(0, planned.get(index, 0) - got)) + sum(
+            rows for i, rows in planned.items() if i > index)
+    else:
+        to_come = sum(planned.values())
+    return left + to_come < cur["tail"]
 
 
 def _position(units: list[tuple[int, int, int, bool]], delivered: int,

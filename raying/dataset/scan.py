@@ -39,7 +39,7 @@ def list_dataset(fs: pafs.FileSystem, path: str, uri: str,
     # Names starting with "_" are kept here (a class folder may be "_other"); Parquet scans
     # drop them (Spark's _temporary, _SUCCESS): see parquet_members.
     if isinstance(fs, pafs.LocalFileSystem):
-        _check_links(path, uri)
+        check_links(path, uri)
     files = _storage.list_files(fs, path, recursive=True, skip_prefixes=".", report=report)
     if not files:
         msg = f"{uri} is empty: no files to read; point raying at a folder of images or Parquet"
@@ -47,7 +47,7 @@ def list_dataset(fs: pafs.FileSystem, path: str, uri: str,
     return files
 
 
-def _check_links(root: str, uri: str) -> None:
+def check_links(root: str, uri: str) -> None:
     """Look at the symbolic links under a local ``root`` before it is listed: a link that
     makes a loop (to a folder that holds it, or across folders: ``a/to_b -> ../b`` beside
     ``b/to_a -> ../a``) is refused, as the listing would follow it again and again (each

@@ -311,8 +311,8 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
         hive = _hive_values(rels, label_col)  # label=cat/part-0.parquet (pandas partition_cols)
         if hive is not None and HIVE_NULL in hive:  # where pandas and Spark put null labels
             where = uris[hive.index(HIVE_NULL)]
-            msg = (f"{where}: its rows have a null label (hive folder "
-                   f"{label_col}={HIVE_NULL}); fill or drop those rows (raying never fills "
+            msg = (f"{where}: its rows have a null label (their hive folder is "
+                   f"{label_col}={HIVE_NULL}/); fill or drop those rows (raying never fills "
                    f"labels silently)")
             raise DataError(msg)
         if hive is None:

@@ -86,8 +86,17 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
         with ThreadPoolExecutor(min(8, len(known))) as pool:
             metas = list(pool.map(footer, known))
         # The first file with rows speaks for the set (an empty part's schema may say
-        # nothing: pandas writes an empty object column as type null).
-        first = next((k for k, m in enumerate(metas) if m.num_rows > 0), 0)
+        # nothing: pandas writes an empty object column as type null); files of no rows
+        # hold no sample, and the scan leaves them out.
+        first = next((k for k, m in enumerate(metas) if m.num_rows > 0), None)
+        if first is None and len(known) == len(parquet):
+            from raying.errors import DataError
+
+            msg = f"{uri} holds Parquet files but no rows; the dataset is empty"
+            raise DataError(msg)
+        first = first or 0
+        if len(known) == len(parquet):
+            out["files"] = sum(1 for m in metas if m.num_rows > 0)
         md = metas[first]
         from raying.dataset.scan import pick_image_column
 

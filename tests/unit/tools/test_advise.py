@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import raying
 from raying.tools.advise import format_report, recommend
 
@@ -173,7 +175,12 @@ def test_the_dataset_is_counted_as_the_scan_counts_it(tmp_path):
     df.iloc[6:].to_parquet(pq_root / "part-002.parquet", row_group_size=3)
     got = m.measure_dataset(fs, str(pq_root), str(pq_root))
     assert (got["samples"], got["rows_per_row_group"], got["image_column"]) == (12, 3, "image")
+    assert got["files"] == 2  # as the scan: a file of no rows holds no sample
     assert len(m.sample_images(fs, got).images) == 3  # the first row group of part-001
+    for name in ("part-001.parquet", "part-002.parquet"):
+        df.iloc[0:0].to_parquet(pq_root / name)
+    with pytest.raises(raying.DataError, match="holds Parquet files but no rows"):
+        m.measure_dataset(fs, str(pq_root), str(pq_root))
 
 
 def test_an_unreadable_parquet_footer_is_a_data_error_naming_the_file(tmp_path):

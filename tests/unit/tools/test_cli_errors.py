@@ -329,7 +329,8 @@ def test_errors_name_the_commands_flags_not_the_librarys_keywords(capsys, tmp_pa
     assert _in_flags(text, scan) == ("s3://b/t/label=3/a.parquet (hdfs://nn:9000/x?format="
                                      "images): pass --format images")
     # Nor inside quoted names or file names; a value with spaces stays quoted.
-    for kept in ("'seed=3' is not a folder", "file seed=1.parquet", r"C:\d\label=3\x"):
+    for kept in ("'seed=3' is not a folder", "file seed=1.parquet", r"C:\d\label=3\x",
+                 "their hive folder is label=__HIVE_DEFAULT_PARTITION__/)"):
         assert _in_flags(kept, scan) == kept
     assert _in_flags("pass label='<column or key>'", scan) == "pass --label '<column or key>'"
     # columns= as pack's --columns (NAME:KEY for a column under another key); scan has none.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
-import os
 import socket
 import warnings
 from typing import Any
@@ -39,68 +38,12 @@ def list_dataset(fs: pafs.FileSystem, path: str, uri: str,
     # Names starting with "_" are kept here (a class folder may be "_other"); Parquet scans
     # drop them (Spark's _temporary, _SUCCESS): see parquet_members.
     if isinstance(fs, pafs.LocalFileSystem):
-        check_links(path, uri)
+        _storage.check_links(path, uri)
     files = _storage.list_files(fs, path, recursive=True, skip_prefixes=".", report=report)
     if not files:
         msg = f"{uri} is empty: no files to read; point raying at a folder of images or Parquet"
         raise DataError(msg)
     return files
-
-
-def check_links(root: str, uri: str) -> None:
-    """Look at the symbolic links under a local ``root`` before it is listed: a link that
-    makes a loop (to a folder that holds it, or across folders: ``a/to_b -> ../b`` beside
-    ``b/to_a -> ../a``) is refused, as the listing would follow it again and again (each
-    image listed some 40 times over, or for hours where loops cross); links that lead
-    nowhere are named in a warning, as the listing leaves them out without a word (a split
-    made of links into a store would lose those samples unseen).
-
-    A depth-first walk of the folders by their real paths, each walked once (os.scandir:
-    only links cost a ``stat``): a link to a folder still being walked closes a loop."""
-    broken: list[str] = []
-    walking, done = set(), set()
-    top = os.path.realpath(root)
-    stack: list[tuple[str, str, Any]] = []
-
-    def enter(path: str, real: str) -> None:
-        try:
-            entries = iter(list(os.scandir(path)))
-        except OSError:
-            entries = iter(())  # the listing reports what it could not read
-        walking.add(real)
-        stack.append((path, real, entries))
-
-    enter(root, top)
-    while stack:
-        folder, real_folder, entries = stack[-1]
-        e = next(entries, None)
-        if e is None:
-            stack.pop()
-            walking.discard(real_folder)
-            done.add(real_folder)
-            continue
-        if e.name.startswith("."):
-            continue
-        if e.is_symlink() and not os.path.exists(e.path):
-            broken.append(e.path)
-            continue
-        if not e.is_dir():
-            continue
-        real = os.path.realpath(e.path)
-        if real in walking or (e.is_symlink()
-                               and os.path.commonpath([real, real_folder]) == real):
-            msg = (f"{uri}: the symbolic link {e.path} -> {os.readlink(e.path)} makes a "
-                   f"loop (it leads back to a folder it is reached from), so every image "
-                   f"under it would be listed again and again; remove the link")
-            raise DataError(msg)
-        if real not in done:  # two links to one folder: walked once here
-            enter(e.path, real)
-    if broken:
-        broken.sort()
-        shown = ", ".join(f"{b} -> {os.readlink(b)}" for b in broken[:3])
-        warnings.warn(f"{uri}: {len(broken)} symbolic links lead to nothing and are left out "
-                      f"of the scan (e.g. {shown}); restore their targets or remove them",
-                      UserWarning, stacklevel=4)  # the caller of Manifest.scan
 
 
 def parquet_members(root: str, infos: list[pafs.FileInfo], endings: tuple[str, ...]

@@ -48,12 +48,12 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
     """Format, sample count, bytes and file-size spread from one listing (and one footer).
     The image column of Parquet is found as :meth:`raying.Manifest.scan` finds it (a
     ``DataError`` where it cannot tell: pass ``image_column``)."""
-    from raying.dataset.scan import check_links, parquet_members
+    from raying.dataset.scan import parquet_members
 
     # Listed as Manifest.scan lists: "_" names are kept for images (a class "_other"),
     # dropped for Parquet (Spark's _SUCCESS, _temporary); loops of links refused first.
     if isinstance(fs, pafs.LocalFileSystem):
-        check_links(path, uri)
+        _storage.check_links(path, uri)
     infos = _storage.list_files(fs, path, skip_prefixes=".")
     parquet = parquet_members(path, infos, PARQUET_EXTENSIONS)
     images = [i for i in infos if i.path.lower().endswith(IMAGE_EXTENSIONS)]

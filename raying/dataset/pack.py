@@ -19,6 +19,9 @@ from raying.options import (
 from raying.storage import files as _storage
 
 SHARD_NAME = "part-{:05d}.parquet"
+# Left in the destination by a pack that stopped part-way: its shard tasks still to write
+# write nothing (scans skip "_" names; the next pack into the folder removes it).
+STOP_MARKER = "_raying_pack_stopped"
 # Columns a packed shard has beside the image and label (the last three when pre-decoded).
 PACK_COLUMNS = ("id", "path", "height", "width", "channels")
 
@@ -58,11 +61,17 @@ def _schema(decoded: tuple[int, int, int] | None, classes: list[str] | None,
 def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: StorageOptions,
                shard_name: str, *, decode_size: int | None, row_group_rows: int,
                on_error: str, verify: bool) -> dict[str, Any]:
-    """Pack the images ``ids`` of ``src`` into one Parquet file (runs as a Ray task)."""
+    """Pack the images ``ids`` of ``src`` into one Parquet file (runs as a Ray task); nothing
+    when the pack stopped meanwhile (:data:`STOP_MARKER`)."""
     from raying.errors import DecodeError
     from raying.image.decode import image_size
     from raying.image.transform import ImageTransform
 
+    out_fs, out_root = _storage.resolve(dst_uri, dst_storage)
+    stopped = f"{out_root.rstrip('/')}/{STOP_MARKER}"
+    nothing = {"shard": shard_name, "rows": 0, "bytes": 0, "skipped": [], "stopped": True}
+    if _storage.exists(out_fs, stopped):
+        return nothing
     fs, root = _storage.resolve(src.root, src.storage)
     extra: dict[str, pa.ChunkedArray] = {}
     if src.format == "parquet":
@@ -138,7 +147,8 @@ def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: Storag
     pq.write_table(table, sink, row_group_size=row_group_rows, compression="none",
                    use_dictionary=["label"], write_statistics=["id", "label", *extra])
     data = sink.getvalue()
-    out_fs, out_root = _storage.resolve(dst_uri, dst_storage)
+    if _storage.exists(out_fs, stopped):
+        return nothing
     _storage.write_bytes_atomic(out_fs, f"{out_root.rstrip('/')}/{shard_name}", data.to_pybytes())
     return {"shard": shard_name, "rows": len(kept), "bytes": data.size, "skipped": skipped}
 

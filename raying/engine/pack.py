@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from raying.dataset.manifest import PARQUET_EXTENSIONS, Manifest
-from raying.dataset.pack import PACK_COLUMNS, SHARD_NAME, PackResult, pack_shard
+from raying.dataset.pack import PACK_COLUMNS, SHARD_NAME, STOP_MARKER, PackResult, pack_shard
 from raying.errors import ConfigError
 from raying.options import StorageOptions, settings
 from raying.storage import files as _storage
@@ -128,6 +128,9 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
                           out_fs, out_root, dst)
     _clear_destination(out_fs, out_root, dst, overwrite=overwrite)
     _storage.make_dirs(out_fs, out_root)
+    stale = f"{out_root.rstrip('/')}/{STOP_MARKER}"  # from a pack here that stopped
+    if _storage.exists(out_fs, stale):
+        out_fs.delete_file(stale)
     ensure_ray()
     task: Any = ray.remote(num_cpus=1, max_retries=3)(pack_shard)  # type: ignore[arg-type]
     shipped = copy.copy(manifest)
@@ -232,30 +235,32 @@ def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None
 
 
 def _remove_shards(refs: list[Any], fs: Any, root: str, names: list[str]) -> None:
-    """Cancel the shard tasks still running, wait for them (a task past its write would
-    write its shard after the removal) and remove every shard this pack wrote."""
+    """Stop the shard tasks still to run and remove every shard this pack wrote: a marker
+    in the destination tells each task to write nothing (``ray.cancel`` of a task as it
+    completes can abort the driver in Ray 2.60); once they have ended, the shards go."""
+    import pyarrow.fs as pafs
     import ray
 
+    marker = f"{root.rstrip('/')}/{STOP_MARKER}"
     try:
-        for ref in refs:
-            try:
-                ray.cancel(ref)
-            except Exception:  # noqa: BLE001, S110 - a task that already ended
-                pass
-        ray.wait(refs, num_returns=len(refs), timeout=60)
+        _storage.write_bytes_atomic(fs, marker, b"")
+        _, running = ray.wait(refs, num_returns=len(refs), timeout=60)
     except Exception as exc:  # noqa: BLE001 - Ray itself gone: the pack's own error goes on
-        logger.warning("pack: could not wait for the shard tasks of this stopped pack (%s); "
-                       "a shard may still be written after its removal", exc)
-    import pyarrow.fs as pafs
-
-    for name in names:
+        logger.warning("pack: could not wait for the shard tasks of this stopped pack (%s)",
+                       exc)
+        running = refs
+    for name in [*names, *([] if running else [STOP_MARKER])]:
         path = f"{root.rstrip('/')}/{name}"
         try:
             if fs.get_file_info(path).type != pafs.FileType.NotFound:
                 fs.delete_file(path)
         except Exception as exc:  # noqa: BLE001 - said, and the pack's own error goes on
-            logger.warning("pack: could not remove the shard %s of this stopped pack (%s); "
-                           "remove it before scanning the destination", path, exc)
+            logger.warning("pack: could not remove %s of this stopped pack (%s); remove it "
+                           "before scanning the destination", path, exc)
+    if running:
+        logger.warning("pack: %d shard tasks of this stopped pack still run; %s in the "
+                       "destination keeps them from writing (the next pack there removes it)",
+                       len(running), STOP_MARKER)
 
 
 def _wait_all(refs: list[Any], *, total: int, progress: bool) -> list[dict[str, Any]]:

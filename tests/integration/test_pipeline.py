@@ -64,7 +64,12 @@ def test_a_pack_that_stops_part_way_leaves_no_shard(image_folder, tmp_path, ray_
     with pytest.raises(raying.DataError, match=bad.name):
         raying.pack(str(src), str(dst), shard_rows=6, shuffle=False, on_error="raise",
                     progress=False)
-    assert list(dst.glob("*.parquet")) == []
+    assert list(dst.iterdir()) == []  # no shard, and no marker once its tasks have ended
+    from raying.dataset.pack import STOP_MARKER
+
+    (dst / STOP_MARKER).write_bytes(b"")  # left by a stopped pack whose tasks outran it
+    res = raying.pack(str(image_folder), str(dst), shard_rows=25, progress=False)
+    assert res.rows == 60 and len(list(dst.glob("*.parquet"))) == 3  # every shard written
 
 
 def test_pack_refuses_a_destination_inside_its_source(image_folder, packed, tmp_path,

@@ -134,6 +134,20 @@ def test_a_storage_outage_stops_the_shard_instead_of_setting_its_rows_aside(tmp_
     assert list(out.iterdir()) == []
 
 
+def test_a_shard_of_a_stopped_pack_writes_nothing(tmp_path):
+    from raying.dataset.pack import STOP_MARKER
+
+    root = make_image_folder(tmp_path / "imgs", n=6, classes=2, size=(8, 8))
+    m = raying.Manifest.scan(str(root))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / STOP_MARKER).write_bytes(b"")
+    res = pack_shard(m, np.arange(6), str(out), StorageOptions(), "part-00000.parquet",
+                     decode_size=None, row_group_rows=8, on_error="skip", verify=False)
+    assert (res["rows"], res["stopped"]) == (0, True)
+    assert sorted(p.name for p in out.iterdir()) == [STOP_MARKER]
+
+
 def test_a_column_carried_under_another_key_is_packed_under_that_key(tmp_path):
     """A source column named as a batch key (its own ``id``) is read by its name and written
     under the key it is carried as; the packed set scans back with that key."""

@@ -112,6 +112,16 @@ def parse_args(p: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             p.error(f"argument {action.option_strings[0]}: {value!r}: must be an integer of "
                     f"1 or more")
+    for action in p._actions:  # a switch from --config: "false" would be truthy
+        value = getattr(args, action.dest, None)
+        if action.nargs == 0 and action.dest != "help" and not isinstance(value, bool):
+            p.error(f"argument {action.option_strings[0]}: {value!r}: a switch takes true or "
+                    f"false (JSON booleans) in a config file")
+    failures = getattr(args, "max_failures", None)
+    if failures is not None and (isinstance(failures, bool) or not isinstance(failures, int)
+                                 or failures < -1):
+        p.error(f"argument --max-failures: {failures!r}: must be -1 (retry for ever), 0 or "
+                f"more")
     for name in ("cpus_per_worker", "lr"):  # here, not as Ray Train's controller error
         value = getattr(args, name, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -140,6 +150,27 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any] | None:
     """Non-secret storage settings from the arguments; secrets stay in the environment."""
     opts = {k: getattr(args, k) for k in ("endpoint_url", "region") if getattr(args, k, None)}
     return opts or None
+
+
+def kept_output(path: Any, flag: str) -> Any:
+    """An output path the job's caller will find. A relative one resolves against the
+    driver's working directory, which under ``ray job submit --working-dir`` is Ray's copy
+    of it, under the head's temp dir (gone with the cluster): refused there, naming the
+    flag. Absolute paths, URIs and None pass."""
+    if path is None or "://" in str(path) or os.path.isabs(str(path)):
+        return path
+    cwd = os.getcwd()
+    if "/runtime_resources/working_dir_files/" in cwd + "/":
+        msg = (f"{flag} {str(path)!r} is a relative path, and this job runs in Ray's copy of "
+               f"its working directory ({cwd}), which goes with the cluster: pass an "
+               f"absolute path or a URI")
+        raise SystemExit(msg)
+    return path
+
+
+def in_job_copy() -> bool:
+    """Whether this driver runs in Ray's copy of a submitted job's working directory."""
+    return "/runtime_resources/working_dir_files/" in os.getcwd() + "/"
 
 
 def caller_tmpdir() -> None:
@@ -215,7 +246,7 @@ def train_storage(storage_path: str | None, workers: dict[str, float] | None = N
     import ray
 
     if storage_path:
-        return storage_path
+        return kept_output(storage_path, "--storage-path")
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     here = ray.get_runtime_context().get_node_id()
     own = next((n.get("Resources", {}) for n in nodes if n.get("NodeID") == here), {})

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(msg)
     from raying.tools.cli import main as cli_main
 
-    out = args.out or tempfile.mkdtemp(prefix="raying-bench-")
+    out = _common.kept_output(args.out, "--out") or tempfile.mkdtemp(prefix="raying-bench-")
     argv = bench_argv(args, out)
     t0 = time.perf_counter()
     rc = cli_main(argv)

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ensure_ray()
     t0 = time.perf_counter()
     src = _common.manifest(args)
-    dst = args.dst or tempfile.mkdtemp(prefix="raying-packed-")
+    dst = _common.kept_output(args.dst, "--dst") or tempfile.mkdtemp(prefix="raying-packed-")
     shard_rows = args.shard_rows or (32 if args.smoke_test else settings().pack_shard_rows)
     group_rows = args.row_group_rows or (16 if args.smoke_test else settings().pack_row_group_rows)
     res = raying.pack(src, dst, decode_size=args.decode_size, shard_rows=shard_rows,

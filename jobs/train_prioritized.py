@@ -162,7 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = {k: getattr(args, k) for k in ("common_per_class", "rare_per_class",
                                             "val_per_class") if getattr(args, k) is not None}
     spec = DemoDataSpec(**sizes)
-    data_dir, out_dir = args.data, args.out
+    data_dir = _common.kept_output(args.data, "--data")
+    out_dir = _common.kept_output(args.out, "--out")
+    if out_dir is None and _common.in_job_copy():  # not into Ray's copy, gone with the cluster
+        import tempfile
+
+        out_dir = Path(tempfile.gettempdir()) / DEFAULT_OUT
     if args.smoke_test:  # nothing left behind in the working directory
         import os
         import tempfile

@@ -24,6 +24,7 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -141,11 +142,26 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         workloads=_csv(g("workloads"), ALL_WORKLOADS, "workloads", ALL_WORKLOADS),
         peers=_csv(g("peers"), ALL_PEERS, "peers", ALL_PEERS), sizes=sizes, cores=cores,
         isolate=isolate,
-        sleep_ms_per_image=float(g("sleep_ms") or DEFAULT_SLEEP_MS_PER_IMAGE),
-        work_ms_per_image=float(g("work_ms") or DEFAULT_WORK_MS_PER_IMAGE),
-        work_bytes_per_image=int(work_kb * 1024) if work_kb else None,
-        timeout_s=float(g("timeout") or (QUICK_JOB_TIMEOUT_S if quick else DEFAULT_JOB_TIMEOUT_S)),
+        sleep_ms_per_image=_at_least("sleep_ms", g("sleep_ms"), DEFAULT_SLEEP_MS_PER_IMAGE, 0),
+        work_ms_per_image=_at_least("work_ms", g("work_ms"), DEFAULT_WORK_MS_PER_IMAGE, 0),
+        work_bytes_per_image=(int(_at_least("work_kb_per_image", work_kb, 0, 0) * 1024)
+                              if work_kb else None),
+        timeout_s=_at_least("timeout", g("timeout"),
+                            QUICK_JOB_TIMEOUT_S if quick else DEFAULT_JOB_TIMEOUT_S, 1e-9),
         out=g("out") or "bench-results", data=data)
+
+
+def _at_least(name: str, value: Any, default: float, low: float) -> float:
+    """A number option: ``default`` when not given (0 is a value, not "not given"), refused
+    below ``low``."""
+    if value is None:
+        return float(default)
+    number = float(value)
+    if not math.isfinite(number) or number < low:
+        bound = "above 0" if low > 0 else "0 or more"
+        msg = f"raying bench: --{name.replace('_', '-')} must be {bound}, got {value!r}"
+        raise ConfigError(msg)
+    return number
 
 
 # -- the plan ------------------------------------------------------------------------------------

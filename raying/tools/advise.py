@@ -312,8 +312,13 @@ def _dataset_folder(uri: str) -> str:
     """A folder name of the dataset's own: its last path part (readable) and a hash of the
     whole URI (two datasets named alike stay apart)."""
     import hashlib
+    import os
     import re
 
+    if "://" not in uri or uri.lower().startswith("file:"):  # one folder, however spelt
+        from raying.storage.spec import _local_path
+
+        uri = os.path.realpath(_local_path(uri))
     tail = re.sub(r"[^A-Za-z0-9._-]+", "-", uri.rstrip("/").rsplit("/", 1)[-1]).strip("-.")
     digest = hashlib.sha256(uri.encode()).hexdigest()[:10]
     return f"{tail[:40] or 'dataset'}-{digest}"

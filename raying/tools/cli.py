@@ -132,6 +132,10 @@ def cmd_pack(ns: argparse.Namespace) -> int:
     _print(out, ns.json)
     for s in res.skipped[:20]:
         print(f"skipped id {s['id']} {s['path']}: {s['reason']} {s['detail']}", file=sys.stderr)
+    if res.rows == 0 and res.skipped:  # nothing packed: a script must not go on as if it had
+        print(f"raying pack: error: every one of the {len(res.skipped)} samples was set aside "
+              f"(see the reasons above); {ns.dst} holds no rows", file=sys.stderr)
+        return 1
     return 0
 
 

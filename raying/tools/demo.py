@@ -92,16 +92,19 @@ def verdict(summary: dict[str, Any]) -> str:
     u, p = summary["arms"]["uniform"], summary["arms"]["prioritized"]
     t = f"{summary['target']:.0%}"
     su, sp = u["steps_to_target_median"], p["steps_to_target_median"]
+    n = len(u["steps_to_target"])
+    seeds = (f" (medians over {n} seeds; reached in {p['reached_target']} of {n} seeds "
+             f"prioritized, {u['reached_target']} of {n} uniform)")
     rare = f"rare-class accuracy {p['rare_acc']:.0%} (prioritized) vs {u['rare_acc']:.0%} (uniform)"
     if sp is None and su is None:
-        return f"Neither arm reached {t} balanced accuracy in this budget; {rare}."
+        return f"Neither arm reached {t} balanced accuracy in this budget{seeds}; {rare}."
     if sp is None:
-        return f"Uniform reached {t} in {su:.0f} steps, prioritized did not; {rare}."
+        return f"Uniform reached {t} in {su:.0f} steps, prioritized did not{seeds}; {rare}."
     if su is None:
         return (f"Prioritized reached {t} in {sp:.0f} steps; uniform did not within "
-                f"{max(u['steps'])} steps; {rare}.")
+                f"{max(u['steps'])} steps{seeds}; {rare}.")
     return (f"Prioritized reached {t} in {sp:.0f} steps, uniform in {su:.0f} "
-            f"({su / sp:.1f}x fewer steps); {rare}.")
+            f"({su / sp:.1f}x fewer steps){seeds}; {rare}.")
 
 
 def run(settings: DemoSettings) -> dict[str, Any]:
@@ -172,6 +175,7 @@ def _summary(settings: DemoSettings, data: Any, train: Any, val_size: int,
                     "spec": dataclasses.asdict(settings.spec)},
         "arms": arms, "speedup_per_seed": speed,
         "speedup_median": float(np.median(known)) if known else None,
+        "speedup_seeds": len(known),  # the seeds where both arms reached the target
         "skipped_files": sorted(skipped.values(), key=lambda s: s["path"]),
         "report": str(settings.out),
     }

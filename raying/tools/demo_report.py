@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,16 @@ def _median(values: list[float]) -> float | None:
     return float(statistics.median(values)) if values else None
 
 
+def _censored_median(values: list[float | None]) -> float | None:
+    """The median of steps to the target over every seed, a seed that never reached it
+    counting as more than any that did: None when at least half of them never reached it
+    (dropping the misses would credit an arm that failed most seeds with its one success)."""
+    if not values:
+        return None
+    m = statistics.median([math.inf if v is None else float(v) for v in values])
+    return None if math.isinf(m) else float(m)
+
+
 def _fmt_steps(runs: list[dict[str, Any]]) -> str:
     return ", ".join(str(r["steps_to_target"]) if r["steps_to_target"] is not None
                      else f">{r['steps']}" for r in runs)
@@ -40,7 +51,7 @@ def arm_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "seeds": [r["config"]["seed"] for r in runs],
         "steps_to_target": [r["steps_to_target"] for r in runs],
-        "steps_to_target_median": _median([r["steps_to_target"] for r in runs]),
+        "steps_to_target_median": _censored_median([r["steps_to_target"] for r in runs]),
         "reached_target": sum(r["steps_to_target"] is not None for r in runs),
         "final_acc": _median([r["final_acc"] for r in runs]),
         "rare_acc": _median([r["final_rare_acc"] for r in runs]),

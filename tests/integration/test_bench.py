@@ -67,6 +67,14 @@ def test_config_rejects_bad_arguments():
         run.config_from_args(argparse.Namespace(epochs=1))
     cfg = run.config_from_args(argparse.Namespace(quick=True))
     assert cfg.rounds == 1 and cfg.epochs == 2 and cfg.isolate == "peer"
+    # 0 is a value (no sleep, no work), not "take the default"; below 0 is refused.
+    cfg = run.config_from_args(argparse.Namespace(quick=True, sleep_ms=0, work_ms=0))
+    assert (cfg.sleep_ms_per_image, cfg.work_ms_per_image) == (0.0, 0.0)
+    for bad, pattern in (({"sleep_ms": -5}, r"--sleep-ms must be 0 or more, got -5"),
+                         ({"timeout": 0}, r"--timeout must be above 0, got 0"),
+                         ({"work_kb_per_image": -2}, r"--work-kb-per-image must be 0 or more")):
+        with pytest.raises(ConfigError, match=pattern):
+            run.config_from_args(argparse.Namespace(quick=True, **bad))
 
 
 def test_quick_plans_the_train_peers_on_one_folder_and_one_parquet_workload():

@@ -211,6 +211,33 @@ def test_config_file_sets_defaults_the_command_line_overrides(tmp_path, capsys):
         _common.parse_args(train_torch.build_parser(), ["--config", str(cfg)])
     err = capsys.readouterr().err
     assert "argument --sampler: invalid choice: 'prioritised' (choose from 'uniform', " in err
+    # A switch spelt "false" in the file would be truthy (a smoke test, or GPUs asked for);
+    # a negative failure count is no count.
+    for text, pattern in (('{"smoke_test": "false"}', "--smoke-test: 'false': a switch takes "
+                                                      "true or false"),
+                          ('{"smoke_test": true, "max_failures": -7}',
+                           "--max-failures: -7: must be -1")):
+        cfg.write_text(text)
+        with pytest.raises(SystemExit):
+            _common.parse_args(train_torch.build_parser(), ["--config", str(cfg)])
+        assert pattern in capsys.readouterr().err
+
+
+def test_a_job_run_in_ray_s_copy_of_its_working_dir_refuses_relative_outputs(tmp_path,
+                                                                              monkeypatch):
+    # `ray job submit --working-dir .` runs the driver in a copy under the head's temp dir,
+    # which `raying cluster stop` removes: a relative --dst or --out would vanish with it.
+    copy = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_ab"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    assert _common.in_job_copy()
+    with pytest.raises(SystemExit, match=r"--dst 'packed' is a relative path, and this job "
+                                         r"runs in Ray's copy of its working directory"):
+        _common.kept_output("packed", "--dst")
+    for kept in ("/data/packed", "s3://b/packed", None):
+        assert _common.kept_output(kept, "--dst") == kept
+    monkeypatch.chdir(tmp_path)
+    assert not _common.in_job_copy() and _common.kept_output("packed", "--dst") == "packed"
 
 
 def test_env_file_errors_never_echo_values(tmp_path):

@@ -72,6 +72,18 @@ def test_a_pack_that_stops_part_way_leaves_no_shard(image_folder, tmp_path, ray_
     assert res.rows == 60 and len(list(dst.glob("*.parquet"))) == 3  # every shard written
 
 
+def test_raying_pack_fails_when_every_sample_was_set_aside(tmp_path, ray_local, capsys):
+    from raying.tools import cli
+
+    src = tmp_path / "bad"
+    src.mkdir()
+    for k in range(4):
+        (src / f"{k}.jpg").write_bytes(b"not an image")
+    assert cli.main(["pack", str(src), str(tmp_path / "out"), "--verify", "--label",
+                     "none"]) == 1
+    assert "every one of the 4 samples was set aside" in capsys.readouterr().err
+
+
 def test_pack_refuses_a_destination_inside_its_source(image_folder, packed, tmp_path,
                                                       ray_local):
     import shutil

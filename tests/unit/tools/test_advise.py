@@ -263,3 +263,17 @@ def test_each_dataset_s_cache_gets_folders_of_its_own():
     assert len(dirs["s3://bucket/train"]) == 1  # the same dataset, the same folders
     (a,), (b,) = dirs["s3://bucket/train"], dirs["s3://other/train"]
     assert a[0] != b[0] and a[1] != b[1]
+
+
+def test_a_local_dataset_has_one_cache_folder_however_its_path_is_spelt(tmp_path,
+                                                                         monkeypatch):
+    from raying.tools.advise import _dataset_folder
+
+    (tmp_path / "a" / "train").mkdir(parents=True)
+    (tmp_path / "b" / "train").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "a")
+    here = {_dataset_folder(u) for u in ("train", "./train", str(tmp_path / "a" / "train"))}
+    assert len(here) == 1
+    monkeypatch.chdir(tmp_path / "b")
+    assert _dataset_folder("train") not in here  # another folder of the same name
+

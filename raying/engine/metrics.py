@@ -88,8 +88,11 @@ class RunAccount:
         if count:
             mean = total / count
             std = float(np.sqrt(max(squares / count - mean * mean, 0.0)))
-        return {"coverage_epoch": float(self._seen_epoch.mean()) if n else None,
-                "never_drawn_share": float(1.0 - self._seen_ever.mean()) if n else None,
+        # A process that read nothing (a Train driver: its workers read) has no coverage to
+        # tell; 0 and 1 would read as "nothing drawn" beside the store's counts.
+        read = n and self._per_epoch
+        return {"coverage_epoch": float(self._seen_epoch.mean()) if read else None,
+                "never_drawn_share": float(1.0 - self._seen_ever.mean()) if read else None,
                 "weight_mean": mean, "weight_std": std,
                 "weight_min": low if count else None, "weight_max": high if count else None,
                 "per_epoch": [{"epoch": e, "samples_read": int(r[0]),

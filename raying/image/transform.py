@@ -389,12 +389,9 @@ class ImageTransform:
         if eighths == 8 and whole:  # whole pixels: the crop itself, resized
             y0, x0, rh, rw = top, left, box_h, box_w
         else:  # the crop's scaled footprint and the resampler's support around it
-            s = eighths / 8
             sh, sw = -(-height * eighths // 8), -(-width * eighths // 8)
-            y0 = max(0, int(top * s) - _REGION_SUPPORT)
-            x0 = max(0, int(left * s) - _REGION_SUPPORT)
-            rh = min(sh, int(math.ceil((top + box_h) * s)) + _REGION_SUPPORT) - y0
-            rw = min(sw, int(math.ceil((left + box_w) * s)) + _REGION_SUPPORT) - x0
+            y0, x0, y1, x1 = _support_window(box, eighths / 8, sh, sw)
+            rh, rw = y1 - y0, x1 - x0
         need = rh * rw * 3
         src = _region_buffer(need)[:need].reshape(rh, rw, 3)
         if not decode_jpeg_region(buf, eighths, y0, x0, rh, rw, src):
@@ -431,10 +428,7 @@ class ImageTransform:
             # the window the region decode gives a JPEG (the box and the resampler's support
             # around it): a decoded-cache hit (the whole image) and its miss (that region)
             # then call the warp alike, as cubic's fixed-point offsets need for equal pixels.
-            y0 = max(0, int(top) - _REGION_SUPPORT)
-            x0 = max(0, int(left) - _REGION_SUPPORT)
-            y1 = min(arr.shape[0], int(math.ceil(top + box_h)) + _REGION_SUPPORT)
-            x1 = min(arr.shape[1], int(math.ceil(left + box_w)) + _REGION_SUPPORT)
+            y0, x0, y1, x1 = _support_window(box, 1.0, arr.shape[0], arr.shape[1])
             matrix = _crop.inverse_map((top - y0, left - x0, box_h, box_w), flip, self.size, 1,
                                        0, 0, 1.0)
             self._warp(arr[y0:y1, x0:x1], matrix, dst)
@@ -483,6 +477,18 @@ class ImageTransform:
         else:
             _to_rgb(cv2.warpAffine(src, matrix, size, flags=flags,
                                    borderMode=cv2.BORDER_REPLICATE), dst)
+
+
+def _support_window(box, scale: float, height: int, width: int) -> tuple[int, int, int, int]:
+    """``(y0, x0, y1, x1)``: the pixels of an image scaled by ``scale`` (``height`` x
+    ``width``) that hold the crop ``box`` and the resampler's support around it. The region
+    decode reads this window, and a decoded image is warped from the same one, so both
+    sample alike."""
+    top, left, box_h, box_w = box
+    return (max(0, int(top * scale) - _REGION_SUPPORT),
+            max(0, int(left * scale) - _REGION_SUPPORT),
+            min(height, int(math.ceil((top + box_h) * scale)) + _REGION_SUPPORT),
+            min(width, int(math.ceil((left + box_w) * scale)) + _REGION_SUPPORT))
 
 
 def _whole(box) -> bool:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -220,20 +221,45 @@ def ensure_demo_data(cache_dir: str | os.PathLike | None = None,
     base = Path(os.path.expanduser(str(cache_dir or DEFAULT_DEMO_DATA_DIR)))
     root = base / f"shapes-{spec.key()}"
     done = root / "spec.json"
-    train, val = root / "train", root / "val"
     if done.exists():
-        meta = json.loads(done.read_text())
-        return DemoData(root, train, val, spec, tuple(meta.get("bad_paths", ())), False)
+        return _cached(root, spec)
+    # Generated into a private folder and renamed into place once whole: two first runs at
+    # once (two `raying demo`, two test workers) then each finish, and the one that renames
+    # second takes the first one's folder instead of writing into it.
     try:
-        if root.exists():
-            shutil.rmtree(root)
-        root.mkdir(parents=True)
+        base.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=base))
+        os.chmod(work, 0o755)  # as a plain mkdir would leave it, not mkdtemp's 0700
     except OSError as exc:
         msg = (f"cannot write the demo dataset under {base}: {exc.strerror}; pass a writable "
                f"folder with --data")
         raise ConfigError(msg) from None
+    try:
+        bad = _generate(work, spec, progress)
+        if root.exists() and not done.exists():
+            shutil.rmtree(root, ignore_errors=True)  # an interrupted run of an older version
+        try:
+            os.rename(work, root)
+        except OSError:
+            if not done.exists():
+                raise
+            return _cached(root, spec)  # another run finished first: the same data
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return DemoData(root, root / "train", root / "val", spec, bad, True)
+
+
+def _cached(root: Path, spec: DemoDataSpec) -> DemoData:
+    meta = json.loads((root / "spec.json").read_text())
+    return DemoData(root, root / "train", root / "val", spec, tuple(meta.get("bad_paths", ())),
+                    False)
+
+
+def _generate(root: Path, spec: DemoDataSpec, progress: bool) -> tuple[str, ...]:
+    """Write the train and val splits under ``root`` and its ``spec.json`` last."""
     from raying.engine.progress import progress_bar
 
+    train, val = root / "train", root / "val"
     rng = np.random.default_rng([spec.seed, 0xDA7A])
     counts = [spec.rare_per_class if c in spec.rare_classes else spec.common_per_class
               for c in range(len(CLASS_SHAPES))]
@@ -245,5 +271,6 @@ def ensure_demo_data(cache_dir: str | os.PathLike | None = None,
     bad = _write_bad_files(train) if spec.bad_files else ()
     info: dict[str, Any] = {**dataclasses.asdict(spec), "bad_paths": list(bad),
                             "classes": list(CLASS_SHAPES), "train_counts": counts}
-    done.write_text(json.dumps(info, indent=2))
-    return DemoData(root, train, val, spec, bad, True)
+    (root / "spec.json").write_text(json.dumps(info, indent=2))
+    return bad
+

@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +165,20 @@ def _http_status(url: str, headers: Mapping[str, str] | None = None) -> int | No
         return None
 
 
+@contextlib.contextmanager
+def _start_lock(state: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(state / ".start.lock", "a+b") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            msg = (f"another `raying cluster start` from {state} is starting its head now; "
+                   f"wait for it (`raying cluster status`) or use another --state-dir")
+            raise ClusterError(msg) from None
+        yield  # the lock goes with the file's close
+
+
 def _state_path(state_dir: str | os.PathLike) -> Path:
     return Path(state_dir).expanduser() / STATE_FILE
 
@@ -200,53 +214,56 @@ def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DAS
         timeout_s: how long to wait for the job API.
     """
     state = Path(state_dir).expanduser().resolve()
-    if _state_path(state).exists():
-        old = load(state)
-        if _head_alive(old):
-            msg = (f"a head started from {state} is running ({old.dashboard_url}, pid "
-                   f"{old.pid}); stop it with `raying cluster stop` or use another state dir")
-            raise ClusterError(msg)
-        # A head that died (killed, its machine's OOM killer) leaves its agents, workers and
-        # temp dir behind: stop those before the state file that finds them is replaced.
-        stop(old, state_dir=state)
     state.mkdir(parents=True, exist_ok=True)
-    token = Path(token_file).expanduser().resolve() if token_file else state / "auth_token"
-    _ensure_token(token)
-    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
-    if ray_bin is None:
-        msg = "the `ray` command is not on PATH; install it with pip install 'ray[default]'"
-        raise ClusterError(msg)
-    child_env = {k: v for k, v in os.environ.items()
-                 if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")}
-    # Entrypoints' `python` is the interpreter (and venv) this head runs on.
-    child_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
-                                         child_env.get("PATH", os.defpath)])
-    # Workers import raying's read path as they start, not in their first read task.
-    child_env.update(preload_env())
-    child_env.update(env or {})
-    child_env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
-    extra = []
-    if num_cpus is not None:
-        extra.append(f"--num-cpus={int(num_cpus)}")
-    if resources:
-        extra.append(f"--resources={json.dumps(dict(resources))}")
-    if labels:
-        extra.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
-    for given, option in ((port, "--port"), (dashboard_port, "--dashboard-port")):
-        if given and not _port_free(given):
-            msg = (f"port {given} is in use (another Ray head, or `raying cluster start` "
-                   f"with another --state-dir?); pass {option} 0 to pick a free one, or stop "
-                   f"what holds it")
+    # One start per state dir at a time: two at once would both find no head, both start
+    # one, and the second's state file would hide the first head (left running).
+    with _start_lock(state):
+        if _state_path(state).exists():
+            old = load(state)
+            if _head_alive(old):
+                msg = (f"a head started from {state} is running ({old.dashboard_url}, pid "
+                       f"{old.pid}); stop it with `raying cluster stop` or use another state dir")
+                raise ClusterError(msg)
+            # A head that died (killed, its machine's OOM killer) leaves its agents, workers and
+            # temp dir behind: stop those before the state file that finds them is replaced.
+            stop(old, state_dir=state)
+        token = Path(token_file).expanduser().resolve() if token_file else state / "auth_token"
+        _ensure_token(token)
+        ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+        if ray_bin is None:
+            msg = "the `ray` command is not on PATH; install it with pip install 'ray[default]'"
             raise ClusterError(msg)
-    # `ray start` gives its raylet a fixed 30 s to register; a loaded machine can miss that.
-    for attempt in range(1, DEFAULT_START_ATTEMPTS + 1):
-        try:
-            return _start_once(ray_bin, state, token, port, dashboard_port, extra, child_env,
-                               timeout_s)
-        except ClusterError:
-            if attempt == DEFAULT_START_ATTEMPTS:
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
+        child_env = {k: v for k, v in os.environ.items()
+                     if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")}
+        # Entrypoints' `python` is the interpreter (and venv) this head runs on.
+        child_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
+                                             child_env.get("PATH", os.defpath)])
+        # Workers import raying's read path as they start, not in their first read task.
+        child_env.update(preload_env())
+        child_env.update(env or {})
+        child_env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
+        extra = []
+        if num_cpus is not None:
+            extra.append(f"--num-cpus={int(num_cpus)}")
+        if resources:
+            extra.append(f"--resources={json.dumps(dict(resources))}")
+        if labels:
+            extra.append("--labels=" + ",".join(f"{k}={v}" for k, v in labels.items()))
+        for given, option in ((port, "--port"), (dashboard_port, "--dashboard-port")):
+            if given and not _port_free(given):
+                msg = (f"port {given} is in use (another Ray head, or `raying cluster start` "
+                       f"with another --state-dir?); pass {option} 0 to pick a free one, or stop "
+                       f"what holds it")
+                raise ClusterError(msg)
+        # `ray start` gives its raylet a fixed 30 s to register; a loaded machine can miss that.
+        for attempt in range(1, DEFAULT_START_ATTEMPTS + 1):
+            try:
+                return _start_once(ray_bin, state, token, port, dashboard_port, extra, child_env,
+                                   timeout_s)
+            except ClusterError:
+                if attempt == DEFAULT_START_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
 
 # The TMPDIR of whoever started a head (empty: none), for its jobs' drivers to write their

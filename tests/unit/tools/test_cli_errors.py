@@ -262,6 +262,22 @@ def test_cluster_start_on_a_port_in_use_names_the_fix(capsys, tmp_path):
     assert not (tmp_path / "s" / "cluster.json").exists()  # nothing was started
 
 
+def test_a_second_cluster_start_on_the_same_state_dir_at_once_is_refused(capsys, tmp_path):
+    """While one start holds the state dir (here: its lock), another is refused before it
+    starts a head (both would find no head and start one; the second's state file would hide
+    the first head)."""
+    import fcntl
+
+    state = tmp_path / "s"
+    state.mkdir()
+    with open(state / ".start.lock", "a+b") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        assert cli.main(["cluster", "start", "--state-dir", str(state)]) == 2
+    err = capsys.readouterr().err
+    assert "is starting its head now" in err and "Traceback" not in err
+    assert not (state / "cluster.json").exists()  # nothing was started
+
+
 def test_cluster_stop_without_a_head_is_done(capsys, tmp_path):
     """Stopping what is not running (a second `raying cluster stop`) succeeds and says so;
     status still fails for a head that was never started."""

@@ -34,7 +34,14 @@ import numpy as np
 
 from raying.errors import ConfigError, DecodeError
 from raying.read.cache.arrays import decode_array, encode_array, new_array_payload
-from raying.read.decoded_dirs import cache_dir, close_released, mark_owner, released, root
+from raying.read.decoded_dirs import (
+    cache_dir,
+    close_released,
+    mark_owner,
+    node_budget,
+    released,
+    root,
+)
 
 # Share of the node's available memory (and of free tmpfs) the auto budget may take.
 DEFAULT_DECODED_CACHE_MEMORY_SHARE = 0.25
@@ -140,16 +147,6 @@ def admitted(ids: np.ndarray, share: float) -> np.ndarray:
     return (mixed >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < share
 
 
-_NODE_BUDGET: list[int] = []
-
-
-def _node_budget() -> int:
-    """This node's auto budget, as this process first saw it (steady across its units)."""
-    if not _NODE_BUDGET:
-        _NODE_BUDGET.append(auto_budget())
-    return _NODE_BUDGET[0]
-
-
 class DecodedCache:
     """Pre-augment pixels of one pipeline, in the pipeline's own memory-tier directory.
 
@@ -181,9 +178,9 @@ class DecodedCache:
         if released(directory):
             return None
         budget = spec.decoded_cache_bytes
-        if spec.decoded_cache_auto:
-            budget = min(budget, _node_budget())
         mark_owner(directory, spec.decoded_cache_owner)
+        if spec.decoded_cache_auto:  # one figure for every process of the node
+            budget = min(budget, node_budget(directory, auto_budget))
         share = spec.decoded_cache_admit
         if budget < spec.decoded_cache_bytes:  # this node allows less: a smaller subset
             share *= budget / spec.decoded_cache_bytes

@@ -137,6 +137,46 @@ def mark_owner(directory: str, owner: str) -> None:
             pass
 
 
+_BUDGET = ".budget"
+_BUDGETS: dict[str, int] = {}  # this process's reading of each directory's budget
+
+
+def node_budget(directory: str, measure: Any) -> int:
+    """The ``"auto"`` budget of a pipeline's cache on this node: measured (``measure()``) by
+    the first process that opens the directory, then read back by every other one.
+
+    Each process measuring its own would not do: free memory and free tmpfs space fall as
+    the cache fills, so a worker started later would open the same directory with a smaller
+    capacity, admit a smaller subset, and its writes would evict what the others cached.
+    """
+    got = _BUDGETS.get(directory)
+    if got is not None:
+        return got
+    path = os.path.join(directory, _BUDGET)
+    try:
+        with open(path) as fh:
+            got = int(fh.read())
+    except (OSError, ValueError):
+        got = int(measure())
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with open(tmp, "w") as fh:
+                fh.write(str(got))
+            try:
+                os.link(tmp, path)  # the first to link it decides; the file is whole by then
+            except FileExistsError:
+                with open(path) as fh:
+                    got = int(fh.read())
+        except (OSError, ValueError):
+            pass  # no shared record (a read-only root): this process's own measure
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    _BUDGETS[directory] = got
+    return got
+
+
 def sweep(dead_jobs: frozenset[str] = frozenset(), gcs: str | None = None) -> list[str]:
     """Remove this node's directories of pipelines whose owner died without closing them, and
     old tombstones; returns the names removed."""

@@ -125,7 +125,7 @@ def test_auto_caps_the_budget_at_the_nodes_own_share(monkeypatch, tmp_path):
     from raying.read.spec import ReadSpec
 
     monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(decoded_cache, "_NODE_BUDGET", [5 << 20])
+    monkeypatch.setattr(decoded_cache, "auto_budget", lambda *a, **k: 5 << 20)
     opened = []
     monkeypatch.setattr(decoded_cache.DecodedCache, "__init__",
                         lambda self, d, b, ns, admit=1.0: opened.append((d, b)))
@@ -135,6 +135,22 @@ def test_auto_caps_the_budget_at_the_nodes_own_share(monkeypatch, tmp_path):
     decoded_cache.DecodedCache.of(ReadSpec(**base, decoded_cache_auto=True))
     decoded_cache.DecodedCache.of(ReadSpec(**base, decoded_cache_auto=False))
     assert opened == [(str(tmp_path / "p"), 5 << 20), (str(tmp_path / "p"), 1 << 30)]
+
+
+def test_every_process_of_a_node_takes_the_first_ones_auto_budget(monkeypatch, tmp_path):
+    """Free memory falls as the cache fills: a worker started later measuring its own budget
+    would open the directory smaller and evict what the others cached."""
+    directory = str(tmp_path / "p")
+    assert decoded_dirs.node_budget(directory, lambda: 9 << 20) == 9 << 20
+    monkeypatch.setattr(decoded_dirs, "_BUDGETS", {})  # another process of the node
+    assert decoded_dirs.node_budget(directory, lambda: 2 << 20) == 9 << 20
+    assert sorted(os.listdir(directory)) == [".budget"]  # no temp file left
+    other = str(tmp_path / "q")  # another pipeline measures its own
+    assert decoded_dirs.node_budget(other, lambda: 2 << 20) == 2 << 20
+    # A root it cannot write to: its own measure, no error.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert decoded_dirs.node_budget(str(blocker / "p"), lambda: 3 << 20) == 3 << 20
 
 
 # -- a budget smaller than the decoded set: a fixed subset, not a thrashing LRU -------------------

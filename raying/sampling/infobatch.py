@@ -24,6 +24,7 @@ from raying.sampling.plan import (
     row_group_units,
     row_groups_of,
     set_occurrences,
+    unit_rows_cap,
 )
 
 # Mixed into the seed of every pruning plan, so it never shares a stream with other plans.
@@ -381,7 +382,8 @@ class InfoBatchSampler:
         wanted = int(math.ceil(block_rows / max(share, 1e-3)))
         window = max(self.window_row_groups, _groups_for(rows, wanted))
         units: list[ReadUnit] = []
-        for u in row_group_units(epoch, f, g, start, rows, order, window, rng):
+        for u in row_group_units(epoch, f, g, start, rows, order, window, rng,
+                                 max_rows=unit_rows_cap(int(rows.sum()), wanted)):
             ids: Any = u.ids
             ids = ids[keep[ids]]
             if ids.size:

@@ -93,21 +93,61 @@ def chunk_units(epoch: int, ids: np.ndarray, block_rows: int) -> list[ReadUnit]:
 
 def row_group_units(epoch: int, rg_file: np.ndarray, rg_index: np.ndarray,
                     rg_start: np.ndarray, rg_rows: np.ndarray, order: np.ndarray,
-                    window: int, rng: np.random.Generator | None) -> list[ReadUnit]:
+                    window: int, rng: np.random.Generator | None,
+                    max_rows: int | None = None) -> list[ReadUnit]:
     """Units of ``window`` row groups each, taken in ``order``; rows shuffled inside a unit.
 
-    Every row group is read by exactly one unit, so a uniform epoch reads each byte once.
+    Every row group is read by exactly one unit, so a uniform epoch reads each byte once,
+    unless ``max_rows`` binds: a unit then holds at most ``max_rows`` rows (at least one
+    group), and a row group of more rows than that is cut into near-equal runs of its rows,
+    each a unit that reads the group (see :func:`unit_rows_cap`).
     """
-    units = []
-    for k, start in enumerate(range(0, len(order), window)):
-        groups = order[start:start + window]
-        ids = np.concatenate([np.arange(rg_start[g], rg_start[g] + rg_rows[g]) for g in groups])
+    units: list[ReadUnit] = []
+
+    def emit(groups: list[int], lo: int = 0, hi: int | None = None) -> None:
+        ids = np.concatenate([np.arange(rg_start[g] + lo, rg_start[g] + (
+            rg_rows[g] if hi is None else hi)) for g in groups])
         if rng is not None:
             rng.shuffle(ids)
-        pairs = np.stack([rg_file[groups], rg_index[groups], rg_start[groups]], axis=1)
-        units.append(ReadUnit(epoch=epoch, index=k, draw=len(ids), ids=ids.astype(np.int64),
-                              row_groups=pairs.astype(np.int64)))
+        sel = np.asarray(groups)
+        pairs = np.stack([rg_file[sel], rg_index[sel], rg_start[sel]], axis=1)
+        units.append(ReadUnit(epoch=epoch, index=len(units), draw=len(ids),
+                              ids=ids.astype(np.int64), row_groups=pairs.astype(np.int64)))
+
+    pending: list[int] = []
+    held = 0
+    for g in (int(x) for x in order):
+        rows = int(rg_rows[g])
+        if max_rows is not None and rows > max_rows:
+            if pending:
+                emit(pending)
+                pending, held = [], 0
+            pieces = -(-rows // max_rows)
+            cuts = [rows * k // pieces for k in range(pieces + 1)]
+            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+                emit([g], lo, hi)
+            continue
+        if pending and (len(pending) == window
+                        or (max_rows is not None and held + rows > max_rows)):
+            emit(pending)
+            pending, held = [], 0
+        pending.append(g)
+        held += rows
+    if pending:
+        emit(pending)
     return units
+
+
+def unit_rows_cap(num_rows: int, block_rows: int, min_units: int = 8) -> int:
+    """The most rows a Parquet unit of a small epoch may hold: enough units (~``min_units``)
+    to spread its reads over the cores and its Train shares, none under a block.
+
+    A file written by pyarrow or pandas holds one row group of up to ~1 M rows; windows of
+    whole groups made such an epoch one read task (one core decoding) and gave one Train
+    worker every row. Cut, a group is read once per unit that holds its rows: the price of
+    small epochs only, as a large one's windows stay under the cap.
+    """
+    return max(int(block_rows), -(-int(num_rows) // int(min_units)))
 
 
 def row_groups_of(ids: np.ndarray, rg_file: np.ndarray, rg_index: np.ndarray,

@@ -9,7 +9,13 @@ import numpy as np
 
 from raying.errors import ConfigError
 from raying.options import settings
-from raying.sampling.plan import EpochPlan, ReadUnit, chunk_units, row_group_units
+from raying.sampling.plan import (
+    EpochPlan,
+    ReadUnit,
+    chunk_units,
+    row_group_units,
+    unit_rows_cap,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,7 +24,10 @@ class UniformSampler:
 
     Image folders are read in a shuffled file order. Parquet keeps locality: row groups are
     shuffled, then rows are shuffled inside a window of ``window_row_groups`` row groups, so
-    each row group is read once per epoch (read amplification 1.0).
+    each row group is read once per epoch (read amplification 1.0). A small epoch is cut into
+    about 8 units of at least a block each (``plan.unit_rows_cap``): a window then holds
+    fewer groups, and a group larger than a unit (pyarrow and pandas write a file as one
+    group of up to ~1 M rows) is read by each unit that holds a run of its rows.
 
     Args:
         seed: the seed; the order of epoch ``e`` depends only on (seed, e).
@@ -59,7 +68,8 @@ class UniformSampler:
             order = rng.permutation(len(start)) if self.shuffle else np.arange(len(start))
             window = max(self.window_row_groups, _groups_for(rows, block_rows))
             units = row_group_units(epoch, f, g, start, rows, order, window,
-                                    rng if self.shuffle else None)
+                                    rng if self.shuffle else None,
+                                    max_rows=unit_rows_cap(n, block_rows))
         else:
             ids = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
             units = chunk_units(epoch, ids.astype(np.int64), block_rows)

@@ -792,3 +792,34 @@ def test_read_tasks_no_node_can_host_are_named_at_start(image_folder, ray_local,
         else:
             assert len(next(pipe.iter_batches(batch_size=8))["id"]) == 8
         pipe.close()
+
+
+def test_a_parquet_file_of_one_row_group_is_read_in_parallel_and_shared_evenly(tmp_path,
+                                                                             ray_local):
+    """pyarrow and pandas write a file as one row group: its epoch was one read task (one
+    core decoding) and gave one Train share every row, the other none."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raying.tools.datagen import encode
+
+    rng = np.random.default_rng(0)
+    images = [encode(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8), "png")
+              for _ in range(600)]
+    pq.write_table(pa.table({"image": images, "label": np.arange(600) % 3}),
+                   tmp_path / "one.parquet")
+    m = raying.Manifest.scan(str(tmp_path / "one.parquet"))
+    assert len(m.row_group_table()[3]) == 1
+    whole = raying.Pipeline(m, config=raying.PipelineConfig(block_rows=32))
+    assert len(whole.plan(0)) >= 8
+    ids = np.concatenate([b["id"] for b in whole.iter_batches(batch_size=50, epoch=0)])
+    whole.close()
+    assert sorted(ids.tolist()) == list(range(600))
+    shares = [raying.Pipeline(m, config=raying.PipelineConfig(block_rows=32, shard=(i, 2)))
+              for i in range(2)]
+    got = [np.concatenate([b["id"] for b in p.iter_batches(batch_size=50, epoch=1)])
+           for p in shares]
+    for p in shares:
+        p.close()
+    assert sorted(np.concatenate(got).tolist()) == list(range(600))  # every id once
+    assert [len(g) for g in got] == [300, 300]

@@ -70,3 +70,37 @@ def test_draw_keys_leave_first_draws_alone_and_tell_repeats_apart():
     u = uniforms(0, 0, keys, 3)
     assert len({tuple(r) for r in u[:3].tolist()}) == 3  # three draws of id 4, three crops
     np.testing.assert_array_equal(u[0], uniforms(0, 0, ids[:1], 3)[0])
+
+
+def test_a_row_cap_cuts_large_groups_into_runs_and_bounds_windows():
+    files, index, start, rows = _row_groups()
+    rng = np.random.default_rng(1)
+    order = rng.permutation(len(start))
+    units = row_group_units(0, files, index, start, rows, order, 4, rng, max_rows=4)
+    assert all(u.num_rows <= 4 for u in units)
+    ids = np.concatenate([u.ids for u in units])
+    assert sorted(ids.tolist()) == list(range(int(rows.sum())))  # every id once
+    for u in units:  # each unit reads only the groups holding its ids
+        assert set(row_groups_of(u.ids, files, index, start)[:, 2]) == set(u.row_groups[:, 2])
+    # The 6-row and 5-row groups are cut into two runs each (3+3, 2+3); no other is cut.
+    cut = [u for u in units if len(u.row_groups) == 1 and u.num_rows < rows[
+        np.searchsorted(start, u.row_groups[0, 2])]]
+    assert sorted(u.num_rows for u in cut) == [2, 3, 3, 3]
+    # Without a cap (or one that does not bind) the plan is the windowed one, draw for draw.
+    a = row_group_units(0, files, index, start, rows, order, 2, np.random.default_rng(5))
+    b = row_group_units(0, files, index, start, rows, order, 2, np.random.default_rng(5),
+                        max_rows=100)
+    assert [u.ids.tolist() for u in a] == [u.ids.tolist() for u in b]
+
+
+def test_one_large_group_becomes_about_eight_units_for_a_small_epoch():
+    """pyarrow and pandas write a file as one row group: one unit would be one read task (one
+    core) and one Train share with every row."""
+    from raying.sampling.plan import unit_rows_cap
+
+    rows = np.array([2000])
+    zero = np.zeros(1, dtype=np.int64)
+    units = row_group_units(0, zero, zero, zero, rows, np.arange(1), 4,
+                            np.random.default_rng(0), max_rows=unit_rows_cap(2000, 256))
+    assert [u.num_rows for u in units] == [250] * 8
+    assert unit_rows_cap(2000, 512) == 512 and unit_rows_cap(10**6, 256) == 125_000

@@ -32,6 +32,10 @@ class CredentialsError(StorageError, PermissionError):
     """The storage refused the request: credentials are missing or wrong."""
 
 
+class RayConnectionError(RayingError, ConnectionError):
+    """The Ray cluster ``RAY_ADDRESS`` names cannot be reached, or refused this driver."""
+
+
 class SupersededError(RayingError, RuntimeError):
     """An iterator of a Pipeline was used after a newer iteration of it had started."""
 

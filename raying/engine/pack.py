@@ -126,12 +126,12 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     out_fs, out_root = _storage.resolve(dst, out_opts)
     _refuse_inside_source(src if isinstance(src, str) else manifest.root, manifest.storage,
                           out_fs, out_root, dst)
+    ensure_ray()  # before the destination is cleared or made: a Ray not reached leaves it
     _clear_destination(out_fs, out_root, dst, overwrite=overwrite)
     _storage.make_dirs(out_fs, out_root)
     stale = f"{out_root.rstrip('/')}/{STOP_MARKER}"  # from a pack here that stopped
     if _storage.exists(out_fs, stale):
         out_fs.delete_file(stale)
-    ensure_ray()
     task: Any = ray.remote(num_cpus=1, max_retries=3)(pack_shard)  # type: ignore[arg-type]
     shipped = copy.copy(manifest)
     shipped.storage = travelling_options(manifest.root, manifest.storage)

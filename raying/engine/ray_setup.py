@@ -9,7 +9,7 @@ import socket
 import threading
 from collections.abc import Iterator
 
-from raying.errors import ConfigError
+from raying.errors import ConfigError, RayConnectionError
 from raying.options import settings
 
 # How long a RAY_ADDRESS's head may take to accept a connection before raying says it is down
@@ -57,13 +57,13 @@ def ensure_ray(*, dashboard: bool = False) -> None:
             ray.init(logging_level=logging.WARNING)
         except ConnectionError as exc:
             if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
-                raise
+                raise RayConnectionError(str(exc)) from exc
             # A head started with token auth (raying cluster start does) answers on its port
             # but refuses a driver without the token, and Ray says only that it failed.
             msg = (f"{exc} If the cluster runs with token authentication (`raying cluster "
                    f"start` starts it so), set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the "
                    f"token file, e.g. ~/.raying/cluster/auth_token> in this environment")
-            raise ConnectionError(msg) from exc
+            raise RayConnectionError(msg) from exc
     else:
         ray.init(address="local", include_dashboard=dashboard, log_to_driver=True,
                  logging_level=logging.WARNING,
@@ -187,7 +187,7 @@ def check_ray_address(address: str, timeout_s: float = DEFAULT_RAY_CONNECT_TIMEO
 
     Raises:
         ConfigError: an ``http(s)://`` address (the job API's, for ``ray job submit``).
-        ConnectionError: nothing accepts a connection at ``host:port`` (or ``ray://``'s).
+        RayConnectionError (a ConnectionError): nothing accepts a connection at ``host:port`` (or ``ray://``'s).
     """
     if address in ("auto", "local"):
         return
@@ -210,4 +210,4 @@ def check_ray_address(address: str, timeout_s: float = DEFAULT_RAY_CONNECT_TIMEO
         msg = (f"could not connect to Ray at {address} (RAY_ADDRESS): {exc}. The head is down "
                "or unreachable from here: start it (raying cluster start) or unset RAY_ADDRESS "
                "to start a local Ray")
-        raise ConnectionError(msg) from None
+        raise RayConnectionError(msg) from None

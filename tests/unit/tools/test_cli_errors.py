@@ -375,3 +375,19 @@ def test_cluster_start_shows_the_token_files_real_mode(tmp_path, capsys):
         out = capsys.readouterr().out
         assert f"(mode {mode:04o};" in out, out
         assert ("others on this machine can read the token: chmod 600" in out) == warned
+
+
+def test_a_ray_address_that_does_not_answer_is_one_line_naming_the_fix(monkeypatch, capsys,
+                                                                       tmp_path):
+    import ray
+
+    from raying.tools.datagen import make_image_folder
+
+    assert not ray.is_initialized()
+    src = make_image_folder(tmp_path / "imgs", n=4, classes=2, size=(8, 8))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    assert cli.main(["pack", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raying pack: error: could not connect to Ray at 127.0.0.1:1")
+    assert "unset RAY_ADDRESS" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # nothing made before Ray was reached

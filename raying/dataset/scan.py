@@ -282,7 +282,9 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     cols: dict[str, np.ndarray] = {
         "file": np.concatenate(file_idx), "row_group": np.concatenate(rg_idx),
         "row": np.concatenate(row_idx), "size": np.concatenate(sizes)}
-    classes = _classes_from_metadata(schema0)
+    # The names raying pack recorded are those of its own "label" column: not of another
+    # column chosen as the label, nor of an unlabelled scan.
+    classes = _classes_from_metadata(schema0) if label_col == "label" else None
     if label_col is None:
         cols["label"] = np.full(len(cols["file"]), -1, dtype=np.int64)
     elif hive is not None:

@@ -581,3 +581,21 @@ def test_files_mixing_binary_kinds_and_their_own_metadata_scan_and_read(tmp_path
     pq.write_table(pa.table({"image": struct, "label": [0, 1]}), tmp_path / "b.parquet")
     with pytest.raises(raying.DataError, match=r"schema mismatch in column 'image'"):
         raying.Manifest.scan(str(tmp_path))
+
+
+def test_the_class_names_a_pack_recorded_go_only_with_its_label_column(tmp_path):
+    """raying pack records its label column's class names in the schema: an unlabelled scan
+    or another label column of the same files must not carry them."""
+    import json
+
+    from raying.tools.datagen import encode
+
+    img = encode(np.zeros((4, 4, 3), np.uint8), "png")
+    table = pa.table({"image": [img] * 6, "label": [0, 1, 2, 0, 1, 2], "score": list(range(6))})
+    table = table.replace_schema_metadata({b"raying.classes": json.dumps(["a", "b", "c"])})
+    pq.write_table(table, tmp_path / "p.parquet")
+    assert raying.Manifest.scan(str(tmp_path)).classes == ["a", "b", "c"]
+    unlabelled = raying.Manifest.scan(str(tmp_path), label=None)
+    assert unlabelled.classes is None and set(unlabelled.labels.tolist()) == {-1}
+    other = raying.Manifest.scan(str(tmp_path), label="score")
+    assert other.classes is None and other.labels.tolist() == list(range(6))

@@ -219,10 +219,13 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any],
     fetch_s = (BATCH * per_read / conc if not parquet
                else lat + BATCH * data["sample_bytes"] / bw)
     decode_s = BATCH * (d_ms or 0.0) / 1000.0 / cores
-    ratio = fetch_s / decode_s if decode_s > 0 else math.inf
+    trivial = max(fetch_s, decode_s) < 1e-3  # pre-decoded pixels on fast storage
+    ratio = 0.0 if trivial else fetch_s / decode_s if decode_s > 0 else math.inf
     depth = int(min(16, max(2, math.ceil(min(ratio, 14.0)) + 2)))
     line("prefetch_batches", depth,
-         ("fetching a batch takes longer than decoding it: the loader is I/O-bound, so "
+         ("a batch arrives and decodes in under a millisecond; a few batches absorb jitter"
+          if trivial else
+          "fetching a batch takes longer than decoding it: the loader is I/O-bound, so "
           "prefetch deeper and let the cache and planner cut the fetches" if ratio > 1 else
           "a batch decodes slower than it arrives; a few batches absorb jitter"),
          f"fetch {fetch_s * 1e3:.0f} ms vs decode "

@@ -277,3 +277,19 @@ def test_a_local_dataset_has_one_cache_folder_however_its_path_is_spelt(tmp_path
     monkeypatch.chdir(tmp_path / "b")
     assert _dataset_folder("train") not in here  # another folder of the same name
 
+
+
+def test_pre_decoded_parquet_on_fast_storage_is_not_called_io_bound():
+    """A pack of pre-decoded pixels decodes in ~0 ms and arrives in ~0 ms: a ratio of the two
+    said "I/O-bound" and the deepest prefetch."""
+    data = _data(format="parquet", files=1, samples=300, bytes=2 * 2**20, pre_decoded=True,
+                 rows_per_row_group=64, row_group_bytes=440 * 1024, sample_bytes=6912)
+    store = _store(kind="local", latency_s=2e-5, whole_file_s=1e-3, latency_share=0.02,
+                   bandwidth_bytes_per_s=2e9, bandwidth_from="one 2.0 MiB read",
+                   parallel_speedup=1.0)
+    a, _ = _advice(data, store, _machine(cores=2, decode_ms_per_image=0.0))
+    assert a["prefetch_batches"]["value"] == 2
+    assert "under a millisecond" in a["prefetch_batches"]["reason"]
+    # Decoding that is measured and slower than the fetch keeps its reason.
+    a, _ = _advice(data, store, _machine(cores=2, decode_ms_per_image=2.0))
+    assert "decodes slower than it arrives" in a["prefetch_batches"]["reason"]

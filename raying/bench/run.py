@@ -159,7 +159,7 @@ def _at_least(name: str, value: Any, default: float, low: float) -> float:
     number = float(value)
     if not math.isfinite(number) or number < low:
         bound = "above 0" if low > 0 else "0 or more"
-        msg = f"raying bench: --{name.replace('_', '-')} must be {bound}, got {value!r}"
+        msg = f"--{name.replace('_', '-')} must be {bound}, got {value!r}"
         raise ConfigError(msg)
     return number
 

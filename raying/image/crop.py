@@ -122,6 +122,19 @@ def reduce_eighths(crop_h: int, crop_w: int, size: int) -> int:
     return 8
 
 
+def halvings(crop_h: float, crop_w: float, size: int) -> int:
+    """How many times the crop halves before its short side falls under ``size``: the 2x
+    reductions (libjpeg's DCT scaling gives the first three) that leave the final resample
+    shrinking by less than 2x, so that it does not alias. ``reduce_eighths`` is
+    ``8 >> min(halvings, 3)``."""
+    short = min(crop_h, crop_w)
+    k = 0
+    while short >= 2 * size:
+        short /= 2
+        k += 1
+    return k
+
+
 def inverse_map(box, flip, size: int, orientation: int, stored_h: int, stored_w: int,
                  scale: float) -> np.ndarray:
     """The 2x3 matrix taking an output pixel to the source pixel it samples.

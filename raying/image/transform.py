@@ -44,14 +44,23 @@ _cv2_single_threaded = False
 # Scaled-source pixels kept around a crop's footprint for the warp's interpolation (cubic
 # reads 2 beyond), so the warp reads the same source pixels as from the whole image (its
 # output within one level: cv2's fixed-point offsets move with the region's origin). A
-# region is at most about (2 x size) x (2 x size x 4/3) pixels: reduce_eighths scales larger
-# crops down, and the crop's aspect ratio is bounded.
+# region is at most about (2 x size) x (2 x size x 4/3) pixels, unless the crop is over 16x
+# the output (then 2x area steps after the 1/8-scale decode take it there): the DCT scaling
+# takes larger crops down, and the crop's aspect ratio is bounded.
 _REGION_SUPPORT = 3
 _scratch = threading.local()  # each thread's buffer for decoded regions
 
 
+# The most a thread's region buffer keeps between calls: a larger region (a whole-pixel crop
+# of a large photo decoded at full scale) gets a buffer of its own, freed with it, so that
+# one such photo does not pin its size in every decoding thread of a long-lived worker.
+_REGION_BUFFER_KEEP = 32 << 20
+
+
 def _region_buffer(nbytes: int) -> np.ndarray:
-    """This thread's scratch buffer, at least ``nbytes`` long (grown, never shrunk)."""
+    """This thread's scratch buffer, at least ``nbytes`` long (grown up to a bound)."""
+    if nbytes > _REGION_BUFFER_KEEP:
+        return np.empty(nbytes, dtype=np.uint8)
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.size < nbytes:
         buf = _scratch.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
@@ -367,9 +376,11 @@ class ImageTransform:
                 return
             self._render_array(decode_image(buf, max_pixels=None), box, flip, dst)
             return
-        eighths = _crop.reduce_eighths(box[2], box[3], self.size)
+        halvings = _crop.halvings(box[2], box[3], self.size)
+        eighths = 8 >> min(halvings, 3)  # libjpeg's DCT scaling does the first three
+        extra = halvings - min(halvings, 3)
         if orientation == 1 and self._render_jpeg_region(buf, height, width, eighths, box,
-                                                         flip, dst):
+                                                         flip, dst, extra=extra):
             return
         src = decode_jpeg_stored(buf, height, width, eighths)
         if eighths == 8 and orientation == 1 and _whole(box):
@@ -377,10 +388,10 @@ class ImageTransform:
             return
         # libjpeg's n/8 scaled IDCT maps full-size pixel edges exactly by n/8.
         matrix = _crop.inverse_map(box, flip, self.size, orientation, height, width, eighths / 8)
-        self._warp(src, matrix, dst)
+        self._warp(*_halved(src, matrix, extra), dst)
 
     def _render_jpeg_region(self, buf, height: int, width: int, eighths: int, box, flip,
-                            dst: np.ndarray, as_array: bool = False) -> bool:
+                            dst: np.ndarray, as_array: bool = False, extra: int = 0) -> bool:
         """The crop's region of an upright JPEG, decoded alone (decode_jpeg_region) and
         resampled into dst; False when the region decode declined. ``as_array`` (full scale
         only) resamples the region as :meth:`_render_array` does a whole image's crop."""
@@ -405,7 +416,7 @@ class ImageTransform:
         matrix = _crop.inverse_map(box, flip, self.size, 1, height, width, eighths / 8)
         matrix[0, 2] -= x0  # the region's origin in the scaled image
         matrix[1, 2] -= y0
-        self._warp(src, matrix, dst)
+        self._warp(*_halved(src, matrix, extra), dst)
         return True
 
     def _render_array(self, arr: np.ndarray, box, flip, dst: np.ndarray) -> None:
@@ -419,8 +430,8 @@ class ImageTransform:
         if arr.ndim == 3 and arr.shape[2] == 1:
             arr = arr[..., 0]
         top, left, box_h, box_w = box
-        eighths = _crop.reduce_eighths(box_h, box_w, self.size)
-        if eighths == 8:
+        halvings = _crop.halvings(box_h, box_w, self.size)
+        if not halvings:
             if _whole(box):
                 self._resize(arr, box, flip, dst)
                 return
@@ -438,17 +449,9 @@ class ImageTransform:
         # sub-pixel box is halved from the whole pixels that hold it.
         y0, x0 = int(math.floor(top)), int(math.floor(left))
         y1, x1 = int(math.ceil(top + box_h)), int(math.ceil(left + box_w))
-        src = arr[y0:y1, x0:x1]
-        scale = 1.0
-        while eighths < 8:
-            h2, w2 = max(1, src.shape[0] // 2), max(1, src.shape[1] // 2)
-            src = cv2.resize(_cv2_ready(src[:2 * h2, :2 * w2]), (w2, h2),
-                             interpolation=cv2.INTER_AREA)
-            scale /= 2
-            eighths *= 2
         matrix = _crop.inverse_map((top - y0, left - x0, box_h, box_w), flip, self.size, 1,
-                                   0, 0, scale)
-        self._warp(src, matrix, dst)
+                                   0, 0, 1.0)
+        self._warp(*_halved(arr[y0:y1, x0:x1], matrix, halvings), dst)
 
     def _resize(self, src: np.ndarray, box, flip, dst: np.ndarray) -> None:
         """Whole-pixel crop (a view) resized into dst, then mirrored in place.
@@ -477,6 +480,28 @@ class ImageTransform:
         else:
             _to_rgb(cv2.warpAffine(src, matrix, size, flags=flags,
                                    borderMode=cv2.BORDER_REPLICATE), dst)
+
+
+def _halve(src: np.ndarray) -> np.ndarray:
+    """``src`` at half size by 2x2 area averages; an odd last row or column is averaged with
+    itself (edge replicated), as libjpeg's scaled decode treats it, so every output pixel
+    covers exactly two input pixels each way and nothing of the crop is dropped."""
+    src = _cv2_ready(src)
+    h, w = src.shape[:2]
+    if h % 2 or w % 2:
+        src = cv2.copyMakeBorder(src, 0, h % 2, 0, w % 2, cv2.BORDER_REPLICATE)
+    return cv2.resize(src, (src.shape[1] // 2, src.shape[0] // 2),
+                      interpolation=cv2.INTER_AREA)
+
+
+def _halved(src: np.ndarray, matrix: np.ndarray, times: int) -> tuple[np.ndarray, np.ndarray]:
+    """``src`` halved ``times`` times, and the warp matrix that samples the halved image where
+    ``matrix`` sampled ``src``: pixel centre c becomes (c + 0.5) / 2 - 0.5 at each halving."""
+    for _ in range(times):
+        src = _halve(src)
+        matrix = matrix / 2.0
+        matrix[:, 2] -= 0.25
+    return src, matrix
 
 
 def _support_window(box, scale: float, height: int, width: int) -> tuple[int, int, int, int]:

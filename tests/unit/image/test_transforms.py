@@ -548,3 +548,43 @@ def test_region_decode_gives_the_whole_decodes_pixels(monkeypatch, interpolation
     full = [i for i, e in enumerate(calls) if e == 8]
     assert np.array_equal(out[0][full], out[1][full])
     assert np.abs(out[0] - out[1]).max() <= 1
+
+
+def test_odd_sized_crops_keep_their_last_rows_and_columns_when_halved():
+    """A crop of 2x the output or more is halved by 2x2 area steps; an odd side's last row or
+    column was dropped, and the output's last row/column then sampled the replicated border
+    (up to 19 levels off PIL's resize of the crop, the interior 2)."""
+    yy, xx = np.mgrid[0:600, 0:800].astype(np.float64)
+    img = np.stack([128 + 100 * np.sin(xx / 37.0), 128 + 100 * np.cos(yy / 29.0),
+                    128 + 60 * np.sin((xx + yy) / 53.0)], -1).astype(np.uint8)
+    t = ImageTransform(size=64, random_crop=True, flip=False)
+    ids = np.arange(120)
+    out = t.apply_decoded([img] * len(ids), ids, seed=1, epoch=0).astype(int)
+    boxes, _ = t.crop_params(np.full(len(ids), 600), np.full(len(ids), 800), ids, seed=1,
+                             epoch=0)
+    odd = 0
+    for got, (top, left, h, w) in zip(out, boxes, strict=True):
+        if min(h, w) < 128:
+            continue  # not halved
+        odd += bool(h % 2 or w % 2)
+        ref = np.asarray(Image.fromarray(img[top:top + h, left:left + w]).resize(
+            (64, 64), Image.BILINEAR)).astype(int)
+        assert np.abs(got - ref).max() <= 5, (top, left, h, w)
+    assert odd >= 20
+
+
+def test_a_crop_far_larger_than_the_output_is_reduced_before_the_resample():
+    """Beyond the 1/8-scale decode the crop keeps halving (area steps) until the last
+    resample shrinks by less than 2x: a 2048 px crop into 32 px resampled 8x with bilinear
+    aliased stripes above the output's Nyquist rate into a false pattern (std 30 against
+    PIL's antialiased 1)."""
+    period = 22
+    stripes = ((np.arange(2048) // (period // 2)) % 2 * 255).astype(np.uint8)
+    img = np.repeat(np.repeat(stripes[None, :, None], 2048, 0), 3, 2)
+    t = ImageTransform(size=32, random_crop=False, flip=False)
+    ids = np.arange(1)
+    ref = np.asarray(Image.fromarray(img).resize((32, 32), Image.BILINEAR)).astype(float)
+    for out in (t.apply_decoded([img], ids, seed=0, epoch=0),
+                t.apply_encoded([simplejpeg.encode_jpeg(img, quality=95)], ids, seed=0,
+                                epoch=0).images):
+        assert out[0].astype(float).std() < ref.std() + 4

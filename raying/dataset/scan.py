@@ -550,15 +550,28 @@ def image_bytes_per_row(fm: pq.FileMetaData, group: int, leaves: list[int]) -> i
 
 
 def image_leaves(fm: pq.FileMetaData, image_col: str) -> list[int]:
-    """:func:`_image_leaves` of a file's metadata."""
-    return _image_leaves(fm.schema, image_col)
+    """:func:`_image_leaves` of a file's metadata, from its first row group's column paths.
+
+    Not from ``fm.schema``: pyarrow's ``FileMetaData`` and its ``ParquetSchema`` refer to
+    each other, so a footer whose schema was touched lives until the cyclic garbage collector
+    runs. Read tasks parse a footer per unit; with footers of megabytes (thousands of row
+    groups) each read worker held ~1 GB of them.
+    """
+    if not fm.num_row_groups:
+        return _image_leaves(fm.schema, image_col)
+    group = fm.row_group(0)
+    return _leaves_of([group.column(i).path_in_schema for i in range(group.num_columns)],
+                      image_col)
 
 
 def _image_leaves(schema: pq.ParquetSchema, image_col: str) -> list[int]:
     """The Parquet leaf columns of this file's image column (its position among a file's
     leaves depends on the columns before it, nested ones included): the column itself, or a
     struct's ``bytes`` field."""
-    paths = [schema.column(i).path for i in range(len(schema))]
+    return _leaves_of([schema.column(i).path for i in range(len(schema))], image_col)
+
+
+def _leaves_of(paths: list[str], image_col: str) -> list[int]:
     for want in (image_col, f"{image_col}.bytes"):
         if want in paths:
             return [paths.index(want)]

@@ -600,3 +600,22 @@ def test_a_prefix_of_grouped_draws_in_group_order_is_spread_over_the_ids():
     share = np.asarray(upper_share)
     z = (share.mean() - 0.5) / (share.std(ddof=1) / math.sqrt(len(share)))
     assert abs(z) < 3.3, (share.mean(), z)  # two-sided p ~ 0.001
+
+
+def test_grouped_draws_take_at_most_a_quarter_of_a_typical_row_group():
+    """Draws inside a row group are with replacement: 16 per pick of a 4-row group repeated
+    each image ~4 times in a batch (an epoch of 2,048 draws over 2,048 ids saw 435)."""
+    from raying.sampling.prioritized import group_rows
+
+    assert group_rows(16, np.full(100, 64)) == 16
+    assert group_rows(16, np.full(100, 32)) == 8
+    assert group_rows(16, np.full(100, 4)) == 1  # flat draws
+    assert group_rows(4, np.full(100, 1000)) == 4  # never more than asked
+    assert group_rows(16, np.zeros(0, dtype=np.int64)) == 1
+    n = 2048
+    starts = np.arange(0, n, 4)
+    for per, low, high in ((16, 0.15, 0.3), (group_rows(16, np.full(n // 4, 4)), 0.6, 0.66)):
+        t = PriorityTable(n, seed=3)
+        ids, _ = t.sample_in_groups(n, starts, per)
+        distinct = len(np.unique(ids)) / n  # i.i.d. flat draws: 1 - 1/e = 0.632
+        assert low < distinct < high, (per, distinct)

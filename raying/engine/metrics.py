@@ -42,6 +42,8 @@ class RunAccount:
         self.worker_frameworks: dict[tuple[str | None, int], set[str]] = {}
         self._iter_s = 0.0  # wall seconds spent inside iteration loops (stall share's base)
         self._logged = 0
+        # Samples set aside beyond the listed ones, by (epoch, reason), not logged yet.
+        self._unlisted: collections.Counter[tuple[int, str]] = collections.Counter()
         self.stall = [0.0]  # seconds the consumer waited for a batch (shared with prefetch)
         self.rows_delivered = 0
         self._t_first: float | None = None
@@ -133,6 +135,8 @@ class RunAccount:
                 if len(self.skipped) < MAX_SKIPPED_LISTED:
                     self.skipped.append({"id": int(sid), "path": path, "reason": reason,
                                          "detail": detail, "epoch": account.epoch})
+                else:
+                    self._unlisted[(int(account.epoch), reason)] += 1
         return fresh
 
     def delivery_state(self) -> tuple[Any, ...]:
@@ -156,22 +160,31 @@ class RunAccount:
         self.rows_delivered += n
 
     def end_epoch(self, epoch: int) -> None:
-        """Log the samples set aside so far, once each (nothing fails silently)."""
-        new = self.skipped[self._logged:]
-        if not new:
+        """Log the samples set aside so far, once each (nothing fails silently); those beyond
+        the ``MAX_SKIPPED_LISTED`` listed in ``stats()['skipped']`` are counted in it too."""
+        with self._lock:
+            new = self.skipped[self._logged:]
+            unlisted, self._unlisted = self._unlisted, collections.Counter()
+            self._logged = len(self.skipped)
+        if not new and not unlisted:
             return
-        self._logged = len(self.skipped)
         # Under the epoch each was read in: an epoch that raised logs its skips at the next
         # epoch's end.
         by_epoch: dict[int, list[dict[str, Any]]] = {}
         for s in new:
             by_epoch.setdefault(int(s.get("epoch", epoch)), []).append(s)
-        for e, some in sorted(by_epoch.items()):
-            reasons = collections.Counter(s["reason"] for s in some)
+        for e in sorted(set(by_epoch) | {e for e, _ in unlisted}):
+            some = by_epoch.get(e, [])
+            extra = collections.Counter({r: c for (ee, r), c in unlisted.items() if ee == e})
+            reasons = collections.Counter(s["reason"] for s in some) + extra
+            total = len(some) + sum(extra.values())
             shown = "; ".join(f"id {s['id']} {s['path']}: {s['reason']}" for s in some[:5])
-            more = f" (+{len(some) - 5} more)" if len(some) > 5 else ""
-            logger.warning("raying skipped %d bad samples in epoch %d (%s): %s%s; see "
-                           "pipe.stats()['skipped']", len(some), e, dict(reasons), shown, more)
+            more = f" (+{total - len(some[:5])} more)" if total > len(some[:5]) else ""
+            listed = (f"; the first {MAX_SKIPPED_LISTED:,} of the run are listed in "
+                      f"pipe.stats()['skipped'], all counted in skipped_count" if extra
+                      else "; see pipe.stats()['skipped']")
+            logger.warning("raying skipped %d bad samples in epoch %d (%s): %s%s%s", total, e,
+                           dict(reasons), shown or "none listed", more, listed)
 
     def iterated(self, seconds: float) -> None:
         """Wall time of one iteration loop, from its first request to its end."""

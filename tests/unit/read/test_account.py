@@ -109,3 +109,30 @@ def test_skips_are_logged_under_the_epoch_they_were_read_in(caplog):
     assert lines[0].startswith("raying skipped 1 bad samples in epoch 0 ({'read_error': 1}): "
                                "id 3 a/3.jpg")
     assert lines[1].startswith("raying skipped 1 bad samples in epoch 1 ({'decode_error': 1})")
+
+
+def test_skips_beyond_the_listed_ones_are_logged_with_their_true_count(caplog, monkeypatch):
+    """Only the first MAX_SKIPPED_LISTED skips keep their details; the log said that many
+    (10,000 of 12,000), and skips first found in a later epoch were never logged."""
+    import logging
+
+    from raying.engine import metrics
+
+    monkeypatch.setattr(metrics, "MAX_SKIPPED_LISTED", 3)
+    run = RunAccount()
+    run.add(UnitAccount(epoch=0, unit=0, rows_in=5, rows_out=0, skipped=[
+        (i, f"a/{i}.jpg", "decode_error" if i % 2 else "read_error", "x") for i in range(5)]))
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        run.end_epoch(0)
+        run.add(UnitAccount(epoch=1, unit=0, rows_in=2, rows_out=0, skipped=[
+            (10, "a/10.jpg", "decode_error", "x"), (11, "a/11.jpg", "decode_error", "x")]))
+        run.end_epoch(1)
+        run.end_epoch(2)  # nothing new: no line
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert lines[0].startswith("raying skipped 5 bad samples in epoch 0 ({'read_error': 3, "
+                               "'decode_error': 2}): id 0 a/0.jpg")
+    assert "(+2 more)" in lines[0] and "the first 3 of the run are listed" in lines[0]
+    assert lines[1].startswith("raying skipped 2 bad samples in epoch 1 ({'decode_error': 2})"
+                               ": none listed (+2 more)")
+    assert run.summary()["skipped_count"] == 7 and len(run.skipped) == 3

@@ -437,6 +437,10 @@ def image_type_ok(t: pa.DataType) -> bool:
 def pick_image_column(schema: pa.Schema, wanted: str | None, where: str) -> str:
     """The image column of a Parquet file's ``schema``: ``wanted``, else ``image``, else its
     one binary column; a ``DataError`` naming ``where`` otherwise."""
+    if b"raying.dataset.manifest" in (schema.metadata or {}):
+        msg = (f"{where} is a manifest (Manifest.save, raying scan --save), not a dataset: "
+               f"load it with raying.Manifest.load(...), or scan the dataset it lists")
+        raise DataError(msg)
     if wanted is not None:
         if wanted not in schema.names:
             msg = f"{where} has no image column {wanted!r} (columns: {schema.names})"

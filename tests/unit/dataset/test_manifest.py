@@ -599,3 +599,13 @@ def test_the_class_names_a_pack_recorded_go_only_with_its_label_column(tmp_path)
     assert unlabelled.classes is None and set(unlabelled.labels.tolist()) == {-1}
     other = raying.Manifest.scan(str(tmp_path), label="score")
     assert other.classes is None and other.labels.tolist() == list(range(6))
+
+
+def test_scanning_a_saved_manifest_says_what_it_is(tmp_path):
+    make_image_folder(tmp_path / "imgs", n=4, classes=2, size=(8, 8))
+    m = raying.Manifest.scan(str(tmp_path / "imgs"))
+    m.save(str(tmp_path / "m.parquet"))
+    with pytest.raises(raying.DataError, match=r"m.parquet is a manifest .* "
+                                               r"raying.Manifest.load"):
+        raying.Manifest.scan(str(tmp_path / "m.parquet"))
+    assert len(raying.Manifest.load(str(tmp_path / "m.parquet"))) == 4

@@ -268,14 +268,25 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
         _check_decoded_shapes(fs, infos, uris, decoded, workers)
 
     file_idx, rg_idx, row_idx, sizes = [], [], [], []
+    biggest = (0, 0, 0)  # (image bytes, file, row group)
     for k, fm in enumerate(footers):
         leaves = _image_leaves(fm.schema, image_col)
         for g in range(fm.num_row_groups):
             n = fm.row_group(g).num_rows
+            per_row = image_bytes_per_row(fm, g, leaves)
             file_idx.append(np.full(n, k, dtype=np.int32))
             rg_idx.append(np.full(n, g, dtype=np.int32))
             row_idx.append(np.arange(n, dtype=np.int32))
-            sizes.append(np.full(n, image_bytes_per_row(fm, g, leaves), dtype=np.int64))
+            sizes.append(np.full(n, per_row, dtype=np.int64))
+            biggest = max(biggest, (n * per_row, k, g))
+    if biggest[0] > LARGE_ROW_GROUP_BYTES:
+        # pyarrow and pandas write a file as one row group of up to ~1 M rows.
+        warnings.warn(f"{uris[biggest[1]]}: row group {biggest[2]} holds "
+                      f"{biggest[0] / 2**30:.1f} GiB of images, and a read task reads a row "
+                      f"group's image column whole (each read unit that takes some of its "
+                      f"rows reads all of it, in memory): rewrite the data in smaller row "
+                      f"groups (raying pack SRC DST, or pyarrow's row_group_size=...)",
+                      stacklevel=3)
     if not file_idx or sum(len(a) for a in file_idx) == 0:
         msg = f"{uri} holds Parquet files but no rows; the dataset is empty"
         raise DataError(msg)
@@ -421,6 +432,10 @@ def _hive_labels(values: list[str]) -> tuple[np.ndarray, list[str] | None]:
     classes = sorted(set(values))
     index = {c: i for i, c in enumerate(classes)}
     return np.asarray([index[v] for v in values], dtype=np.int64), classes
+
+
+# A row group whose image bytes exceed this gets a warning at the scan (read whole per unit).
+LARGE_ROW_GROUP_BYTES = 1 << 30
 
 
 def image_type_ok(t: pa.DataType) -> bool:

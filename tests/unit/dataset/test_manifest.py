@@ -609,3 +609,21 @@ def test_scanning_a_saved_manifest_says_what_it_is(tmp_path):
                                                r"raying.Manifest.load"):
         raying.Manifest.scan(str(tmp_path / "m.parquet"))
     assert len(raying.Manifest.load(str(tmp_path / "m.parquet"))) == 4
+
+
+def test_a_row_group_of_gigabytes_of_images_is_warned_about(tmp_path, monkeypatch):
+    """Each read unit reads a row group's image column whole: a file written as one row group
+    (pyarrow's and pandas' default) of many images costs its whole size per read."""
+    from raying.dataset import scan
+
+    _parquet(tmp_path / "big.parquet", n=40)
+    monkeypatch.setattr(scan, "LARGE_ROW_GROUP_BYTES", 10)
+    with pytest.warns(UserWarning, match=r"big.parquet: row group \d+ holds .* GiB of images.*"
+                                         r"raying pack SRC DST"):
+        raying.Manifest.scan(str(tmp_path), label=None)
+    monkeypatch.setattr(scan, "LARGE_ROW_GROUP_BYTES", 1 << 30)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        raying.Manifest.scan(str(tmp_path), label=None)

@@ -47,9 +47,10 @@ _FOOTERS_LOCK = threading.Lock()
 
 # A read unit over its byte share runs as slices, one task each (raying.engine.stream), and
 # a slice of shuffled rows lies in every row group of its unit: each slice read them all (a
-# 4-slice unit read its groups 4 times, ~5 % of a Parquet epoch's CPU here). A worker keeps
-# the groups it read for the unit it read last, up to this many bytes, for the unit's other
-# slices that come to it; a read of another unit replaces them, and a worker that reads
+# 4-slice unit read its groups 4 times, ~5 % of a Parquet epoch's CPU here); likewise the
+# parts a uniform plan deals a large row group into (raying.sampling.plan). A worker keeps
+# the groups it read last, up to this many bytes, for the slices and parts of the same
+# groups that come to it; a read of other groups replaces them, and a worker that reads
 # nothing for UNIT_GROUPS_KEEP_S drops them (an idle worker holds none).
 UNIT_GROUPS_KEEP_BYTES = 64 << 20
 UNIT_GROUPS_KEEP_S = 5.0
@@ -68,10 +69,11 @@ def _drop_kept_groups_when_idle() -> None:
         time.sleep(left)
 
 
-def _unit_key(unit: ReadUnit) -> tuple[int, int, bytes]:
+def _unit_key(unit: ReadUnit) -> tuple[int, bytes]:
+    """What a kept read serves: units of this epoch that read the same row groups (the slices
+    of one unit, and the parts a uniform plan deals a large row group into)."""
     groups = unit.row_groups
-    return (int(unit.epoch), int(unit.index),
-            b"" if groups is None else np.ascontiguousarray(groups).tobytes())
+    return (int(unit.epoch), b"" if groups is None else np.ascontiguousarray(groups).tobytes())
 
 
 def _kept_groups(unit: ReadUnit, namespace: str, path: str, groups: list[int], col: str

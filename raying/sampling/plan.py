@@ -99,14 +99,19 @@ def row_group_units(epoch: int, rg_file: np.ndarray, rg_index: np.ndarray,
 
     Every row group is read by exactly one unit, so a uniform epoch reads each byte once,
     unless ``max_rows`` binds: a unit then holds at most ``max_rows`` rows (at least one
-    group), and a row group of more rows than that is cut into near-equal runs of its rows,
-    each a unit that reads the group (see :func:`unit_rows_cap`).
+    group), and a row group of more rows than that is dealt into near-equal parts, each a
+    unit that reads the group: with ``rng`` a fresh random part of its rows each epoch (the
+    parts of a fixed cut would keep the same rows together, and in the same Train share,
+    every epoch), without it runs in row order. A worker keeps a group it read for the
+    parts that follow it (``raying.read.parquet``), so a group is read about once per read
+    worker rather than once per part. See :func:`unit_rows_cap`.
     """
     units: list[ReadUnit] = []
 
-    def emit(groups: list[int], lo: int = 0, hi: int | None = None) -> None:
-        ids = np.concatenate([np.arange(rg_start[g] + lo, rg_start[g] + (
-            rg_rows[g] if hi is None else hi)) for g in groups])
+    def emit(groups: list[int], ids: np.ndarray | None = None) -> None:
+        if ids is None:
+            ids = np.concatenate([np.arange(rg_start[g], rg_start[g] + rg_rows[g])
+                                  for g in groups])
         if rng is not None:
             rng.shuffle(ids)
         sel = np.asarray(groups)
@@ -119,13 +124,15 @@ def row_group_units(epoch: int, rg_file: np.ndarray, rg_index: np.ndarray,
     for g in (int(x) for x in order):
         rows = int(rg_rows[g])
         if max_rows is not None and rows > max_rows:
-            if pending:
-                emit(pending)
-                pending, held = [], 0
+            # Dealt into parts now; the groups pending go on filling their window (flushed
+            # here, they would make a unit of a few rows beside parts of max_rows).
+            ids = np.arange(rg_start[g], rg_start[g] + rows)
+            if rng is not None:
+                rng.shuffle(ids)
             pieces = -(-rows // max_rows)
             cuts = [rows * k // pieces for k in range(pieces + 1)]
             for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-                emit([g], lo, hi)
+                emit([g], np.sort(ids[lo:hi]) if rng is None else ids[lo:hi].copy())
             continue
         if pending and (len(pending) == window
                         or (max_rows is not None and held + rows > max_rows)):
@@ -139,13 +146,14 @@ def row_group_units(epoch: int, rg_file: np.ndarray, rg_index: np.ndarray,
 
 
 def unit_rows_cap(num_rows: int, block_rows: int, min_units: int = 8) -> int:
-    """The most rows a Parquet unit of a small epoch may hold: enough units (~``min_units``)
-    to spread its reads over the cores and its Train shares, none under a block.
+    """The most rows a Parquet read unit may hold: ~1/``min_units`` of the epoch, at least a
+    block, so that the epoch spreads over the cores and its Train shares.
 
     A file written by pyarrow or pandas holds one row group of up to ~1 M rows; windows of
-    whole groups made such an epoch one read task (one core decoding) and gave one Train
-    worker every row. Cut, a group is read once per unit that holds its rows: the price of
-    small epochs only, as a large one's windows stay under the cap.
+    whole groups made such a file one read task (one core decoding) and gave one Train
+    worker every row. A group over the cap is read by each unit that holds part of its rows
+    (a worker keeps up to ``UNIT_GROUPS_KEEP_BYTES`` of groups for the parts that follow);
+    datasets of many groups under the cap read each group once, as before.
     """
     return max(int(block_rows), -(-int(num_rows) // int(min_units)))
 

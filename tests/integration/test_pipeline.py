@@ -819,7 +819,10 @@ def test_a_parquet_file_of_one_row_group_is_read_in_parallel_and_shared_evenly(t
               for i in range(2)]
     got = [np.concatenate([b["id"] for b in p.iter_batches(batch_size=50, epoch=1)])
            for p in shares]
+    later = np.concatenate([b["id"] for b in shares[0].iter_batches(batch_size=50, epoch=2)])
     for p in shares:
         p.close()
     assert sorted(np.concatenate(got).tolist()) == list(range(600))  # every id once
     assert [len(g) for g in got] == [300, 300]
+    # Each epoch deals the group afresh: a share does not read the same rows every epoch.
+    assert len(set(later.tolist()) & set(got[0].tolist())) < 200

@@ -85,3 +85,25 @@ def test_kept_row_groups_are_dropped_when_the_worker_reads_nothing_for_a_while(
         time.sleep(0.05)
     assert not parquet._UNIT_GROUPS["tables"] and parquet._UNIT_GROUPS["unit"] is None
     pipe.close()
+
+
+def test_the_parts_of_a_large_row_group_are_read_once_by_a_worker(tmp_path, counted):
+    """A uniform plan deals a file of one row group (pyarrow's and pandas' default) into
+    parts, each a unit reading the group: a worker keeps the group for the parts that follow
+    it instead of reading it once per part."""
+    root = write_parquet_set(tmp_path, files=((0, 96),), row_group_size=96)
+    m = raying.Manifest.scan(str(root), format="parquet", label="label", columns=["caption"])
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           sampler=raying.UniformSampler(seed=2),
+                           config=raying.PipelineConfig(block_rows=8, decoded_cache="off"))
+    units = pipe.plan(0).units
+    assert len(units) == 8 and all(len(u.row_groups) == 1 for u in units)
+    got = []
+    for u in units:
+        unit, paths = pipe._fill(u)
+        ids, _, captions = _rows(pipe._spec, unit, paths)
+        assert captions == [f"sample {i}" for i in ids]
+        got.append(ids)
+    assert sorted(np.concatenate(got).tolist()) == list(range(96))
+    assert len(counted) == 1
+    pipe.close()

@@ -104,3 +104,49 @@ def test_one_large_group_becomes_about_eight_units_for_a_small_epoch():
                             np.random.default_rng(0), max_rows=unit_rows_cap(2000, 256))
     assert [u.num_rows for u in units] == [250] * 8
     assert unit_rows_cap(2000, 512) == 512 and unit_rows_cap(10**6, 256) == 125_000
+
+
+def test_the_parts_of_a_large_group_are_fresh_random_rows_each_epoch():
+    """Fixed runs kept the same 375 rows together (in batches, in one Train share) every
+    epoch, and a file sorted by label gave batches of ~2 classes."""
+    from raying.sampling.plan import unit_rows_cap
+
+    n = 3000
+    zero = np.zeros(1, dtype=np.int64)
+    cap = unit_rows_cap(n, 256)
+    parts = []
+    for epoch in range(2):
+        rng = np.random.default_rng([7, epoch])
+        units = row_group_units(epoch, zero, zero, zero, np.array([n]), np.arange(1), 4, rng,
+                                max_rows=cap)
+        assert sorted(np.concatenate([u.ids for u in units]).tolist()) == list(range(n))
+        parts.append([set(u.ids.tolist()) for u in units])
+        # Each part is spread over the whole group: its ids span it, not one run of it.
+        for u in units:
+            assert u.ids.min() < n // 10 and u.ids.max() > n - n // 10
+    # Another epoch, other parts: no part of epoch 1 shares more than ~1/8 + noise of its
+    # rows with any part of epoch 0 (a fixed cut shared all of them).
+    overlap = max(len(a & b) / len(a) for a in parts[1] for b in parts[0])
+    assert overlap < 0.25, overlap
+    # Without an rng (shuffle=False) the parts are runs in row order.
+    units = row_group_units(0, zero, zero, zero, np.array([n]), np.arange(1), 4, None,
+                            max_rows=cap)
+    assert np.concatenate([u.ids for u in units]).tolist() == list(range(n))
+
+
+def test_groups_beside_a_large_one_fill_their_window_instead_of_a_fragment():
+    """A group pending before a large one was flushed as a unit of its own: units of 1, 14 or
+    21 rows beside parts of ~286, and Train shares 1,498 against 1,102 rows."""
+    rows = np.array([2000, 1, 2, 7, 1, 489, 2] + [7] * 14)
+    files = np.zeros(len(rows), dtype=np.int64)
+    index = np.arange(len(rows))
+    start = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(len(rows))
+        units = row_group_units(1, files, index, start, rows, order, 40, rng, max_rows=300)
+        ids = np.concatenate([u.ids for u in units])
+        assert sorted(ids.tolist()) == list(range(int(rows.sum())))
+        sizes = [u.num_rows for u in units]
+        assert max(sizes) <= 300
+        assert sum(s < 20 for s in sizes) <= 1, sizes  # the epoch's last window at most

@@ -397,12 +397,18 @@ class ImageTransform:
         only) resamples the region as :meth:`_render_array` does a whole image's crop."""
         top, left, box_h, box_w = box
         whole = _whole(box)
+        # Halvings after the decode take 2x2 pixels on the whole image's grid, as a decoded
+        # image's do: the region starts on it (and, halved here, takes the support it needs).
+        step = 1 << (_crop.halvings(box_h, box_w, self.size) if as_array else extra)
+        sh, sw = -(-height * eighths // 8), -(-width * eighths // 8)
         if eighths == 8 and whole:  # whole pixels: the crop itself, resized
-            y0, x0, rh, rw = top, left, box_h, box_w
+            y0, x0, y1, x1 = top, left, top + box_h, left + box_w
         else:  # the crop's scaled footprint and the resampler's support around it
-            sh, sw = -(-height * eighths // 8), -(-width * eighths // 8)
-            y0, x0, y1, x1 = _support_window(box, eighths / 8, sh, sw)
-            rh, rw = y1 - y0, x1 - x0
+            y0, x0, y1, x1 = _support_window(box, eighths / 8, sh, sw,
+                                             _REGION_SUPPORT * (1 if as_array else step))
+        y0, x0 = y0 - y0 % step, x0 - x0 % step
+        y1, x1 = min(sh, -(-y1 // step) * step), min(sw, -(-x1 // step) * step)
+        rh, rw = y1 - y0, x1 - x0
         need = rh * rw * 3
         src = _region_buffer(need)[:need].reshape(rh, rw, 3)
         if not decode_jpeg_region(buf, eighths, y0, x0, rh, rw, src):
@@ -410,7 +416,7 @@ class ImageTransform:
         if as_array:
             self._render_array(src, (top - y0, left - x0, box_h, box_w), flip, dst)
             return True
-        if eighths == 8 and whole:
+        if eighths == 8 and whole:  # (no halving here: step is 1)
             self._resize(src, (0, 0, box_h, box_w), flip, dst)
             return True
         matrix = _crop.inverse_map(box, flip, self.size, 1, height, width, eighths / 8)
@@ -447,8 +453,12 @@ class ImageTransform:
         # Halve the crop until the final resample shrinks by less than 2x, as the JPEG path's
         # DCT scaling does: INTER_AREA on exact halves is a cheap, alias-free box filter. A
         # sub-pixel box is halved from the whole pixels that hold it.
+        step = 1 << halvings  # halved on the image's own 2x2 grid, as the JPEG path is
         y0, x0 = int(math.floor(top)), int(math.floor(left))
+        y0, x0 = y0 - y0 % step, x0 - x0 % step
         y1, x1 = int(math.ceil(top + box_h)), int(math.ceil(left + box_w))
+        y1 = min(arr.shape[0], -(-y1 // step) * step)  # whole pairs up to the image's edge
+        x1 = min(arr.shape[1], -(-x1 // step) * step)
         matrix = _crop.inverse_map((top - y0, left - x0, box_h, box_w), flip, self.size, 1,
                                    0, 0, 1.0)
         self._warp(*_halved(arr[y0:y1, x0:x1], matrix, halvings), dst)
@@ -504,16 +514,17 @@ def _halved(src: np.ndarray, matrix: np.ndarray, times: int) -> tuple[np.ndarray
     return src, matrix
 
 
-def _support_window(box, scale: float, height: int, width: int) -> tuple[int, int, int, int]:
+def _support_window(box, scale: float, height: int, width: int,
+                    support: int = _REGION_SUPPORT) -> tuple[int, int, int, int]:
     """``(y0, x0, y1, x1)``: the pixels of an image scaled by ``scale`` (``height`` x
-    ``width``) that hold the crop ``box`` and the resampler's support around it. The region
-    decode reads this window, and a decoded image is warped from the same one, so both
-    sample alike."""
+    ``width``) that hold the crop ``box`` and ``support`` pixels around it for the
+    resampler. The region decode reads this window, and a decoded image is warped from the
+    same one, so both sample alike."""
     top, left, box_h, box_w = box
-    return (max(0, int(top * scale) - _REGION_SUPPORT),
-            max(0, int(left * scale) - _REGION_SUPPORT),
-            min(height, int(math.ceil((top + box_h) * scale)) + _REGION_SUPPORT),
-            min(width, int(math.ceil((left + box_w) * scale)) + _REGION_SUPPORT))
+    return (max(0, int(top * scale) - support),
+            max(0, int(left * scale) - support),
+            min(height, int(math.ceil((top + box_h) * scale)) + support),
+            min(width, int(math.ceil((left + box_w) * scale)) + support))
 
 
 def _whole(box) -> bool:

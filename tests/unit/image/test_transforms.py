@@ -588,3 +588,29 @@ def test_a_crop_far_larger_than_the_output_is_reduced_before_the_resample():
                 t.apply_encoded([simplejpeg.encode_jpeg(img, quality=95)], ids, seed=0,
                                 epoch=0).images):
         assert out[0].astype(float).std() < ref.std() + 4
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_crops_far_larger_than_the_output_agree_on_every_path(monkeypatch, flip):
+    """Past the 1/8-scale decode the halvings must take the same 2x2 pixels on every path:
+    from the region decode as from the whole image (a region off the image's grid differed
+    by up to 75 levels), the decoded image as the JPEG (up to 16), and a decoded-cache hit
+    as its miss (exactly)."""
+    from raying.image import decode as decode_module
+    from raying.options import Settings, use
+
+    monkeypatch.setattr("raying.options._active", None)
+    datas = _jpegs(12, 1200, 1500, quality=90)
+    ids = np.arange(len(datas))
+    t = ImageTransform(size=16, flip=flip)
+    decoded = [decode_image(d, max_pixels=None) for d in datas]
+    out = {}
+    for roi in (0, 1) if decode_module.ROI_DECODE else (0,):
+        use(Settings(roi_decode=roi))
+        out[roi] = t.apply_encoded(datas, ids, seed=5, epoch=1).images.astype(int)
+        miss = t.apply_encoded(datas, ids, seed=5, epoch=1, scaled=False).images
+        assert np.array_equal(miss, t.apply_decoded(decoded, ids, seed=5, epoch=1))
+    if 1 in out:
+        assert np.abs(out[0] - out[1]).max() <= 1
+    hit = t.apply_decoded(decoded, ids, seed=5, epoch=1).astype(int)
+    assert np.abs(out[0] - hit).max() <= 3

@@ -61,6 +61,11 @@ DEFAULT_CLOSE_WAIT_S = 30.0
 logger = logging.getLogger(__name__)
 
 
+# state_dict's format: 2 since uniform Parquet plans deal windows over ~1/8 of an epoch into
+# parts (a version-1 position inside such an epoch points into another plan).
+STATE_VERSION = 2
+
+
 class Pipeline:
     """Streams a manifest's samples, sampled and augmented, into Ray Data, torch and tf.
 
@@ -777,7 +782,7 @@ class Pipeline:
             epoch, delivered = cur["epoch"], cur["delivered"]
             unit, row = _position(cur["units"], delivered - cur["base"],
                                   cur.get("start", (0, 0)))
-        return {"version": 1, "epoch": epoch, "unit": unit, "row": row,
+        return {"version": STATE_VERSION, "epoch": epoch, "unit": unit, "row": row,
                 "block_rows": self.block_rows(),
                 "delivered": delivered, "sampler": self.sampler.state_dict(),
                 "fingerprint": self.manifest.fingerprint()}
@@ -797,8 +802,17 @@ class Pipeline:
         self._same_ray()
         self._bind()
         self.sampler.load_state_dict(state["sampler"])
-        self._resume = (int(state["epoch"]), int(state["unit"]), int(state["row"]),
-                        int(state.get("delivered", 0)))
+        epoch, unit, row = int(state["epoch"]), int(state["unit"]), int(state["row"])
+        if (int(state.get("version", 1)) < 2 and (unit or row) and self.manifest.format ==
+                "parquet" and self.sampler.name in ("uniform", "infobatch")):
+            # Its position is a unit and row of a plan that cut Parquet epochs otherwise
+            # (whole windows): in today's plan it would repeat or skip rows.
+            logger.warning("pipeline %s: state_dict saved by an older raying, whose Parquet "
+                           "plans cut an epoch into other units: epoch %d restarts from its "
+                           "first row (rows read before the save are read again)", self.name,
+                           epoch)
+            unit, row = 0, 0
+        self._resume = (epoch, unit, row, int(state.get("delivered", 0)))
         if self._stream is not None:
             self._stream.cancel()
 

@@ -95,53 +95,34 @@ def row_group_units(epoch: int, rg_file: np.ndarray, rg_index: np.ndarray,
                     rg_start: np.ndarray, rg_rows: np.ndarray, order: np.ndarray,
                     window: int, rng: np.random.Generator | None,
                     max_rows: int | None = None) -> list[ReadUnit]:
-    """Units of ``window`` row groups each, taken in ``order``; rows shuffled inside a unit.
+    """Units of ``window`` row groups each, taken in ``order``; rows shuffled inside a window.
 
     Every row group is read by exactly one unit, so a uniform epoch reads each byte once,
-    unless ``max_rows`` binds: a unit then holds at most ``max_rows`` rows (at least one
-    group), and a row group of more rows than that is dealt into near-equal parts, each a
-    unit that reads the group: with ``rng`` a fresh random part of its rows each epoch (the
-    parts of a fixed cut would keep the same rows together, and in the same Train share,
-    every epoch), without it runs in row order. A worker keeps a group it read for the
-    parts that follow it (``raying.read.parquet``), so a group is read about once per read
-    worker rather than once per part. See :func:`unit_rows_cap`.
+    unless ``max_rows`` binds: a window of more rows than that is dealt into near-equal
+    parts of its shuffled rows (a fresh deal each epoch), each a unit that reads the groups
+    holding its rows. The windows, and so which rows mix, are the same either way. A worker
+    keeps the groups it read for the parts that follow (``raying.read.parquet``), so a
+    window is read about once per read worker rather than once per part. See
+    :func:`unit_rows_cap`.
     """
     units: list[ReadUnit] = []
-
-    def emit(groups: list[int], ids: np.ndarray | None = None) -> None:
-        if ids is None:
-            ids = np.concatenate([np.arange(rg_start[g], rg_start[g] + rg_rows[g])
-                                  for g in groups])
+    for start in range(0, len(order), window):
+        groups = order[start:start + window]
+        ids = np.concatenate([np.arange(rg_start[g], rg_start[g] + rg_rows[g]) for g in groups])
         if rng is not None:
             rng.shuffle(ids)
-        sel = np.asarray(groups)
-        pairs = np.stack([rg_file[sel], rg_index[sel], rg_start[sel]], axis=1)
-        units.append(ReadUnit(epoch=epoch, index=len(units), draw=len(ids),
-                              ids=ids.astype(np.int64), row_groups=pairs.astype(np.int64)))
-
-    pending: list[int] = []
-    held = 0
-    for g in (int(x) for x in order):
-        rows = int(rg_rows[g])
-        if max_rows is not None and rows > max_rows:
-            # Dealt into parts now; the groups pending go on filling their window (flushed
-            # here, they would make a unit of a few rows beside parts of max_rows).
-            ids = np.arange(rg_start[g], rg_start[g] + rows)
-            if rng is not None:
-                rng.shuffle(ids)
-            pieces = -(-rows // max_rows)
-            cuts = [rows * k // pieces for k in range(pieces + 1)]
-            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-                emit([g], np.sort(ids[lo:hi]) if rng is None else ids[lo:hi].copy())
+        ids = ids.astype(np.int64)
+        pieces = 1 if max_rows is None else max(1, -(-len(ids) // int(max_rows)))
+        if pieces == 1:
+            pairs = np.stack([rg_file[groups], rg_index[groups], rg_start[groups]], axis=1)
+            units.append(ReadUnit(epoch=epoch, index=len(units), draw=len(ids), ids=ids,
+                                  row_groups=pairs.astype(np.int64)))
             continue
-        if pending and (len(pending) == window
-                        or (max_rows is not None and held + rows > max_rows)):
-            emit(pending)
-            pending, held = [], 0
-        pending.append(g)
-        held += rows
-    if pending:
-        emit(pending)
+        cuts = [len(ids) * k // pieces for k in range(pieces + 1)]
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+            part = ids[lo:hi].copy()
+            units.append(ReadUnit(epoch=epoch, index=len(units), draw=len(part), ids=part,
+                                  row_groups=row_groups_of(part, rg_file, rg_index, rg_start)))
     return units
 
 
@@ -151,9 +132,9 @@ def unit_rows_cap(num_rows: int, block_rows: int, min_units: int = 8) -> int:
 
     A file written by pyarrow or pandas holds one row group of up to ~1 M rows; windows of
     whole groups made such a file one read task (one core decoding) and gave one Train
-    worker every row. A group over the cap is read by each unit that holds part of its rows
-    (a worker keeps up to ``UNIT_GROUPS_KEEP_BYTES`` of groups for the parts that follow);
-    datasets of many groups under the cap read each group once, as before.
+    worker every row. A window over the cap is read by each of its parts (a worker keeps up
+    to ``UNIT_GROUPS_KEEP_BYTES`` of groups for the parts that follow); datasets of many
+    windows under the cap read each group once, with the plans they always had.
     """
     return max(int(block_rows), -(-int(num_rows) // int(min_units)))
 

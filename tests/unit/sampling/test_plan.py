@@ -72,25 +72,28 @@ def test_draw_keys_leave_first_draws_alone_and_tell_repeats_apart():
     np.testing.assert_array_equal(u[0], uniforms(0, 0, ids[:1], 3)[0])
 
 
-def test_a_row_cap_cuts_large_groups_into_runs_and_bounds_windows():
+def test_a_row_cap_deals_each_window_into_parts_and_keeps_its_mixing():
     files, index, start, rows = _row_groups()
-    rng = np.random.default_rng(1)
-    order = rng.permutation(len(start))
-    units = row_group_units(0, files, index, start, rows, order, 4, rng, max_rows=4)
+    order = np.random.default_rng(1).permutation(len(start))
+    units = row_group_units(0, files, index, start, rows, order, 4, np.random.default_rng(1),
+                            max_rows=4)
     assert all(u.num_rows <= 4 for u in units)
+    assert [u.index for u in units] == list(range(len(units)))
     ids = np.concatenate([u.ids for u in units])
     assert sorted(ids.tolist()) == list(range(int(rows.sum())))  # every id once
-    for u in units:  # each unit reads only the groups holding its ids
-        assert set(row_groups_of(u.ids, files, index, start)[:, 2]) == set(u.row_groups[:, 2])
-    # The 6-row and 5-row groups are cut into two runs each (3+3, 2+3); no other is cut.
-    cut = [u for u in units if len(u.row_groups) == 1 and u.num_rows < rows[
-        np.searchsorted(start, u.row_groups[0, 2])]]
-    assert sorted(u.num_rows for u in cut) == [2, 3, 3, 3]
-    # Without a cap (or one that does not bind) the plan is the windowed one, draw for draw.
-    a = row_group_units(0, files, index, start, rows, order, 2, np.random.default_rng(5))
-    b = row_group_units(0, files, index, start, rows, order, 2, np.random.default_rng(5),
+    for u in units:  # each unit reads exactly the groups holding its ids
+        assert sorted(map(tuple, row_groups_of(u.ids, files, index, start).tolist())) == \
+            sorted(map(tuple, u.row_groups.tolist()))
+    # The windows are those of the uncapped plan, draw for draw: the parts of a window are
+    # its shuffled rows, dealt in order (which rows mix is unchanged; the user's
+    # window_row_groups holds).
+    whole = row_group_units(0, files, index, start, rows, order, 4, np.random.default_rng(1))
+    assert ids.tolist() == np.concatenate([u.ids for u in whole]).tolist()
+    # Without a cap (or one that does not bind) the plan is the windowed one, unit for unit.
+    b = row_group_units(0, files, index, start, rows, order, 4, np.random.default_rng(1),
                         max_rows=100)
-    assert [u.ids.tolist() for u in a] == [u.ids.tolist() for u in b]
+    assert [u.ids.tolist() for u in whole] == [u.ids.tolist() for u in b]
+    assert [u.row_groups.tolist() for u in whole] == [u.row_groups.tolist() for u in b]
 
 
 def test_one_large_group_becomes_about_eight_units_for_a_small_epoch():
@@ -132,21 +135,3 @@ def test_the_parts_of_a_large_group_are_fresh_random_rows_each_epoch():
     units = row_group_units(0, zero, zero, zero, np.array([n]), np.arange(1), 4, None,
                             max_rows=cap)
     assert np.concatenate([u.ids for u in units]).tolist() == list(range(n))
-
-
-def test_groups_beside_a_large_one_fill_their_window_instead_of_a_fragment():
-    """A group pending before a large one was flushed as a unit of its own: units of 1, 14 or
-    21 rows beside parts of ~286, and Train shares 1,498 against 1,102 rows."""
-    rows = np.array([2000, 1, 2, 7, 1, 489, 2] + [7] * 14)
-    files = np.zeros(len(rows), dtype=np.int64)
-    index = np.arange(len(rows))
-    start = np.concatenate([[0], np.cumsum(rows)[:-1]])
-    for seed in range(20):
-        rng = np.random.default_rng(seed)
-        order = rng.permutation(len(rows))
-        units = row_group_units(1, files, index, start, rows, order, 40, rng, max_rows=300)
-        ids = np.concatenate([u.ids for u in units])
-        assert sorted(ids.tolist()) == list(range(int(rows.sum())))
-        sizes = [u.num_rows for u in units]
-        assert max(sizes) <= 300
-        assert sum(s < 20 for s in sizes) <= 1, sizes  # the epoch's last window at most

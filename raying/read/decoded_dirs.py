@@ -138,7 +138,7 @@ def mark_owner(directory: str, owner: str) -> None:
 
 
 _BUDGET = ".budget"
-_BUDGETS: dict[str, int] = {}  # this process's reading of each directory's budget
+_BUDGETS: dict[str, tuple[int, Any]] = {}  # directory -> (budget, its record's identity)
 
 
 def node_budget(directory: str, measure: Any) -> int:
@@ -147,17 +147,29 @@ def node_budget(directory: str, measure: Any) -> int:
 
     Each process measuring its own would not do: free memory and free tmpfs space fall as
     the cache fills, so a worker started later would open the same directory with a smaller
-    capacity, admit a smaller subset, and its writes would evict what the others cached.
+    capacity, admit a smaller subset, and its writes would evict what the others cached. A
+    process's reading of the record holds while the record does (a pipeline built again
+    under a closed one's name records its own).
     """
-    got = _BUDGETS.get(directory)
-    if got is not None:
-        return got
     path = os.path.join(directory, _BUDGET)
+
+    def identity() -> Any:
+        st = os.stat(path)
+        return (st.st_ino, st.st_mtime_ns)
+
     try:
+        key = identity()
+        memo = _BUDGETS.get(directory)
+        if memo is not None and memo[1] == key:
+            return memo[0]
         with open(path) as fh:
             got = int(fh.read())
     except (OSError, ValueError):
+        memo = _BUDGETS.get(directory)
+        if memo is not None and memo[1] is None:  # no record could be made here: as before
+            return memo[0]
         got = int(measure())
+        key = None
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}"
         try:
             os.makedirs(directory, exist_ok=True)
@@ -168,12 +180,13 @@ def node_budget(directory: str, measure: Any) -> int:
             except FileExistsError:
                 with open(path) as fh:
                     got = int(fh.read())
+            key = identity()
         except (OSError, ValueError):
             pass  # no shared record (a read-only root): this process's own measure
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-    _BUDGETS[directory] = got
+    _BUDGETS[directory] = (got, key)
     return got
 
 

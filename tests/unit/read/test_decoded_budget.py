@@ -147,10 +147,19 @@ def test_every_process_of_a_node_takes_the_first_ones_auto_budget(monkeypatch, t
     assert sorted(os.listdir(directory)) == [".budget"]  # no temp file left
     other = str(tmp_path / "q")  # another pipeline measures its own
     assert decoded_dirs.node_budget(other, lambda: 2 << 20) == 2 << 20
-    # A root it cannot write to: its own measure, no error.
+    # A root it cannot write to: its own measure, no error, steady in this process.
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert decoded_dirs.node_budget(str(blocker / "p"), lambda: 3 << 20) == 3 << 20
+    assert decoded_dirs.node_budget(str(blocker / "p"), lambda: 1 << 20) == 3 << 20
+    # A pipeline built again under the name of a closed one (its folder removed and made
+    # anew) records its own budget, and a long-lived worker takes that one, not its memo.
+    import shutil
+
+    shutil.rmtree(directory)
+    assert decoded_dirs.node_budget(directory, lambda: 4 << 20) == 4 << 20
+    monkeypatch.setattr(decoded_dirs, "_BUDGETS", {})  # a worker of the new pipeline
+    assert decoded_dirs.node_budget(directory, lambda: 1 << 20) == 4 << 20
 
 
 # -- a budget smaller than the decoded set: a fixed subset, not a thrashing LRU -------------------

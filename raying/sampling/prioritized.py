@@ -259,6 +259,7 @@ class PrioritizedSampler:
             self._starting = st.start_refs(self.handle)
             self._start_deadline = time.monotonic() + st.DEFAULT_STORE_START_TIMEOUT_S
             self._fresh, self._fresh_prior = True, prior
+        self._starts, self._group_rows = None, 1  # as this manifest says (bound again)
         if manifest.format == "parquet" and self.rows_per_group > 1:
             rows = manifest.row_group_table()[3]
             self._group_rows = group_rows(self.rows_per_group, rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -9,6 +10,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -228,6 +230,7 @@ def ensure_demo_data(cache_dir: str | os.PathLike | None = None,
     # second takes the first one's folder instead of writing into it.
     try:
         base.mkdir(parents=True, exist_ok=True)
+        _remove_stale_work(base, root.name)
         work = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=base))
         os.chmod(work, 0o755)  # as a plain mkdir would leave it, not mkdtemp's 0700
     except OSError as exc:
@@ -236,17 +239,41 @@ def ensure_demo_data(cache_dir: str | os.PathLike | None = None,
         raise ConfigError(msg) from None
     try:
         bad = _generate(work, spec, progress)
-        if root.exists() and not done.exists():
-            shutil.rmtree(root, ignore_errors=True)  # an interrupted run of an older version
-        try:
+        # Checking, clearing and renaming under one lock: another run's finished folder is
+        # never taken for an interrupted one and removed.
+        with _lock(base):
+            if done.exists():
+                return _cached(root, spec)  # another run finished first: the same data
+            if root.exists():
+                shutil.rmtree(root, ignore_errors=True)  # an interrupted run (no spec.json)
             os.rename(work, root)
-        except OSError:
-            if not done.exists():
-                raise
-            return _cached(root, spec)  # another run finished first: the same data
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return DemoData(root, root / "train", root / "val", spec, bad, True)
+
+
+# A work folder older than this was left by a run that was killed (not one still writing).
+STALE_WORK_S = 6 * 3600
+
+
+def _remove_stale_work(base: Path, name: str) -> None:
+    import time
+
+    for entry in base.glob(f".{name}.*"):
+        try:
+            if entry.is_dir() and time.time() - entry.stat().st_mtime > STALE_WORK_S:
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def _lock(base: Path) -> Iterator[None]:
+    import fcntl
+
+    with open(base / ".lock", "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        yield
 
 
 def _cached(root: Path, spec: DemoDataSpec) -> DemoData:

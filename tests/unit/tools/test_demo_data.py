@@ -34,7 +34,7 @@ def test_two_first_runs_at_once_each_get_the_whole_dataset(tmp_path):
     assert len(roots) == 1
     # Only the runs whose folder was renamed into place say they generated it; all see it.
     assert sum(generated for _, generated in got) >= 1
-    assert os.listdir(tmp_path) == [os.path.basename(roots.pop())]  # no work folder left
+    assert sorted(os.listdir(tmp_path)) == [".lock", os.path.basename(roots.pop())]  # no work folder
     alone = ensure_demo_data(tmp_path / "alone", SPEC)
     assert _files(alone.root) == _files(ensure_demo_data(tmp_path, SPEC).root)
     again = ensure_demo_data(tmp_path, SPEC)
@@ -60,3 +60,14 @@ def test_an_unwritable_folder_names_the_fix(tmp_path):
         assert type(exc).__name__ == "ConfigError" and "--data" in str(exc)
     else:
         raise AssertionError("expected a ConfigError")
+
+
+def test_a_work_folder_left_by_a_killed_run_is_removed_later(tmp_path):
+    first = ensure_demo_data(tmp_path / "x", SPEC)  # the name its work folders take
+    stale = tmp_path / f".{first.root.name}.killed"
+    fresh = tmp_path / f".{first.root.name}.running"
+    stale.mkdir()
+    fresh.mkdir()
+    os.utime(stale, (0, 0))
+    ensure_demo_data(tmp_path, SPEC)
+    assert not stale.exists() and fresh.exists()  # a run still writing keeps its folder

@@ -69,6 +69,17 @@ def _drop_kept_groups_when_idle() -> None:
         time.sleep(left)
 
 
+_PLANNED = "<planned>"  # the kept reads of the planned path, apart from any file's
+
+
+class _KeptChunks:
+    """A planned read's arrays, kept as a plain read's table is (``nbytes`` bounds both)."""
+
+    def __init__(self, arrays: list[pa.Array]) -> None:
+        self.arrays = arrays
+        self.nbytes = sum(a.nbytes for a in arrays)
+
+
 def _unit_key(unit: ReadUnit) -> tuple[int, bytes]:
     """What a kept read serves: units of this epoch that read the same row groups (the slices
     of one unit, and the parts a uniform plan deals a large row group into)."""
@@ -76,8 +87,8 @@ def _unit_key(unit: ReadUnit) -> tuple[int, bytes]:
     return (int(unit.epoch), b"" if groups is None else np.ascontiguousarray(groups).tobytes())
 
 
-def _kept_groups(unit: ReadUnit, namespace: str, path: str, groups: list[int], col: str
-                 ) -> tuple[pq.ParquetFile, pa.Table] | None:
+def _kept_groups(unit: ReadUnit, namespace: str, path: str, groups: list[Any], col: str
+                 ) -> tuple[Any, Any] | None:
     """The tables kept for this unit's file (``namespace``: the dataset as scanned, so that
     another scan of a rewritten file never meets them)."""
     with _UNIT_GROUPS_LOCK:
@@ -86,8 +97,8 @@ def _kept_groups(unit: ReadUnit, namespace: str, path: str, groups: list[int], c
         return _UNIT_GROUPS["tables"].get((namespace, path, tuple(groups), col))
 
 
-def _keep_groups(unit: ReadUnit, namespace: str, path: str, groups: list[int], col: str,
-                 read: tuple[pq.ParquetFile, pa.Table]) -> None:
+def _keep_groups(unit: ReadUnit, namespace: str, path: str, groups: list[Any], col: str,
+                 read: tuple[Any, Any]) -> None:
     key = _unit_key(unit)
     with _UNIT_GROUPS_LOCK:
         if _UNIT_GROUPS["unit"] != key:
@@ -406,10 +417,21 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
     io = IOConfig.coerce(spec.io)
     if io is not None:  # planned, coalesced, cached column chunks
         paths = [_file_path(spec, root, int(f)) for f in groups[:, 0]]
-        try:
-            arrays, acct = read_unit_groups(spec, fs, paths, groups, col, unit, io)
-        except UnitGroupError as exc:
-            raise _parquet_error(spec, spec.files[exc.file], exc.groups, exc.cause) from None
+        # The chunks a unit of the same groups read last in this worker (a slice of a unit,
+        # a part of a dealt window), kept as the plain path keeps its tables: without them
+        # every part fetched the whole window again (8x a one-group file's size on S3).
+        pairs = [(int(f), int(g)) for f, g in groups[:, :2].tolist()]
+        kept = _kept_groups(unit, spec.dataset_key, _PLANNED, pairs, col)
+        if kept is not None:
+            arrays, acct = kept[1].arrays, {}
+        else:
+            try:
+                arrays, acct = read_unit_groups(spec, fs, paths, groups, col, unit, io)
+            except UnitGroupError as exc:
+                raise _parquet_error(spec, spec.files[exc.file], exc.groups,
+                                     exc.cause) from None
+            _keep_groups(unit, spec.dataset_key, _PLANNED, pairs, col,
+                         (None, _KeptChunks(arrays)))
         for f in np.unique(groups[:, 0]) if scanned is not None else ():
             mine = groups[:, 0] == f  # (the footers read for the unit, kept in-process)
             md, _ = footer(fs, _file_path(spec, root, int(f)), namespace=spec.dataset_key)
@@ -528,8 +550,9 @@ def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseExcepti
     if isinstance(exc, StorageError) and not isinstance(exc, FileNotFoundError):
         # Unreachable or refused storage says nothing about the file: keep the storage error.
         kind = type(exc) if isinstance(exc, CredentialsError) else StorageError
-        err = kind(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups}: "
-                   f"{_first_line(exc)}")
+        # Whole: raying's own storage message ends with the fix (the endpoint or the
+        # credentials to set), which a first line of 200 characters cut off.
+        err = kind(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups}: {exc}")
         err.outage = exc.outage
         return err
     return DataError(f"{spec.root.rstrip('/')}/{rel}: cannot read row groups {groups} "

@@ -7,6 +7,7 @@ import pytest
 
 import raying
 from raying.engine.stream import _slice_unit
+from raying.options import IOConfig
 from raying.read import parquet
 from raying.read.task import iter_unit
 from tests.unit.read.test_stages import write_parquet_set
@@ -87,15 +88,28 @@ def test_kept_row_groups_are_dropped_when_the_worker_reads_nothing_for_a_while(
     pipe.close()
 
 
-def test_the_parts_of_a_large_row_group_are_read_once_by_a_worker(tmp_path, counted):
+@pytest.mark.parametrize("planned", [False, True])
+def test_the_parts_of_a_large_row_group_are_read_once_by_a_worker(tmp_path, counted,
+                                                                  monkeypatch, planned):
     """A uniform plan deals a file of one row group (pyarrow's and pandas' default) into
     parts, each a unit reading the group: a worker keeps the group for the parts that follow
-    it instead of reading it once per part."""
+    it instead of reading it once per part, on the plain path and on the planned one
+    (IOConfig: 8x a one-group file's size from S3 without the keep)."""
+    fetched = []
+    real = parquet.read_unit_groups
+
+    def counting(*args, **kwargs):
+        fetched.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(parquet, "read_unit_groups", counting)
     root = write_parquet_set(tmp_path, files=((0, 96),), row_group_size=96)
     m = raying.Manifest.scan(str(root), format="parquet", label="label", columns=["caption"])
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
                            sampler=raying.UniformSampler(seed=2),
-                           config=raying.PipelineConfig(block_rows=8, decoded_cache="off"))
+                           config=raying.PipelineConfig(
+                               block_rows=8, decoded_cache="off",
+                               io=IOConfig() if planned else None))
     units = pipe.plan(0).units
     assert len(units) == 8 and all(len(u.row_groups) == 1 for u in units)
     got = []
@@ -105,5 +119,23 @@ def test_the_parts_of_a_large_row_group_are_read_once_by_a_worker(tmp_path, coun
         assert captions == [f"sample {i}" for i in ids]
         got.append(ids)
     assert sorted(np.concatenate(got).tolist()) == list(range(96))
-    assert len(counted) == 1
+    assert len(fetched if planned else counted) == 1
     pipe.close()
+
+
+def test_a_storage_error_in_a_read_keeps_its_fix():
+    """raying's storage messages end with the fix (the endpoint, the credentials to set); a
+    read of row groups cut them to their first 200 characters ("...: AWS")."""
+    from raying.errors import CredentialsError, StorageError
+    from raying.read.spec import ReadSpec
+
+    spec = ReadSpec(root="s3://b/p", storage=None, fmt="parquet", files=("a.parquet",),
+                    image_column=None, decoded=None, transform=None, seed=0)
+    cause = "x" * 300
+    for kind, fix in ((StorageError, "check that the server is up"),
+                      (CredentialsError, "fix: set AWS_ACCESS_KEY_ID")):
+        exc = kind(f"cannot reach the endpoint: {cause}. {fix}")
+        exc.outage = True
+        err = parquet._parquet_error(spec, "a.parquet", [0], exc)
+        assert type(err) is kind and str(err).endswith(fix) and err.outage
+        assert str(err).startswith("s3://b/p/a.parquet: cannot read row groups [0]: ")

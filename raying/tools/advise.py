@@ -38,6 +38,8 @@ FAST_BANDWIDTH_BYTES_PER_S = 400e6
 LATENCY_BOUND_SHARE = 0.5
 # A device that gains less than this from 16 parallel reads serves one request at a time.
 SERIAL_SPEEDUP = 2.0
+# Parallel reads the storage probe makes (advise_measure.PROBE_PARALLEL_THREADS).
+PARALLEL_PROBE = 16
 # Images per second one current GPU consumes (ResNet-50-class training, mixed precision).
 GPU_IMAGES_PER_S = 2500
 # The memory tier takes at most this share of available memory (and half the free tmpfs);
@@ -99,7 +101,10 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any],
     fast = ((store["whole_file_s"] < FAST_READ_S and (not long_read or fast_bw))
             or (lat < FAST_FIRST_BYTE_S and fast_bw))
     speedup = store["parallel_speedup"]
-    serial = speedup < SERIAL_SPEEDUP
+    # A probe of fewer than 16 parallel reads (a dataset of files over 4 MiB) measured no
+    # parallelism at all: it does not make the storage one that serves a request at a time.
+    measured = store.get("parallel_reads", PARALLEL_PROBE) >= PARALLEL_PROBE
+    serial = speedup < SERIAL_SPEEDUP and measured
     parquet = data["format"] == "parquet"
     size = data["bytes"]
     d_ms = mach.get("decode_ms_per_image")
@@ -113,7 +118,8 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any],
                     "measured": measured})
 
     io_m = (f"latency {lat * 1e3:.2f} ms, bandwidth {'' if long_read else '>= '}"
-            f"{bw / 1e6:.1f} MB/s, 16 parallel reads {speedup:.1f}x serial")
+            f"{bw / 1e6:.1f} MB/s, " + (f"16 parallel reads {speedup:.1f}x serial" if measured
+                                        else "parallel reads not measured"))
     # 1. pack to Parquet
     p50 = data["file_bytes_p50"]
     if parquet:
@@ -210,9 +216,10 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any],
                f"requests of {_kb(req)}, with 2x headroom")
     else:
         conc = UNSATURATED_CONCURRENCY
-        why = (f"16 parallel reads scaled {speedup:.1f}x and never reached the link's "
-               f"bandwidth (files of {_kb(req)}): many more requests can be in flight, as on "
-               f"S3")
+        why = ((f"16 parallel reads scaled {speedup:.1f}x and never reached the link's "
+                f"bandwidth (files of {_kb(req)})" if measured else
+                "parallel reads were not measured (no file under 4 MiB)")
+               + ": many more requests can be in flight, as on S3")
     line("read_concurrency", conc, why, io_m)
     # 5. prefetch depth (batches of 256)
     per_read = lat + req / bw
@@ -282,8 +289,11 @@ def format_report(report: dict[str, Any]) -> str:
              f"{_mb(d['bytes'])}; file size p10/p50/p90 {_kb(d['file_bytes_p10'])} / "
              f"{_kb(d['file_bytes_p50'])} / {_kb(d['file_bytes_p90'])}",
              f"  storage  {s['kind']}: first byte {s['latency_s'] * 1e3:.2f} ms, bandwidth "
-             f"{s['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s ({s['bandwidth_from']}), 16 "
-             f"parallel reads {s['parallel_speedup']:.1f}x serial ({s['probe_reads']} reads)",
+             f"{s['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s ({s['bandwidth_from']}), "
+             + (f"16 parallel reads {s['parallel_speedup']:.1f}x serial"
+                if s.get("parallel_reads", PARALLEL_PROBE) >= PARALLEL_PROBE else
+                "parallel reads not measured (no file under 4 MiB)")
+             + f" ({s['probe_reads']} reads)",
              f"  machine  {m['cores']} cores, {_mb(m['memory_bytes'])} memory "
              f"({_mb(m['memory_available_bytes'])} available), GPU: "
              f"{(str(m['gpus']) + 'x ' + str(m['gpu_name'])) if m['gpus'] else 'none'}, "

@@ -255,8 +255,11 @@ def test_parquet_epoch_matches_folder(image_folder, packed, ray_local):
     assert sorted(ids1.tolist()) == list(range(60)) and ids1.tolist() != ids.tolist()
     st = pipe.stats()
     assert st["skipped_count"] == 0
-    # Uniform mode reads each row group once per epoch: bytes read / bytes delivered <= 1.2.
-    assert 1.0 <= st["io"]["read_amplification"] <= 1.2, st["io"]
+    # Uniform mode reads each window of row groups once per read worker: this 60-row epoch's
+    # windows (4 groups, ~30 rows) are over its unit cap (16 rows, ~1/8 of the epoch), so each
+    # is dealt into 2 parts, and a worker keeps a window for the parts that follow; with 2
+    # workers at most 2 reads of each (1.73 seen; 1.0-1.2 when whole windows were units).
+    assert 1.0 <= st["io"]["read_amplification"] <= 2.2, st["io"]
     # Memory counted whole: this process, every read worker that ran a unit (each measured
     # in its own process, so their pids differ from ours), and this node's tmpfs growth.
     mem = st["memory"]

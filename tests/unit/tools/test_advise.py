@@ -293,3 +293,23 @@ def test_pre_decoded_parquet_on_fast_storage_is_not_called_io_bound():
     # Decoding that is measured and slower than the fetch keeps its reason.
     a, _ = _advice(data, store, _machine(cores=2, decode_ms_per_image=2.0))
     assert "decodes slower than it arrives" in a["prefetch_batches"]["reason"]
+
+
+def test_a_probe_without_parallel_reads_does_not_make_the_storage_serial():
+    """A one-file dataset over 4 MiB gives the probe no parallel reads to make: its 1.0x was
+    taken for storage serving one request at a time ("a disk head") on S3."""
+    data = _data(format="parquet", files=1, samples=6000, bytes=8 * 2**20,
+                 rows_per_row_group=6000, row_group_bytes=8 * 2**20, sample_bytes=1300)
+    store = _store(latency_s=0.01, whole_file_s=0.2, latency_share=0.05,
+                   bandwidth_bytes_per_s=50e6, bandwidth_from="one 8.0 MiB read",
+                   parallel_speedup=1.0, parallel_reads=1)
+    a, _ = _advice(data, store, _machine(cores=2))
+    assert "disk head" not in a["read_concurrency"]["reason"]
+    assert a["read_concurrency"]["value"] != 2
+    report = {"uri": "s3://b/p", "measured": {"dataset": dict(data, paths=[], sizes=[]),
+                                              "storage": store, "machine": _machine(cores=2)}}
+    report["advice"], report["config"] = recommend(data, store, _machine(cores=2))
+    assert "parallel reads not measured" in format_report(report)
+    # Measured (16 reads in flight) and flat: serial, as before.
+    a, _ = _advice(data, dict(store, parallel_reads=16), _machine(cores=2))
+    assert "disk head" in a["read_concurrency"]["reason"]

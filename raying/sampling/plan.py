@@ -94,13 +94,14 @@ def chunk_units(epoch: int, ids: np.ndarray, block_rows: int) -> list[ReadUnit]:
 def row_group_units(epoch: int, rg_file: np.ndarray, rg_index: np.ndarray,
                     rg_start: np.ndarray, rg_rows: np.ndarray, order: np.ndarray,
                     window: int, rng: np.random.Generator | None,
-                    max_rows: int | None = None) -> list[ReadUnit]:
+                    max_rows: int | None = None, block_rows: int = 1) -> list[ReadUnit]:
     """Units of ``window`` row groups each, taken in ``order``; rows shuffled inside a window.
 
     Every row group is read by exactly one unit, so a uniform epoch reads each byte once,
-    unless ``max_rows`` binds: a window of more rows than that is dealt into near-equal
-    parts of its shuffled rows (a fresh deal each epoch), each a unit that reads the groups
-    holding its rows. The windows, and so which rows mix, are the same either way. A worker
+    unless ``max_rows`` binds: a window of more rows than that is dealt into parts of its
+    shuffled rows (a fresh deal each epoch), each a unit that reads the groups holding its
+    rows; parts are whole ``block_rows`` blocks (the last holds the rest), so that a part
+    is read as blocks of the pipeline's size. The windows, and so which rows mix, are the same either way. A worker
     keeps the groups it read for the parts that follow (``raying.read.parquet``), so a
     window is read about once per read worker rather than once per part. See
     :func:`unit_rows_cap`.
@@ -118,7 +119,10 @@ def row_group_units(epoch: int, rg_file: np.ndarray, rg_index: np.ndarray,
             units.append(ReadUnit(epoch=epoch, index=len(units), draw=len(ids), ids=ids,
                                   row_groups=pairs.astype(np.int64)))
             continue
-        cuts = [len(ids) * k // pieces for k in range(pieces + 1)]
+        block = max(1, int(block_rows))
+        share = -(-len(ids) // pieces)
+        per = -(-share // block) * block  # a share, in whole blocks
+        cuts = [*range(0, len(ids), per), len(ids)]
         for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
             part = ids[lo:hi].copy()
             units.append(ReadUnit(epoch=epoch, index=len(units), draw=len(part), ids=part,

@@ -69,7 +69,8 @@ class UniformSampler:
             window = max(self.window_row_groups, _groups_for(rows, block_rows))
             units = row_group_units(epoch, f, g, start, rows, order, window,
                                     rng if self.shuffle else None,
-                                    max_rows=unit_rows_cap(n, block_rows))
+                                    max_rows=unit_rows_cap(n, block_rows),
+                                    block_rows=block_rows)
         else:
             ids = rng.permutation(n) if self.shuffle else np.arange(n, dtype=np.int64)
             units = chunk_units(epoch, ids.astype(np.int64), block_rows)

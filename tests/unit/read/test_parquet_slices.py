@@ -111,7 +111,8 @@ def test_the_parts_of_a_large_row_group_are_read_once_by_a_worker(tmp_path, coun
                                block_rows=8, decoded_cache="off",
                                io=IOConfig() if planned else None))
     units = pipe.plan(0).units
-    assert len(units) == 8 and all(len(u.row_groups) == 1 for u in units)
+    assert len(units) == 6 and all(len(u.row_groups) == 1 for u in units)
+    assert [u.num_rows for u in units] == [16] * 6  # parts of whole blocks of 8
     got = []
     for u in units:
         unit, paths = pipe._fill(u)

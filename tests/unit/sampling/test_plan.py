@@ -135,3 +135,18 @@ def test_the_parts_of_a_large_group_are_fresh_random_rows_each_epoch():
     units = row_group_units(0, zero, zero, zero, np.array([n]), np.arange(1), 4, None,
                             max_rows=cap)
     assert np.concatenate([u.ids for u in units]).tolist() == list(range(n))
+
+
+def test_parts_are_whole_blocks_but_the_last():
+    """A part of 375 rows is read as blocks of 256 and 119 (a batch of 64 then straddles
+    them and is copied); parts of whole blocks keep batches views and a stage's calls full."""
+    from raying.sampling.plan import unit_rows_cap
+
+    zero = np.zeros(1, dtype=np.int64)
+    for n, block in ((3000, 256), (20, 8), (2049, 64), (96, 8)):
+        units = row_group_units(0, zero, zero, zero, np.array([n]), np.arange(1), 4,
+                                np.random.default_rng(0), max_rows=unit_rows_cap(n, block),
+                                block_rows=block)
+        sizes = [u.num_rows for u in units]
+        assert sum(sizes) == n and all(s % block == 0 for s in sizes[:-1]), sizes
+        assert len(units) >= 2 and max(sizes) <= unit_rows_cap(n, block) + block

@@ -94,7 +94,10 @@ def _kept_groups(unit: ReadUnit, namespace: str, path: str, groups: list[Any], c
     with _UNIT_GROUPS_LOCK:
         if _UNIT_GROUPS["unit"] != _unit_key(unit):
             return None
-        return _UNIT_GROUPS["tables"].get((namespace, path, tuple(groups), col))
+        got = _UNIT_GROUPS["tables"].get((namespace, path, tuple(groups), col))
+        if got is not None:  # in use: idle is counted from the last read that took them
+            _UNIT_GROUPS["until"] = time.monotonic() + UNIT_GROUPS_KEEP_S
+        return got
 
 
 def _keep_groups(unit: ReadUnit, namespace: str, path: str, groups: list[Any], col: str,

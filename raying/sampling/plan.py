@@ -119,10 +119,12 @@ def row_group_units(epoch: int, rg_file: np.ndarray, rg_index: np.ndarray,
             units.append(ReadUnit(epoch=epoch, index=len(units), draw=len(ids), ids=ids,
                                   row_groups=pairs.astype(np.int64)))
             continue
+        # The window's blocks dealt near-equally into the parts (rounding each part up to
+        # whole blocks would make fewer, larger parts, and leave Train shares empty).
         block = max(1, int(block_rows))
-        share = -(-len(ids) // pieces)
-        per = -(-share // block) * block  # a share, in whole blocks
-        cuts = [*range(0, len(ids), per), len(ids)]
+        blocks = -(-len(ids) // block)
+        k = min(pieces, blocks)
+        cuts = [min(len(ids), block * (blocks * j // k)) for j in range(k + 1)]
         for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
             part = ids[lo:hi].copy()
             units.append(ReadUnit(epoch=epoch, index=len(units), draw=len(part), ids=part,

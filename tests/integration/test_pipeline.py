@@ -819,7 +819,7 @@ def test_a_parquet_file_of_one_row_group_is_read_in_parallel_and_shared_evenly(t
     assert len(m.row_group_table()[3]) == 1
     whole = raying.Pipeline(m, config=raying.PipelineConfig(block_rows=32))
     units = whole.plan(0).units
-    assert len(units) >= 6  # parts of ~1/8 of the epoch, in whole blocks of 32
+    assert len(units) == 8  # parts of ~1/8 of the epoch, in whole blocks of 32
     largest = max(u.num_rows for u in units)
     ids = np.concatenate([b["id"] for b in whole.iter_batches(batch_size=50, epoch=0)])
     whole.close()
@@ -833,5 +833,6 @@ def test_a_parquet_file_of_one_row_group_is_read_in_parallel_and_shared_evenly(t
         p.close()
     assert sorted(np.concatenate(got).tolist()) == list(range(600))  # every id once
     assert abs(len(got[0]) - len(got[1])) <= largest  # shares differ by one unit at most
+    assert largest <= 96 and min(len(g) for g in got) >= 250  # parts of ~75 rows in blocks
     # Each epoch deals the group afresh: a share does not read the same rows every epoch.
     assert len(set(later.tolist()) & set(got[0].tolist())) < 200

@@ -111,8 +111,8 @@ def test_the_parts_of_a_large_row_group_are_read_once_by_a_worker(tmp_path, coun
                                block_rows=8, decoded_cache="off",
                                io=IOConfig() if planned else None))
     units = pipe.plan(0).units
-    assert len(units) == 6 and all(len(u.row_groups) == 1 for u in units)
-    assert [u.num_rows for u in units] == [16] * 6  # parts of whole blocks of 8
+    assert len(units) == 8 and all(len(u.row_groups) == 1 for u in units)
+    assert all(u.num_rows % 8 == 0 for u in units)  # parts of whole blocks of 8
     got = []
     for u in units:
         unit, paths = pipe._fill(u)
@@ -140,3 +140,25 @@ def test_a_storage_error_in_a_read_keeps_its_fix():
         err = parquet._parquet_error(spec, "a.parquet", [0], exc)
         assert type(err) is kind and str(err).endswith(fix) and err.outage
         assert str(err).startswith("s3://b/p/a.parquet: cannot read row groups [0]: ")
+
+
+def test_kept_row_groups_stay_while_parts_keep_taking_them(tmp_path, counted, monkeypatch):
+    """Idle is counted from the last read that took the kept groups: counted from the read
+    that stored them, a worker whose parts came 0.3 s apart lost them every 0.5 s and read
+    the group again every other part."""
+    import time
+
+    monkeypatch.setattr(parquet, "UNIT_GROUPS_KEEP_S", 0.5)
+    root = write_parquet_set(tmp_path, files=((0, 64),), row_group_size=64)
+    m = raying.Manifest.scan(str(root), format="parquet", label="label")
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           sampler=raying.UniformSampler(seed=2),
+                           config=raying.PipelineConfig(block_rows=8, decoded_cache="off"))
+    units = pipe.plan(0).units
+    assert len(units) == 8
+    for u in units:
+        unit, paths = pipe._fill(u)
+        list(iter_unit(pipe._spec, unit, paths, block_rows=8))
+        time.sleep(0.3)
+    assert len(counted) == 1
+    pipe.close()

@@ -143,10 +143,14 @@ def test_parts_are_whole_blocks_but_the_last():
     from raying.sampling.plan import unit_rows_cap
 
     zero = np.zeros(1, dtype=np.int64)
-    for n, block in ((3000, 256), (20, 8), (2049, 64), (96, 8)):
+    for n, block in ((3000, 256), (20, 8), (2049, 64), (96, 8), (2100, 256), (520, 64)):
+        cap = unit_rows_cap(n, block)
         units = row_group_units(0, zero, zero, zero, np.array([n]), np.arange(1), 4,
-                                np.random.default_rng(0), max_rows=unit_rows_cap(n, block),
-                                block_rows=block)
+                                np.random.default_rng(0), max_rows=cap, block_rows=block)
         sizes = [u.num_rows for u in units]
         assert sum(sizes) == n and all(s % block == 0 for s in sizes[:-1]), sizes
-        assert len(units) >= 2 and max(sizes) <= unit_rows_cap(n, block) + block
+        # As many parts as the cap asks for (whole blocks permitting), none over a block
+        # beyond it: rounded up to whole blocks, 2,100 rows in blocks of 256 made 5 parts
+        # [512 x 4, 52] and left 3 of 8 Train shares empty.
+        assert len(units) == min(-(-n // cap), -(-n // block)), sizes
+        assert max(sizes) <= cap + block, sizes

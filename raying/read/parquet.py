@@ -426,7 +426,7 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
         pairs = [(int(f), int(g)) for f, g in groups[:, :2].tolist()]
         kept = _kept_groups(unit, spec.dataset_key, _PLANNED, pairs, col)
         if kept is not None:
-            arrays, acct = kept[1].arrays, {}
+            arrays, acct = kept[1].arrays, dict.fromkeys(ACCOUNT_KEYS, 0)  # no I/O
         else:
             try:
                 arrays, acct = read_unit_groups(spec, fs, paths, groups, col, unit, io)

@@ -100,11 +100,11 @@ def row_group_units(epoch: int, rg_file: np.ndarray, rg_index: np.ndarray,
     Every row group is read by exactly one unit, so a uniform epoch reads each byte once,
     unless ``max_rows`` binds: a window of more rows than that is dealt into parts of its
     shuffled rows (a fresh deal each epoch), each a unit that reads the groups holding its
-    rows; parts are whole ``block_rows`` blocks (the last holds the rest), so that a part
-    is read as blocks of the pipeline's size. The windows, and so which rows mix, are the same either way. A worker
-    keeps the groups it read for the parts that follow (``raying.read.parquet``), so a
-    window is read about once per read worker rather than once per part. See
-    :func:`unit_rows_cap`.
+    rows. The parts hold near-equal numbers of whole ``block_rows`` blocks (the last block
+    may be short), so that a part is read as blocks of the pipeline's size. The windows, and
+    so which rows mix, are the same either way. A worker keeps the groups it read for the
+    parts that follow (``raying.read.parquet``), so a window is read about once per read
+    worker rather than once per part. See :func:`unit_rows_cap`.
     """
     units: list[ReadUnit] = []
     for start in range(0, len(order), window):

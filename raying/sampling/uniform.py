@@ -24,10 +24,10 @@ class UniformSampler:
 
     Image folders are read in a shuffled file order. Parquet keeps locality: row groups are
     shuffled, then rows are shuffled inside a window of ``window_row_groups`` row groups, so
-    each row group is read once per epoch (read amplification 1.0). A small epoch is cut into
-    about 8 units of at least a block each (``plan.unit_rows_cap``): a window then holds
-    fewer groups, and a group larger than a unit (pyarrow and pandas write a file as one
-    group of up to ~1 M rows) is read by each unit that holds a run of its rows.
+    each row group is read once per epoch (read amplification 1.0), unless a window holds
+    more than ~1/8 of the epoch (``plan.unit_rows_cap``; pyarrow and pandas write a file as
+    one group of up to ~1 M rows): it is then dealt into parts of its shuffled rows, each a
+    read unit, so that the epoch spreads over the cores and the Train shares.
 
     Args:
         seed: the seed; the order of epoch ``e`` depends only on (seed, e).

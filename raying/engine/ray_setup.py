@@ -187,7 +187,8 @@ def check_ray_address(address: str, timeout_s: float = DEFAULT_RAY_CONNECT_TIMEO
 
     Raises:
         ConfigError: an ``http(s)://`` address (the job API's, for ``ray job submit``).
-        RayConnectionError (a ConnectionError): nothing accepts a connection at ``host:port`` (or ``ray://``'s).
+        RayConnectionError: (a ConnectionError) nothing accepts a connection at
+            ``host:port`` (or ``ray://``'s).
     """
     if address in ("auto", "local"):
         return

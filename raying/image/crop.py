@@ -109,24 +109,11 @@ def center_boxes(heights: np.ndarray, widths: np.ndarray, size: int, resize: int
     return np.stack([top, left, box_h, box_w], axis=1)
 
 
-def reduce_eighths(crop_h: int, crop_w: int, size: int) -> int:
-    """Smallest n in (1, 2, 4) such that the crop at n/8 scale still covers ``size``; else 8.
-
-    Used for the JPEG DCT-domain downscale, and for the matching 2x area reductions of
-    already decoded images, so both paths reduce a crop the same way before the final resize.
-    """
-    short = min(crop_h, crop_w)
-    for n in (1, 2, 4):
-        if short * n >= 8 * size:
-            return n
-    return 8
-
-
 def halvings(crop_h: float, crop_w: float, size: int) -> int:
     """How many times the crop halves before its short side falls under ``size``: the 2x
     reductions (libjpeg's DCT scaling gives the first three) that leave the final resample
-    shrinking by less than 2x, so that it does not alias. ``reduce_eighths`` is
-    ``8 >> min(halvings, 3)``."""
+    shrinking by less than 2x, so that it does not alias (a JPEG decoded at
+    ``8 >> min(halvings, 3)`` eighths, then halved for the rest)."""
     short = min(crop_h, crop_w)
     k = 0
     while short >= 2 * size:

@@ -261,10 +261,10 @@ class PrioritizedSampler:
             self._fresh, self._fresh_prior = True, prior
         self._starts, self._group_rows = None, 1  # as this manifest says (bound again)
         if manifest.format == "parquet" and self.rows_per_group > 1:
-            rows = manifest.row_group_table()[3]
+            _, _, starts, rows = manifest.row_group_table()
             self._group_rows = group_rows(self.rows_per_group, rows)
             if self._group_rows > 1:
-                self._starts = manifest.row_group_table()[2]
+                self._starts = starts
 
     def _prior_weights(self, manifest: Any) -> np.ndarray | None:
         """The prior resolved against the dataset's labels (validated here), or None."""

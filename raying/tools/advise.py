@@ -38,8 +38,6 @@ FAST_BANDWIDTH_BYTES_PER_S = 400e6
 LATENCY_BOUND_SHARE = 0.5
 # A device that gains less than this from 16 parallel reads serves one request at a time.
 SERIAL_SPEEDUP = 2.0
-# Parallel reads the storage probe makes (advise_measure.PROBE_PARALLEL_THREADS).
-PARALLEL_PROBE = 16
 # Images per second one current GPU consumes (ResNet-50-class training, mixed precision).
 GPU_IMAGES_PER_S = 2500
 # The memory tier takes at most this share of available memory (and half the free tmpfs);
@@ -103,7 +101,7 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any],
     speedup = store["parallel_speedup"]
     # A probe of fewer than 16 parallel reads (a dataset of files over 4 MiB) measured no
     # parallelism at all: it does not make the storage one that serves a request at a time.
-    measured = store.get("parallel_reads", PARALLEL_PROBE) >= PARALLEL_PROBE
+    measured = store.get("parallel_reads", _m.PROBE_PARALLEL_THREADS) >= _m.PROBE_PARALLEL_THREADS
     serial = speedup < SERIAL_SPEEDUP and measured
     parquet = data["format"] == "parquet"
     size = data["bytes"]
@@ -291,7 +289,7 @@ def format_report(report: dict[str, Any]) -> str:
              f"  storage  {s['kind']}: first byte {s['latency_s'] * 1e3:.2f} ms, bandwidth "
              f"{s['bandwidth_bytes_per_s'] / 1e6:.1f} MB/s ({s['bandwidth_from']}), "
              + (f"16 parallel reads {s['parallel_speedup']:.1f}x serial"
-                if s.get("parallel_reads", PARALLEL_PROBE) >= PARALLEL_PROBE else
+                if s.get("parallel_reads", _m.PROBE_PARALLEL_THREADS) >= _m.PROBE_PARALLEL_THREADS else
                 "parallel reads not measured (no file under 4 MiB)")
              + f" ({s['probe_reads']} reads)",
              f"  machine  {m['cores']} cores, {_mb(m['memory_bytes'])} memory "

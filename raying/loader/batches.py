@@ -179,7 +179,9 @@ def prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | 
              stall: list[float] | None = None,
              timed: Callable[[float], None] | None = None,
              left_running: list[threading.Thread] | None = None,
-             ended: Callable[[], BaseException | None] | None = None) -> Iterator[Any]:
+             ended: Callable[[], BaseException | None] | None = None,
+             live: set[tuple[threading.Event, threading.Thread]] | None = None
+             ) -> Iterator[Any]:
     """Run ``source`` (and ``convert``) in a background thread, ``depth`` items ahead.
 
     Errors raised in the thread are re-raised in the consumer. ``stall`` (if given) accumulates
@@ -189,11 +191,13 @@ def prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | 
     shuts the source's resources down (Ray) must wait for it first. ``ended`` (if given) is
     asked every ``PREFETCH_POLL_S`` the consumer waits: an exception it returns is raised
     in the consumer, which stops waiting for the thread (whose source may never return,
-    e.g. a wait inside Ray on a session shut down under it).
+    e.g. a wait inside Ray on a session shut down under it). ``live`` holds ``(stop event,
+    thread)`` while the thread runs: setting the event stops it at its next item, so that
+    the owner can stop an iteration its consumer still holds (``Pipeline.close``).
     """
     began = time.perf_counter()
     try:
-        yield from _prefetch(source, depth, convert, stall, left_running, ended)
+        yield from _prefetch(source, depth, convert, stall, left_running, ended, live)
     finally:
         if timed is not None:
             timed(time.perf_counter() - began)
@@ -227,7 +231,9 @@ def release_freed_memory() -> None:
 def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] | None,
               stall: list[float] | None,
               left_running: list[threading.Thread] | None = None,
-              ended: Callable[[], BaseException | None] | None = None) -> Iterator[Any]:
+              ended: Callable[[], BaseException | None] | None = None,
+              live: set[tuple[threading.Event, threading.Thread]] | None = None
+              ) -> Iterator[Any]:
     if depth <= 0:
         while True:
             t0 = time.perf_counter()
@@ -265,6 +271,9 @@ def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] |
                 source.close()  # this thread's generator: closed here, where it runs
 
     thread = threading.Thread(target=work, name="raying-prefetch", daemon=True)
+    entry = (stop, thread)
+    if live is not None:
+        live.add(entry)
     thread.start()
     try:
         while True:
@@ -290,6 +299,8 @@ def _prefetch(source: Iterator[Any], depth: int, convert: Callable[[Any], Any] |
                 pass
         if thread.is_alive() and left_running is not None:
             left_running[:] = [t for t in left_running if t.is_alive()] + [thread]
+        if live is not None:
+            live.discard(entry)
 
 
 def _take(q: queue.Queue, ended: Callable[[], BaseException | None] | None) -> Any:

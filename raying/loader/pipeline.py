@@ -138,6 +138,8 @@ class Pipeline:
         # close() waits for them, since a thread inside Ray's core when Ray shuts down
         # aborts the process.
         self._left_running: list[threading.Thread] = []
+        # The prefetch threads of iterations still held by a consumer (stop event, thread).
+        self._live_prefetch: set[tuple[threading.Event, threading.Thread]] = set()
         self._ray: str | None = None  # the Ray session the reads, store and refs belong to
         self._bound = False
         self._closed = False
@@ -268,7 +270,10 @@ class Pipeline:
 
     def _ended_now(self) -> ConfigError | None:
         """The ended-session error while waiting on the reader thread, None while Ray is up:
-        a read the thread waits on inside Ray may never return once Ray is shut down."""
+        a read the thread waits on inside Ray may never return once Ray is shut down; the
+        closed error once the pipeline is closed (close() stops the thread)."""
+        if self._closed:
+            return ConfigError(CLOSED)
         try:
             ended = self._session_ended()
         except Exception:  # noqa: BLE001 - Ray shut down between its own checks: ended
@@ -429,10 +434,12 @@ class Pipeline:
         """The epoch's blocks in plan order (host numpy; image uint8 NHWC)."""
         return self._epoch_blocks(epoch, tail=0)
 
-    def _epoch_blocks(self, epoch: int, *, tail: int) -> Iterator[dict[str, np.ndarray]]:
+    def _epoch_blocks(self, epoch: int, *, tail: int,
+                      counted: bool = True) -> Iterator[dict[str, np.ndarray]]:
         """``iter_blocks`` for a batch iteration that drops a last batch of fewer than
         ``tail`` rows (``drop_last``; 0: none): once every block is in and fewer rows are
-        left, the epoch is done for ``state_dict()``."""
+        left, the epoch is done for ``state_dict()``. ``counted=False`` reads without adding
+        the reads' accounts or the blocks to ``stats()`` (a look ahead that no user gets)."""
         epoch = _epoch(epoch)
         stream = self._block_stream()
         start_unit, skip, base = 0, 0, 0
@@ -450,7 +457,7 @@ class Pipeline:
         cursor = self._cursor = {"epoch": int(epoch), "units": units, "delivered": base,
                                  "base": base, "start": (start_unit, skip), "tail": tail}
         offset = {start_unit: skip}  # rows of each unit already accounted for
-        tally = EpochTally(self._on_account)
+        tally = EpochTally(self._on_account if counted else lambda account: None)
         # The epoch's first block with rows, as empty columns of its dtypes and row shapes.
         keys: dict[str, np.ndarray] | None = None
         blocks = stream.iter_epoch(int(epoch), start_unit=start_unit, skip_rows=skip,
@@ -483,8 +490,11 @@ class Pipeline:
             begin = offset.get(index, 0)
             offset[index] = begin + len(block["id"])
             units.append((index, begin, begin + len(block["id"]), last))
-            self.account.observe_block(int(epoch), block)
+            if counted:
+                self.account.observe_block(int(epoch), block)
             yield block
+        if not counted:
+            return
         self.account.end_epoch(int(epoch))
         if not base:  # a resumed epoch delivered rows before its checkpoint: not all bad
             tally.refuse_all_bad(len(self.manifest), self.manifest.root, int(epoch))
@@ -545,7 +555,7 @@ class Pipeline:
         mine = self._begin_iteration()
         for batch in prefetch(batches(), depth, stall=self.account.stall,
                               timed=self.account.iterated, left_running=self._left_running,
-                              ended=self._ended_now):
+                              ended=self._ended_now, live=self._live_prefetch):
             self._still_current(mine)
             self._cursor["delivered"] += len(batch["id"])
             self.account.delivered(len(batch["id"]))
@@ -589,7 +599,7 @@ class Pipeline:
         mine = self._begin_iteration()
         for batch in prefetch(batches(), depth, stall=self.account.stall,
                               timed=self.account.iterated, left_running=self._left_running,
-                              ended=self._ended_now):
+                              ended=self._ended_now, live=self._live_prefetch):
             self._still_current(mine)
             n = int(batch["id"].shape[0])
             self._cursor["delivered"] += n
@@ -600,15 +610,21 @@ class Pipeline:
     def _first_batch(self, *, batch_size: int, epoch: int,
                      drop_last: bool) -> dict[str, Any] | None:
         """The first batch of ``epoch``, read to learn what the stages return. No user gets
-        it: the position (``state_dict``, a loaded resume point) and the delivery figures of
-        ``stats()`` stay as they were."""
+        it: the position (``state_dict``, a loaded resume point) and ``stats()`` stay as they
+        were (its reads are read again by the epoch's iteration, and counted there)."""
+        epoch = _epoch(epoch)
         state, cursor, resume = self.account.delivery_state(), dict(self._cursor), self._resume
-        probe = self.iter_batches(batch_size=batch_size, epoch=epoch, prefetch_batches=0,
-                                  drop_last=drop_last)
+        self._block_stream().set_batch_rows(batch_size)
+        self._begin_iteration()  # an older iteration's prefetched batches are refused
+        assembler = BatchAssembler(batch_size, drop_last=drop_last)
+        blocks = self._epoch_blocks(epoch, tail=batch_size if drop_last else 0, counted=False)
         try:
-            return next(probe, None)
+            for block in blocks:
+                for batch in assembler.push(block):
+                    return batch
+            return next(iter(assembler.finish()), None)
         finally:
-            probe.close()
+            blocks.close()
             self.account.restore_delivery(state)
             self._cursor, self._resume = cursor, resume
 
@@ -822,16 +838,22 @@ class Pipeline:
         if self._ray is not None and ray_session() != self._ray:
             self._close_after_ray()
             return
+        # Iterations a consumer still holds: their threads stop at their next item, and the
+        # consumer's next() raises the closed error.
+        live = list(self._live_prefetch)
+        for stop, _ in live:
+            stop.set()
         stream, running = self._stream, []
         if stream is not None:
             running = stream.close()
             self._stream = None
         deadline = time.monotonic() + DEFAULT_CLOSE_WAIT_S
-        for thread in self._left_running:  # they stop at their read's end (superseded)
+        threads = self._left_running + [thread for _, thread in live]
+        for thread in threads:  # they stop at their read's end (superseded)
             thread.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in self._left_running):
-            logger.warning("pipeline %s: a stopped iterator's read still ran %.0f s after "
-                           "close(); shutting Ray down now may abort the process", self.name,
+        if any(t.is_alive() for t in threads):
+            logger.warning("pipeline %s: an iterator's read still ran %.0f s after close(); "
+                           "shutting Ray down now may abort the process", self.name,
                            DEFAULT_CLOSE_WAIT_S)
         self._left_running.clear()
         if self._dataset_reads is not None:

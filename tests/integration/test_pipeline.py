@@ -632,6 +632,24 @@ def test_an_iterator_of_a_pipeline_closed_under_it_says_it_was_closed(image_fold
             pass
 
 
+def test_close_stops_the_prefetch_thread_of_an_iterator_still_held(image_folder, ray_local):
+    """An iterator the consumer still holds (not exhausted, not closed) when the pipeline
+    closes: its prefetch thread stops with close(), and does not keep the queued batches."""
+    import threading
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=8, decoded_cache="off"))
+    it = pipe.iter_batches(batch_size=4, epoch=0, prefetch_batches=2)
+    next(it)
+    threads = [t for t in threading.enumerate() if t.name == "raying-prefetch"]
+    assert threads
+    pipe.close()
+    assert not any(t.is_alive() for t in threads)
+    with pytest.raises(raying.ConfigError, match=r"closed"):
+        next(it)
+
+
 def test_close_waits_for_running_reads_before_it_frees_the_decoded_cache(image_folder,
                                                                          ray_local, monkeypatch):
     """The next epoch's first read tasks still run when the trainer closes the pipeline; they

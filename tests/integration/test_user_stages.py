@@ -182,7 +182,9 @@ def test_to_tf_follows_stages_that_retype_pad_or_drop_parquet_columns(parquet_se
 
     pipe = staged_pipeline(parquet_set, stages=False).map_batches(retype)
     ds = pipe.to_tf(batch_size=7, epoch=0)
-    assert pipe.stats()["rows_delivered"] == 0
+    before = pipe.stats(sampling=False)
+    assert before["rows_delivered"] == 0 and before["rows_read"] == 0
+    assert before["units"] == 0 and before["io"]["io_bytes_fetched"] == 0
     assert pipe.state_dict()["delivered"] == 0
     got = {}
     for b in ds:
@@ -192,7 +194,8 @@ def test_to_tf_follows_stages_that_retype_pad_or_drop_parquet_columns(parquet_se
             got[i] = (float(b["n"][k]), b["boxes"][k].numpy().tolist())
     assert got == {i: (float(np.float32(10 * i) / 10),
                        [i + 0.5] * (i % 4) + [0.0] * (3 - i % 4)) for i in range(36)}
-    assert pipe.stats()["rows_delivered"] == 36
+    after = pipe.stats(sampling=False)
+    assert after["rows_delivered"] == 36 and after["rows_read"] == 36
     pipe.close()
 
 

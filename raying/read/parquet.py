@@ -16,6 +16,7 @@ import bisect
 import dataclasses
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +43,12 @@ from raying.storage import errors as _storage_errors
 from raying.storage import files as _storage
 from raying.storage.tiers import profile_for
 
-_FOOTERS: dict[tuple[int, str, str], tuple[pq.FileMetaData, int]] = {}
+# Parsed footers a worker keeps (the most recently used first to stay), up to this many
+# bytes of serialized footers: a dataset of many files with many row groups would
+# otherwise leave every footer it ever read in every read worker.
+FOOTERS_KEEP_BYTES = 64 << 20
+_FOOTERS: OrderedDict[tuple[int, str, str], tuple[pq.FileMetaData, int]] = OrderedDict()
+_FOOTERS_HELD = [0]  # serialized bytes of the footers in _FOOTERS
 _FOOTERS_LOCK = threading.Lock()
 
 # A read unit over its byte share runs as slices, one task each (raying.engine.stream), and
@@ -130,6 +136,8 @@ def footer(fs: Any, path: str, stats: OpStats | None = None, *, cache: Any = Non
     key = (id(fs), namespace, path)
     with _FOOTERS_LOCK:
         hit = _FOOTERS.get(key)
+        if hit is not None:
+            _FOOTERS.move_to_end(key)
     if hit is not None:
         return hit
     got = cache.get_many([f"{path}#footer"]) if cache is not None else [None]
@@ -155,9 +163,22 @@ def footer(fs: Any, path: str, stats: OpStats | None = None, *, cache: Any = Non
             md.write_metadata_file(sink)
             cache.put_many([f"{path}#footer"], [size.to_bytes(8, "little")
                                                + sink.getvalue().to_pybytes()], [1.0])
-    with _FOOTERS_LOCK:
-        _FOOTERS[key] = (md, size)
+    _keep_footer(key, md, size)
     return md, size
+
+
+def _keep_footer(key: tuple[int, str, str], md: pq.FileMetaData, size: int) -> None:
+    """Keep a parsed footer for the next reads of its file, dropping the least recently used
+    beyond ``FOOTERS_KEEP_BYTES`` (the one just read always stays)."""
+    with _FOOTERS_LOCK:
+        old = _FOOTERS.pop(key, None)
+        if old is not None:
+            _FOOTERS_HELD[0] -= old[0].serialized_size
+        _FOOTERS[key] = (md, size)
+        _FOOTERS_HELD[0] += md.serialized_size
+        while _FOOTERS_HELD[0] > FOOTERS_KEEP_BYTES and len(_FOOTERS) > 1:
+            _, (dropped, _) = _FOOTERS.popitem(last=False)
+            _FOOTERS_HELD[0] -= dropped.serialized_size
 
 
 def chunk_range(md: pq.FileMetaData, group: int, column: str) -> tuple[int, int]:

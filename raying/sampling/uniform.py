@@ -39,6 +39,9 @@ class UniformSampler:
     shuffle: bool = True
     window_row_groups: int = dataclasses.field(
         default_factory=lambda: settings().parquet_window_row_groups)
+    # The bound manifest's format: window_row_groups shapes Parquet plans only.
+    _format: str | None = dataclasses.field(default=None, init=False, repr=False,
+                                            compare=False)
 
     name: ClassVar[str] = "uniform"
     lazy: ClassVar[bool] = False
@@ -57,7 +60,8 @@ class UniformSampler:
             raise ConfigError(msg)
 
     def bind(self, manifest: Any, *, name: str) -> None:
-        """Nothing to set up: a uniform plan needs no store."""
+        """No store to set up: notes the manifest's format (what a saved state must match)."""
+        object.__setattr__(self, "_format", manifest.format)
 
     def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:
         """The plan of ``epoch``: units of about ``block_rows`` ids each."""
@@ -99,7 +103,8 @@ class UniformSampler:
         return {"sampler": self.name, "seed": self.seed}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.name, "seed": int(self.seed)}
+        return {"sampler": self.name, "seed": int(self.seed), "shuffle": bool(self.shuffle),
+                "window_row_groups": int(self.window_row_groups)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("sampler") != self.name:
@@ -112,6 +117,19 @@ class UniformSampler:
             msg = (f"state was saved with UniformSampler(seed={state.get('seed')}) but this "
                    f"pipeline has seed={self.seed}; build the pipeline with the saved seed")
             raise ConfigError(msg)
+        # Either setting makes another plan (a state saved by an older raying has neither).
+        saved = {"shuffle": state.get("shuffle", self.shuffle)}
+        if self._format in (None, "parquet"):  # folders' plans do not depend on it
+            saved["window_row_groups"] = state.get("window_row_groups", self.window_row_groups)
+        for key, value in saved.items():
+            if value != getattr(self, key):
+                hint = (" (its default comes from RAYING_PARQUET_WINDOW_ROW_GROUPS)"
+                        if key == "window_row_groups" else "")
+                msg = (f"state was saved with UniformSampler({key}={value!r}) but this "
+                       f"pipeline has {key}={getattr(self, key)!r}{hint}: its plan is another "
+                       f"one, so the saved position would repeat or skip rows; build the "
+                       f"pipeline with the saved {key}")
+                raise ConfigError(msg)
 
 
 def _groups_for(rows: np.ndarray, block_rows: int) -> int:

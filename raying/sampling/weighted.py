@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -251,13 +252,40 @@ class WeightedSampler:
             out["prob_max"] = float(self._probs.max())
         return out
 
+    def _probs_digest(self) -> str | None:
+        """A digest of the bound draw probabilities (weights, class balance and labels
+        together), None before bind."""
+        if self._probs is None:
+            return None
+        return hashlib.blake2b(np.ascontiguousarray(self._probs, np.float64).tobytes(),
+                               digest_size=12).hexdigest()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"sampler": self.name, "seed": self.seed, **self._aside.state()}
+        out = {"sampler": self.name, "seed": self.seed,
+               "samples_per_epoch": self.samples_per_epoch, **self._aside.state()}
+        digest = self._probs_digest()
+        if digest is not None:
+            out["probs_digest"] = digest
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("sampler") != self.name or state.get("seed") != self.seed:
             msg = (f"state was saved by {state.get('sampler')!r} with seed "
                    f"{state.get('seed')!r}; this pipeline has WeightedSampler(seed="
                    f"{self.seed}); build it with the saved sampler and seed")
+            raise ConfigError(msg)
+        # The draws follow the probabilities and their count: another of either is another
+        # plan, and the saved position would repeat or skip draws (an older state has neither).
+        if state.get("samples_per_epoch", self.samples_per_epoch) != self.samples_per_epoch:
+            msg = (f"state was saved with WeightedSampler(samples_per_epoch="
+                   f"{state['samples_per_epoch']!r}) but this pipeline has samples_per_epoch="
+                   f"{self.samples_per_epoch!r}; build it with the saved setting")
+            raise ConfigError(msg)
+        saved, mine = state.get("probs_digest"), self._probs_digest()
+        if saved is not None and mine is not None and saved != mine:
+            msg = ("state was saved by a WeightedSampler whose draw probabilities differ from "
+                   "this pipeline's (other weights, class_balanced or labels): its plan is "
+                   "another one, so the saved position would repeat or skip draws; build it "
+                   "with the saved weights")
             raise ConfigError(msg)
         self._aside.load(state)

@@ -162,3 +162,36 @@ def test_kept_row_groups_stay_while_parts_keep_taking_them(tmp_path, counted, mo
         time.sleep(0.3)
     assert len(counted) == 1
     pipe.close()
+
+
+def test_a_worker_keeps_the_footers_it_used_last_within_its_byte_budget(tmp_path, monkeypatch):
+    """Parsed footers stay for the next reads of their files, the least recently used
+    dropped past FOOTERS_KEEP_BYTES (a dataset of many files would otherwise leave every
+    footer in every read worker); the one just read always stays."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pyarrow import fs as pafs
+
+    paths = []
+    for k in range(4):
+        path = str(tmp_path / f"part-{k}.parquet")
+        pq.write_table(pa.table({"x": np.arange(100 * (k + 1))}), path, row_group_size=10)
+        paths.append(path)
+    local = pafs.LocalFileSystem()
+    one = pq.read_metadata(paths[0]).serialized_size
+    monkeypatch.setattr(parquet, "_FOOTERS", parquet.OrderedDict())
+    monkeypatch.setattr(parquet, "_FOOTERS_HELD", [0])
+    monkeypatch.setattr(parquet, "FOOTERS_KEEP_BYTES", 3 * one)  # room for about two
+    stats = parquet.OpStats()
+    md0, _ = parquet.footer(local, paths[0], stats, namespace="d")
+    assert parquet.footer(local, paths[0], stats, namespace="d")[0] is md0  # kept
+    assert stats.requests == 1
+    for path in paths[1:]:
+        parquet.footer(local, path, stats, namespace="d")
+    kept = [key[2] for key in parquet._FOOTERS]
+    assert kept[-1] == paths[-1] and paths[0] not in kept
+    assert parquet._FOOTERS_HELD[0] == sum(md.serialized_size
+                                           for md, _ in parquet._FOOTERS.values())
+    assert parquet._FOOTERS_HELD[0] <= 3 * one or len(kept) == 1
+    parquet.footer(local, paths[0], stats, namespace="d")  # read again once dropped
+    assert stats.requests == 5

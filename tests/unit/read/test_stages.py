@@ -865,6 +865,44 @@ def test_staged_blocks_in_the_reused_buffer_equal_fresh_ones(tmp_path, fn):
     pipe.close()
 
 
+class _KeepsEarlier:
+    """A stage that keeps every input it saw (a mosaic's or a memory bank's earlier images,
+    and a view of them) with a copy taken at the call, then returns new pixels."""
+
+    def __init__(self):
+        self.kept = []
+
+    def __call__(self, batch):
+        image = batch["image"]
+        self.kept.append((image, image[:, ::-1], image.copy()))
+        batch["image"] = 255 - image
+        return batch
+
+
+def test_images_a_stage_keeps_from_earlier_calls_stay_as_it_got_them(tmp_path):
+    """The read task reuses its output buffer for the stage's output and the next block: what
+    a stage keeps of its input must not change under it on any path."""
+    from raying.read.task import iter_unit
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "img", n=70, classes=2, size=(24, 32), seed=8,
+                             formats=("jpg",))
+    for reuse in (False, True):
+        stage = _KeepsEarlier()
+        pipe = raying.Pipeline(raying.Manifest.scan(str(root)),
+                               transform=raying.ImageTransform(size=SIZE),
+                               sampler=raying.UniformSampler(seed=1)).map_batches(stage)
+        for u in pipe.plan(0).units:
+            for _ in iter_unit(pipe._spec, *pipe._fill(u), block_rows=20,
+                               reuse_output=reuse):
+                pass
+        assert sum(len(k[0]) for k in stage.kept) == 70
+        for image, flipped, copy in stage.kept:
+            np.testing.assert_array_equal(image, copy)
+            np.testing.assert_array_equal(flipped, copy[:, ::-1])
+        pipe.close()
+
+
 def test_stage_call_rows_keep_a_call_small_and_divide_a_chunk():
     from raying.read.stages import DEFAULT_STAGE_ROWS, STAGE_CALL_BYTES, stage_call_rows
 

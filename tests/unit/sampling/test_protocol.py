@@ -19,7 +19,8 @@ def test_a_uniform_sampler_answers_every_protocol_call_without_a_store():
     s.set_aside([1, 2])
     s.flush()
     s.report([1], [0.5])
-    assert s.state_dict() == {"sampler": "uniform", "seed": 3}
+    assert s.state_dict() == {"sampler": "uniform", "seed": 3, "shuffle": True,
+                              "window_row_groups": s.window_row_groups}
 
 
 def test_a_pipeline_refuses_what_is_not_a_sampler(tmp_path):
@@ -39,3 +40,24 @@ def test_a_uniform_sampler_refuses_another_sampler_s_state():
                                                      r"sampler; this pipeline has Uniform"):
             s.load_state_dict(other)
 
+
+
+def test_a_uniform_sampler_refuses_a_state_of_another_order_or_window(tmp_path):
+    """shuffle and (for Parquet) window_row_groups make another plan: a saved position in
+    it would repeat or skip rows. A folder's plan does not depend on the window."""
+    from raying.tools.datagen import make_image_folder
+
+    s = raying.UniformSampler(seed=3, window_row_groups=4)
+    with pytest.raises(raying.ConfigError, match=r"saved with UniformSampler\(shuffle=True\) "
+                                                 r"but this pipeline has shuffle=False"):
+        raying.UniformSampler(seed=3, shuffle=False, window_row_groups=4).load_state_dict(
+            s.state_dict())
+    with pytest.raises(raying.ConfigError, match=r"window_row_groups=4\) but this pipeline "
+                                                 r"has window_row_groups=1 .*RAYING_PARQUET"):
+        raying.UniformSampler(seed=3, window_row_groups=1).load_state_dict(s.state_dict())
+    folder = raying.Manifest.scan(str(make_image_folder(tmp_path / "imgs", n=4, classes=2,
+                                                        size=(8, 8))))
+    t = raying.UniformSampler(seed=3, window_row_groups=1)
+    t.bind(folder, name="t")
+    t.load_state_dict(s.state_dict())  # a folder: the window does not matter
+    raying.UniformSampler(seed=3).load_state_dict({"sampler": "uniform", "seed": 3})  # older

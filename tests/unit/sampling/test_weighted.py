@@ -206,3 +206,28 @@ def test_huge_finite_weights_keep_their_ratios():
 def test_samples_per_epoch_must_be_a_positive_int(cls, bad):
     with pytest.raises(raying.ConfigError, match=r"samples_per_epoch=...\) must be an int >= 1"):
         cls(samples_per_epoch=bad)
+
+
+def test_a_state_of_other_weights_or_draw_count_is_refused():
+    """Other probabilities or another samples_per_epoch make another plan: a saved position
+    in it would repeat or skip draws. A state saved before these were recorded loads."""
+    import json
+
+    m = FakeManifest(_labels([30, 10]))
+
+    def bound(**kw):
+        s = raying.WeightedSampler(seed=1, **kw)
+        s.bind(m, name="t")
+        return s
+
+    saved = json.loads(json.dumps(bound(class_balanced=True).state_dict()))
+    bound(class_balanced=True).load_state_dict(saved)
+    with pytest.raises(raying.ConfigError, match=r"draw probabilities differ"):
+        bound().load_state_dict(saved)
+    with pytest.raises(raying.ConfigError, match=r"draw probabilities differ"):
+        bound(weights=np.arange(40) + 1.0).load_state_dict(saved)
+    with pytest.raises(raying.ConfigError, match=r"samples_per_epoch=None\) but this "
+                                                 r"pipeline has samples_per_epoch=100"):
+        bound(class_balanced=True, samples_per_epoch=100).load_state_dict(saved)
+    older = {k: v for k, v in saved.items() if k not in ("probs_digest", "samples_per_epoch")}
+    bound().load_state_dict(older)

@@ -347,7 +347,8 @@ def _extra_columns(columns: Any, format: str, uri: str) -> list[tuple[str, str]]
         msg = (f"columns={columns!r} names {taken}, which every batch already has "
                f"({', '.join(RESERVED)}); carry such a column under another key with a dict, "
                f"columns={{{renames}}} (the label column is label=, the image column "
-               f"image_column=)")
+               f"image_column=); the dataset's own image or label column is carried already: "
+               f"leave it out")
         raise ConfigError(msg)
     return pairs
 

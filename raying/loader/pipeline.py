@@ -143,6 +143,7 @@ class Pipeline:
         self._ray: str | None = None  # the Ray session the reads, store and refs belong to
         self._bound = False
         self._closed = False
+        self._warned_empty_share = False
         self._dataset_reads: DatasetReads | None = None  # once dataset() ran
         self._lookup: ManifestLookup | None = None
         self._spec_ready = False
@@ -199,7 +200,8 @@ class Pipeline:
         if self._closed or self._bound or self._stream is not None:
             msg = (f"map_batches on Pipeline {self.name!r} after it started (or closed); "
                    f"expected a pipeline that has not read yet: chain map_batches right after "
-                   f"Pipeline(...), before iterating, so the sampler is bound once")
+                   f"Pipeline(...), before iterating, before load_state_dict() and report() "
+                   f"(they start it), so the sampler is bound once")
             raise ConfigError(msg)
         if not callable(fn):
             msg = f"map_batches needs a function of the batch dict, got {type(fn).__name__}"
@@ -495,10 +497,28 @@ class Pipeline:
             yield block
         if not counted:
             return
+        if cursor.get("last_unit") == -1 and self.config.shard is not None and not base:
+            self._warn_empty_share(int(epoch))
         self.account.end_epoch(int(epoch))
         if not base:  # a resumed epoch delivered rows before its checkpoint: not all bad
             tally.refuse_all_bad(len(self.manifest), self.manifest.root, int(epoch))
         cursor["blocks_done"] = True  # every block of the epoch received
+
+    def _warn_empty_share(self, epoch: int) -> None:
+        """Say, once, that this share of a sharded epoch (a Train worker's) got no rows: the
+        epoch has fewer read units than workers, and a loop whose steps wait for every
+        worker (DDP's gradient all-reduce) would wait for this one."""
+        if self._warned_empty_share:
+            return
+        self._warned_empty_share = True
+        index, count = self.config.shard
+        units = len(self.sampler.plan(self.manifest, epoch, block_rows=self.block_rows()).units)
+        logger.warning("pipeline %s: worker %d of %d got no rows of epoch %d: the epoch has %d "
+                       "read units of up to %d rows for %d workers, and each unit goes to one "
+                       "worker. A loop whose steps wait for every worker (DDP) waits for this "
+                       "one: use fewer workers, smaller units (PipelineConfig(block_rows=...)), "
+                       "or DDP's model.join()", self.name, index, count, epoch, units,
+                       self.block_rows(), count)
 
     def _depth(self, prefetch_batches: int | None) -> int:
         """Batches prepared ahead: ``prefetch_batches``, or the setting when None."""

@@ -81,6 +81,10 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
                     if dtype is not None:
                         ragged[name] = dtype
 
+    # Columns of strings (numpy object arrays may hold a None a tf.string cannot).
+    strings = [name for name, spec in signature.items()
+               if isinstance(spec, tf.TensorSpec) and spec.dtype == tf.string]
+
     def gen():
         e = next(counter)
         for batch in pipe.iter_batches(batch_size=batch_size, epoch=e,
@@ -91,10 +95,22 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
                        f"functions returned for the first batch) has {sorted(signature)}; "
                        f"return the same columns for every batch")
                 raise ConfigError(msg)
+            for name in strings:
+                if batch[name].dtype == object and any(v is None for v in batch[name]):
+                    msg = (f"to_tf: column {name!r} holds None in a batch of epoch {e} "
+                           f"(ids {batch['id'][:8].tolist()}...), which a tf.string tensor "
+                           f"cannot hold; return '' (or another marker) instead")
+                    raise ConfigError(msg)
             for name, dtype in ragged.items():
                 rows = batch[name]
                 lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
                 flat = np.concatenate(list(rows)) if len(rows) else np.zeros(0, dtype)
+                if not np.can_cast(flat.dtype, dtype, casting="same_kind"):
+                    msg = (f"to_tf: column {name!r} has rows of {flat.dtype} in a batch of "
+                           f"epoch {e}, but the dataset's signature holds {np.dtype(dtype)} "
+                           f"(its first batch's rows); return the same dtype in every row, "
+                           f"e.g. np.asarray(row, np.float32)")
+                    raise ConfigError(msg)
                 batch = {**batch, name: tf.RaggedTensor.from_row_lengths(
                     flat.astype(dtype, copy=False), lengths)}
             yield batch
@@ -124,7 +140,15 @@ def _batch_spec(tf: Any, name: str, value: np.ndarray, n: int | None):
         if isinstance(row, (str, bytes)):
             return tf.TensorSpec((n,), tf.string), None
         if isinstance(row, np.ndarray) and row.ndim == 1 and row.dtype.kind in "biuf":
-            return tf.RaggedTensorSpec((n, None), tf.as_dtype(row.dtype), ragged_rank=1), row.dtype
+            # The rows' common dtype (ints beside floats: floats), not the first row's alone.
+            kinds = [r.dtype for r in value if isinstance(r, np.ndarray)]
+            dtype = np.result_type(*kinds) if kinds else row.dtype
+            if dtype.kind not in "biuf":
+                msg = (f"to_tf: column {name!r} mixes rows of {sorted({str(k) for k in kinds})}, "
+                       f"which have no common numeric dtype; return 1-D numeric rows of one "
+                       f"dtype")
+                raise ConfigError(msg)
+            return tf.RaggedTensorSpec((n, None), tf.as_dtype(dtype), ragged_rank=1), dtype
         if isinstance(row, (int, float, bool, np.number, np.bool_)):
             msg = (f"to_tf: column {name!r} is an object array of {type(row).__name__} "
                    f"numbers, which tf.data cannot type row by row; return it as a numeric "

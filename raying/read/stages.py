@@ -248,6 +248,12 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
             raise bad(f"returned the {key!r} column as {value.dtype} {value.shape}; expected "
                       f"{dtype} ({n},): one number per row")
         out[key] = value.astype(dtype, copy=False)  # the same dtype on every path
+    weight = out["weight"]
+    if not (np.isfinite(weight).all() and (weight >= 0).all()):
+        # The trainer multiplies its loss by it: one NaN makes the step's gradient NaN.
+        wrong = weight[~(np.isfinite(weight) & (weight >= 0))]
+        raise bad(f"returned 'weight' values {wrong[:4].tolist()}; importance weights must be "
+                  f"finite and >= 0 (0 leaves a row out of the loss)")
     label = np.asarray(out["label"])
     if label.dtype.kind not in "biuf":
         raise bad(f"returned the 'label' column as {label.dtype}; expected numbers (int64 "

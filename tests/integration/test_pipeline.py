@@ -854,3 +854,25 @@ def test_a_parquet_file_of_one_row_group_is_read_in_parallel_and_shared_evenly(t
     assert largest <= 96 and min(len(g) for g in got) >= 250  # parts of ~75 rows in blocks
     # Each epoch deals the group afresh: a share does not read the same rows every epoch.
     assert len(set(later.tolist()) & set(got[0].tolist())) < 200
+
+
+def test_a_share_that_gets_no_rows_of_an_epoch_says_so_once(tmp_path, ray_local, caplog):
+    """A dataset of fewer read units than workers leaves a share empty: its worker's loop
+    ends at once while the others train (a DDP all-reduce would wait for it), so it warns."""
+    import logging
+
+    from raying.tools.datagen import make_image_folder
+
+    m = raying.Manifest.scan(str(make_image_folder(tmp_path / "img", n=10, classes=2,
+                                                   size=(16, 16))))
+    shares = [raying.Pipeline(m, transform=raying.ImageTransform(size=8),
+                              config=raying.PipelineConfig(shard=(i, 2))) for i in range(2)]
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        rows = [sum(len(b["id"]) for e in range(2) for b in p.iter_batches(batch_size=4,
+                                                                            epoch=e))
+                for p in shares]
+    for p in shares:
+        p.close()
+    assert sorted(rows) == [0, 20]
+    said = [r.getMessage() for r in caplog.records if "got no rows" in r.getMessage()]
+    assert len(said) == 1 and "the epoch has 1 read units of up to 32 rows for 2" in said[0]

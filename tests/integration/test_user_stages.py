@@ -199,6 +199,38 @@ def test_to_tf_follows_stages_that_retype_pad_or_drop_parquet_columns(parquet_se
     pipe.close()
 
 
+def test_to_tf_refuses_by_name_rows_it_would_truncate_and_strings_that_are_none(parquet_set,
+                                                                               ray_local):
+    """After the first batch fixed the signature, a later batch whose per-row arrays are
+    float where the signature says int, or whose string column holds None, stops with an
+    error naming the column (not a silent cast to int, not tf's own error; tf.data carries
+    an error of the generator as its InvalidArgumentError, with raying's message)."""
+    tf = pytest.importorskip("tensorflow")
+
+    def later_floats(batch):
+        rows = np.empty(len(batch["id"]), dtype=object)
+        rows[:] = [np.array([i, 2 * i]) if i < 7 else np.array([i + 0.5]) for i in batch["id"]]
+        batch["boxes"] = rows
+        return batch
+
+    def later_none(batch):
+        batch["caption"] = np.array([c if i < 7 else None for c, i in
+                                     zip(batch["caption"], batch["id"], strict=True)],
+                                    dtype=object)
+        return batch
+
+    for fn, match in ((later_floats, r"column 'boxes' has rows of float64 .* holds int64"),
+                      (later_none, r"column 'caption' holds None")):
+        m = raying.Manifest.scan(str(parquet_set), columns=COLUMNS)
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                               sampler=raying.UniformSampler(seed=0, shuffle=False),
+                               config=raying.PipelineConfig(block_rows=8)).map_batches(fn)
+        with pytest.raises((raying.ConfigError, tf.errors.InvalidArgumentError), match=match):
+            for _ in pipe.to_tf(batch_size=7, epoch=0):
+                pass
+        pipe.close()
+
+
 def test_per_row_arrays_stay_lists_on_the_ray_data_path_whatever_their_lengths(parquet_set,
                                                                                 ray_local):
     """Ray Data turns an object column into a fixed-shape tensor in a block whose rows have

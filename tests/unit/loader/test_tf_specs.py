@@ -25,3 +25,14 @@ def test_columns_get_tf_types_and_object_columns_of_numbers_are_refused_with_the
         _batch_spec(tf, "n", numbers, None)
     with pytest.raises(ConfigError, match=r"'d' holds dict rows, which tf.data has no type"):
         _batch_spec(tf, "d", np.array([{}, {}], dtype=object), None)
+
+
+def test_rows_of_arrays_take_the_common_dtype_of_the_first_batch_s_rows():
+    """A per-row column whose first row is int64 and a later one float64 is typed float64
+    (typed by its first row, every float row became an int)."""
+    from raying.loader.tf import _batch_spec
+
+    rows = np.empty(3, dtype=object)
+    rows[:] = [np.array([1, 2]), np.array([0.25, 0.5]), np.array([3], np.int32)]
+    spec, dtype = _batch_spec(tf, "boxes", rows, None)
+    assert dtype == np.float64 and spec.dtype == tf.float64

@@ -598,6 +598,9 @@ def test_a_raising_stage_names_itself_epoch_ids_and_traceback_even_under_skip(pa
     (lambda b: {**b, "weight": b["weight"][:, None]},
      r"returned the 'weight' column as float32 \(\d+, 1\); expected float32 \(\d+,\)"),
     (lambda b: {k: v for k, v in b.items() if k != "prob"}, r"dropped the 'prob' column"),
+    (lambda b: {**b, "weight": np.where(b["id"] % 2 == 1, np.nan, 1.0)},
+     r"returned 'weight' values \[nan.*must be finite and >= 0"),
+    (lambda b: {**b, "weight": -b["weight"]}, r"returned 'weight' values \[-1.0"),
     # A column whose dtype or row shape depends on the call (a chunk of 16 rows, then the
     # unit's short rest): numpy would merge int64 into float64, or fail in its own words.
     (lambda b: {**b, "v": b["id"].astype(np.float32 if len(b["id"]) == 16 else np.int64)},

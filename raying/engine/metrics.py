@@ -110,7 +110,7 @@ class RunAccount:
         """
         fresh: list[int] = []
         with self._lock:
-            self.units += 1
+            self.units += int(account.final)  # a unit's blocks and slices count once
             self.rows_in += account.rows_in
             self.rows_out += account.rows_out
             self.bytes_read += account.bytes_read

@@ -876,3 +876,19 @@ def test_a_share_that_gets_no_rows_of_an_epoch_says_so_once(tmp_path, ray_local,
     assert sorted(rows) == [0, 20]
     said = [r.getMessage() for r in caplog.records if "got no rows" in r.getMessage()]
     assert len(said) == 1 and "the epoch has 1 read units of up to 32 rows for 2" in said[0]
+
+
+def test_stats_count_read_units_not_their_blocks(tmp_path, ray_local):
+    """An epoch's first units come in a short first block and the rest (the first batch
+    sooner): stats()["units"] counts each once."""
+    from raying.tools.datagen import make_image_folder
+
+    m = raying.Manifest.scan(str(make_image_folder(tmp_path / "img", n=8 * 128, classes=2,
+                                                   size=(8, 8))))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=8),
+                           config=raying.PipelineConfig(block_rows=128, decoded_cache="off"))
+    rows = sum(len(b["id"]) for b in pipe.iter_batches(batch_size=4, epoch=0))
+    units = len(pipe.plan(0).units)
+    got = pipe.stats(sampling=False)["units"]
+    pipe.close()
+    assert rows == len(m) and units > 1 and got == units

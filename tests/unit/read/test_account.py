@@ -49,7 +49,8 @@ def test_a_run_account_lists_each_bad_sample_once_and_sums_io():
                         skipped=[(11, "a.jpg", "truncated", "x")])
     assert run.add(again) == []  # a bad file is listed once, counted again in skip_events
     out = run.summary()
-    assert out["rows_read"] == 7 and out["units"] == 3 and out["skip_events"] == 2
+    # Units, not blocks: unit 7 of epoch 2 (two blocks) and unit 0 of epoch 3.
+    assert out["rows_read"] == 7 and out["units"] == 2 and out["skip_events"] == 2
     assert out["skipped_count"] == 1 and out["skipped"][0]["epoch"] == 2
     assert out["rows_by_node"] == {"n1": 5}
     assert out["io"]["io_requests"] == 2 and out["io"]["io_bytes_fetched"] == 100

@@ -628,7 +628,7 @@ class TableConfig:
         guard_after: the noisy-label guard: a row whose last ``guard_after`` reported
             priorities were all at or above the ``guard_quantile`` of the stored priorities is
             *persistently high-loss* (a mislabelled sample looks like this) and is drawn as if
-            its priority were the mean priority until a report falls below the threshold.
+            its priority were the median priority until a report falls below the threshold.
             None disables the guard (and its statistics).
         guard_quantile: the quantile of the stored priorities that counts as high loss.
     """

@@ -29,9 +29,11 @@ from raying.sampling.plan import (
 
 # Mixed into the seed of every pruning plan, so it never shares a stream with other plans.
 _PLAN_STREAM = 0x1B7C4
-# Plans kept per sampler: the epoch being read and the next one (planned while this one
-# drains); their scores travel in state_dict so a resumed epoch gets the same plan.
-_PLANS_KEPT = 2
+# Plans kept per sampler, the most recently asked for: the epoch being read, the next one
+# (planned while this one drains) and one more (a look at a later plan, pipe.plan(e + 2),
+# must not drop the scores of the epoch being read); their scores travel in state_dict so
+# a resumed epoch gets the same plan.
+_PLANS_KEPT = 3
 
 
 def anneal_start(epochs: int | None, anneal: float) -> int | None:
@@ -268,12 +270,12 @@ class InfoBatchSampler:
     def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:
         """The plan of ``epoch``, from the scores as the epoch starts (fixed once made)."""
         with self._lock:
-            scores = self._scores.get(epoch)
+            scores = self._scores.pop(epoch, None)
             if scores is None:
                 scores = self.scores()
-                self._scores[epoch] = scores
-                for old in sorted(self._scores)[:-_PLANS_KEPT]:
-                    del self._scores[old]
+            self._scores[epoch] = scores  # the most recently asked for last
+            for old in list(self._scores)[:-_PLANS_KEPT]:
+                del self._scores[old]
         return self.plan_from_scores(manifest, epoch, scores, block_rows=block_rows)
 
     def plan_from_scores(self, manifest: Any, epoch: int, scores: np.ndarray, *,
@@ -336,9 +338,10 @@ class InfoBatchSampler:
                     active: np.ndarray, ratio: float, annealed: bool,
                     rng: np.random.Generator, block_rows: int) -> EpochPlan:
         """An epoch of draws in proportion to the prior, each pruned like a sample."""
-        from raying.sampling.weighted import draw_units
+        from raying.sampling.weighted import WeightedSampler, draw_units, without
 
-        q = np.where(active, q, 0.0)
+        balanced = isinstance(self.prior, WeightedSampler) and self.prior.class_balanced
+        q = without(q, np.flatnonzero(~active), manifest.labels if balanced else None)
         if not q.sum() > 0.0:
             msg = ("InfoBatchSampler: every sample with a positive prior weight was set aside "
                    "as unreadable; nothing is left to draw")

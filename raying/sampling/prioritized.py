@@ -465,11 +465,38 @@ class PrioritizedSampler:
             msg = (f"state was saved by a {state.get('sampler')!r} sampler; this pipeline uses "
                    f"{self.name!r}")
             raise ConfigError(msg)
+        tables = state.get("tables")
+        if tables:
+            self._check_table_settings(tables[0].get("config") or {})
         self._await_start()
-        if state.get("tables") is not None and self.handle is not None:
-            st.load_state_dict(self.handle, state["tables"])
+        if tables is not None and self.handle is not None:
+            st.load_state_dict(self.handle, tables)
         with self._lock:
             self._bufs = {}
+
+    def _check_table_settings(self, saved: Mapping[str, Any]) -> None:
+        """Refuse, naming the sampler's arguments, a state whose priority table was made with
+        other settings (they shape the priorities and the draws; ``beta`` only the weights of
+        later draws, so a schedule may change it between checkpoints)."""
+        own = dataclasses.asdict(self.table_config)
+        diff = sorted(k for k in own if k != "beta" and k in saved and saved[k] != own[k])
+        if not diff:
+            return
+        def argument(key: str) -> str:
+            if key in ("alpha", "uniform_mix", "seed"):
+                return f"{key}={saved[key]!r}"
+            if key == "guard_after" and saved[key] is None:
+                return "guard=False"
+            if key == "guard_after":
+                return f"guard=True, table={{'guard_after': {saved[key]!r}}}"
+            return f"table={{{key!r}: {saved[key]!r}}}"
+
+        where = ", ".join(argument(k) for k in diff)
+        msg = (f"state was saved by a PrioritizedSampler with "
+               f"{ {k: saved[k] for k in diff} }; this pipeline's has "
+               f"{ {k: own[k] for k in diff} }: its priorities mean other draws. Build the "
+               f"sampler with the saved settings: PrioritizedSampler({where}, ...)")
+        raise ConfigError(msg)
 
     def set_aside(self, ids: Any) -> None:
         """Samples that failed to read or decode get priority 0, so (with ``alpha > 0``) only

@@ -129,6 +129,8 @@ class StoreActor:
         self.last_snapshot_error: str | None = None
         self._applied_at_snapshot = 0  # updates applied when the last snapshot was taken
         self._applied_at_saved = 0  # ... and when the last successful one was taken
+        self._captured = 0  # snapshots captured (numbered in capture order) ...
+        self._written = 0  # ... and the number of the last one written: an older is stale
         self._last_cap_refresh = 0.0
         self._snapshot: tuple[Any, str] | None = None
         restarted = _restarted()
@@ -220,15 +222,17 @@ class StoreActor:
 
     # --- snapshots ----------------------------------------------------------------------------
 
-    def _capture(self) -> tuple[dict[str, Any], dict[str, Any], int]:
+    def _capture(self) -> tuple[dict[str, Any], dict[str, Any], int, int]:
         """Copy what a snapshot holds (the lock is held); the write happens outside it."""
         self._applied_at_snapshot = self.table.counters["updates_applied"]
         self._last_snapshot_clock = time.monotonic()
         self.counters["snapshots"] += 1
+        self._captured += 1
         counters = {k: v for k, v in self.counters.items() if k != "restored_updates"}
-        return self.table.state_dict(), counters, self._applied_at_snapshot
+        return self.table.state_dict(), counters, self._applied_at_snapshot, self._captured
 
-    def _write(self, state: dict[str, Any], counters: dict[str, Any], applied: int) -> None:
+    def _write(self, state: dict[str, Any], counters: dict[str, Any], applied: int,
+               number: int) -> None:
         from raying.storage import files as storage
 
         if self._snapshot is None:
@@ -236,12 +240,22 @@ class StoreActor:
         fs, path = self._snapshot
         try:
             with self._snapshot_lock:
+                if number < self._written:
+                    # A later capture (snapshot_now at close, while this tick waited for the
+                    # lock) is written already: this older state must not replace it.
+                    with self._lock:
+                        self.counters["snapshots"] -= 1
+                    return
                 storage.write_bytes_atomic(fs, path, encode_snapshot(state, counters))
+                self._written = number
         except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop the store
-            # The next attempt comes at the usual cadence (N updates or T seconds later).
+            # The next attempt comes at the usual cadence (N updates or T seconds later):
+            # what this one held counts as not snapshotted.
             with self._lock:
                 self.counters["snapshot_errors"] += 1
                 self.counters["snapshots"] -= 1
+                self._applied_at_snapshot = min(self._applied_at_snapshot,
+                                                self._applied_at_saved)
             self.last_snapshot_error = f"{type(exc).__name__}: {exc}"
             logger.warning("priority store %s: snapshot failed: %s", self.name, exc)
             return

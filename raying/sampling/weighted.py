@@ -107,6 +107,23 @@ def static_probabilities(labels: np.ndarray, *, weights: Any = None,
     return w / total
 
 
+def without(probs: np.ndarray, aside: np.ndarray, labels: np.ndarray | None) -> np.ndarray:
+    """``probs`` with the ids ``aside`` at 0 (not normalized). With ``labels`` (class-balanced
+    probabilities) each class keeps its share: its other samples take the share of those set
+    aside, as if the class had been counted without them (a class left with none loses it)."""
+    probs = probs.copy()
+    probs[aside] = 0.0
+    if labels is None or not len(labels):
+        return probs
+    labels = np.asarray(labels)
+    counts = np.bincount(labels)
+    active = np.ones(len(labels), dtype=bool)
+    active[aside] = False
+    left = np.bincount(labels[active], minlength=counts.size)
+    scale = np.divide(counts, left, out=np.zeros(counts.size), where=left > 0)
+    return probs * scale[labels]
+
+
 def prior_probabilities(prior: Any, manifest: Any) -> np.ndarray:
     """A loss-driven sampler's ``prior`` resolved against the dataset's labels: a
     ``WeightedSampler`` (its ``weights`` and ``class_balanced``), one weight per sample, or a
@@ -205,8 +222,7 @@ class WeightedSampler:
         probs = self._probs if self._probs is not None else self.probabilities(manifest)
         aside = self._aside.for_plan(epoch)
         if aside.size:
-            probs = probs.copy()
-            probs[aside] = 0.0
+            probs = without(probs, aside, manifest.labels if self.class_balanced else None)
             if not probs.sum() > 0.0:
                 msg = ("WeightedSampler: every sample with a positive weight was set aside as "
                        "unreadable; nothing is left to draw")

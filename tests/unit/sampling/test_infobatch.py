@@ -134,6 +134,24 @@ def test_resume_mid_epoch_repeats_and_skips_nothing():
                               _plan_ids(a.plan_from_scores(m, 5, first, block_rows=40)))
 
 
+def test_a_look_at_later_plans_keeps_the_scores_of_the_epoch_being_read():
+    """Epoch 4 is read while the next epoch's reads start (plan 5) and the user looks at
+    plan 6: a state saved then still holds epoch 4's scores, and the resumed epoch 4 is the
+    same plan, whatever the losses did since."""
+    n = 300
+    m = FakeManifest(np.zeros(n, int))
+    first, later = _scores(n, seed=1), _scores(n, seed=2)
+    a = raying.InfoBatchSampler(prune_ratio=0.5, epochs=10, seed=3)
+    a.scores = lambda: first
+    ids = _plan_ids(a.plan(m, 4, block_rows=40))
+    a.plan(m, 5, block_rows=40)
+    a.plan(m, 6, block_rows=40)
+    b = raying.InfoBatchSampler(prune_ratio=0.5, epochs=10, seed=3)
+    b.scores = lambda: later
+    b.load_state_dict(a.state_dict())
+    assert np.array_equal(_plan_ids(b.plan(m, 4, block_rows=40)), ids)
+
+
 def test_parquet_plans_keep_rows_of_a_unit_in_its_row_groups():
     n = 500
     m = FakeManifest(np.zeros(n, int), fmt="parquet", group_rows=20)
@@ -362,3 +380,20 @@ def test_losses_near_the_top_of_float64_still_prune_the_smaller_ones():
     keep, probs, weights = prune_plan(scores, 0.5, np.random.default_rng(0))
     assert np.all(probs[:50] == 0.5) and np.all(probs[50:] == 1.0)
     assert np.all(weights[:50] == 2.0) and keep[50:].all()
+
+
+def test_a_class_balanced_prior_keeps_equal_class_shares_once_samples_are_set_aside():
+    """Under a class-balanced prior a class keeps its share of the draws when some of its
+    samples are set aside as unreadable (chi-square against equal shares, fixed seed)."""
+    from tests.unit.sampling.test_table import chi2_sf
+
+    labels = np.repeat([0, 1], [20, 200])
+    m = FakeManifest(labels)
+    s = raying.InfoBatchSampler(prune_ratio=0.5, epochs=None, seed=2, samples_per_epoch=20_000,
+                                prior=raying.WeightedSampler(class_balanced=True))
+    s.set_aside([0, 1, 2, 3, 4])
+    ids = _plan_ids(s.plan_from_scores(m, 1, np.ones(labels.size), block_rows=512))
+    assert ids.size == 20_000 and not np.isin(ids, [0, 1, 2, 3, 4]).any()
+    counts = np.bincount(labels[ids], minlength=2)
+    stat = float(((counts - ids.size / 2) ** 2 / (ids.size / 2)).sum())
+    assert chi2_sf(stat, 1) > 0.01, counts

@@ -61,3 +61,28 @@ def test_a_uniform_sampler_refuses_a_state_of_another_order_or_window(tmp_path):
     t.bind(folder, name="t")
     t.load_state_dict(s.state_dict())  # a folder: the window does not matter
     raying.UniformSampler(seed=3).load_state_dict({"sampler": "uniform", "seed": 3})  # older
+
+
+def test_a_prioritized_state_of_other_table_settings_is_refused_naming_the_arguments():
+    """The saved table's settings are checked by the sampler, before any store is touched,
+    in the sampler's own arguments (the table's message offered a strict=False that no
+    public call takes); beta may change between checkpoints (a schedule)."""
+    import dataclasses
+
+    def state_of(**kw):
+        config = dataclasses.asdict(raying.PrioritizedSampler(**kw).table_config)
+        return {"sampler": "prioritized", "seed": 0, "alpha": kw.get("alpha", 1.0),
+                "tables": [{"config": config}]}
+
+    s = raying.PrioritizedSampler(alpha=1.0, beta=0.4)
+    with pytest.raises(raying.ConfigError, match=r"saved by a PrioritizedSampler with "
+                                                 r"\{'alpha': 0.6\}; this pipeline's has "
+                                                 r"\{'alpha': 1.0\}.*PrioritizedSampler\("
+                                                 r"alpha=0.6, \.\.\.\)"):
+        s.load_state_dict(state_of(alpha=0.6))
+    with pytest.raises(raying.ConfigError, match=r"table=\{'age_after': 5\}"):
+        s.load_state_dict(state_of(alpha=1.0, table={"age_after": 5}))
+    with pytest.raises(raying.ConfigError, match=r"PrioritizedSampler\(guard=True, table="
+                                                 r"\{'guard_after': \d+\}, \.\.\.\)"):
+        s.load_state_dict(state_of(alpha=1.0, guard=True))
+    s._check_table_settings(state_of(alpha=1.0, beta=0.9)["tables"][0]["config"])

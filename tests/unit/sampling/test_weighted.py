@@ -231,3 +231,23 @@ def test_a_state_of_other_weights_or_draw_count_is_refused():
         bound(class_balanced=True, samples_per_epoch=100).load_state_dict(saved)
     older = {k: v for k, v in saved.items() if k not in ("probs_digest", "samples_per_epoch")}
     bound().load_state_dict(older)
+
+
+def test_class_balanced_draws_stay_equal_per_class_once_samples_are_set_aside():
+    """Class-balanced means equal draws per class: a class whose samples are set aside as
+    unreadable keeps its share on its other samples (renormalizing over all samples gave the
+    rare class 15/35 of the draws here). Chi-square against equal shares, fixed seed."""
+    labels = _labels([20, 200])
+    m = FakeManifest(labels)
+    s = raying.WeightedSampler(class_balanced=True, seed=7, samples_per_epoch=20_000)
+    s.bind(m, name="t")
+    s.set_aside([0, 1, 2, 3, 4])
+    ids = np.concatenate([u.ids for u in s.plan(m, 1, block_rows=512).units])
+    assert not np.isin(ids, [0, 1, 2, 3, 4]).any()
+    counts = np.bincount(labels[ids], minlength=2)
+    expected = np.full(2, len(ids) / 2)
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2_sf(stat, 1) > 0.01, counts
+    rare = np.bincount(ids[labels[ids] == 0], minlength=20)[5:]  # equal within the class
+    stat = float(((rare - rare.mean()) ** 2 / rare.mean()).sum())
+    assert chi2_sf(stat, len(rare) - 1) > 0.01

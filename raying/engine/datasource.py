@@ -108,6 +108,10 @@ def _account_actor_cls():
         def summary(self) -> dict[str, Any]:
             return self.account.summary()
 
+        def skipped_ids(self) -> list[int]:
+            """Every id the reads set aside as bad (the summary lists only the first ones)."""
+            return sorted(self.account.skipped_ids())
+
     return _Accounts
 
 
@@ -397,6 +401,14 @@ class DatasetReads:
             return ray.get(self.accounts.summary.remote())
         except Exception as exc:  # noqa: BLE001 - Ray gone (shut down): say so, keep the rest
             return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def skipped_ids(self) -> list[int]:
+        """Every id the dataset reads set aside so far (none once released)."""
+        if self.accounts is None:
+            return []
+        import ray
+
+        return ray.get(self.accounts.skipped_ids.remote())
 
     def forget(self) -> None:
         """Let go of the account actor of a Ray session that has ended (gone with it)."""

@@ -102,6 +102,11 @@ class RunAccount:
                                "weight_max": r[2] if r[0] else None}
                               for e, r in sorted(self._per_epoch.items())]}
 
+    def skipped_ids(self) -> set[int]:
+        """Every id set aside so far (a copy)."""
+        with self._lock:
+            return set(self._skipped_ids)
+
     def add(self, account: UnitAccount) -> list[int]:
         """One read task's account (called in plan order by the executor).
 

@@ -144,6 +144,7 @@ class Pipeline:
         self._bound = False
         self._closed = False
         self._warned_empty_share = False
+        self._dataset_aside: set[int] = set()  # dataset reads' set-asides handed to the sampler
         self._dataset_reads: DatasetReads | None = None  # once dataset() ran
         self._lookup: ManifestLookup | None = None
         self._spec_ready = False
@@ -683,10 +684,20 @@ class Pipeline:
         self._same_ray()  # before _start_ray, which would start a Ray of its own
         self._start_ray()
         self._bind()
+        if self._dataset_reads is not None and not self.sampler.lazy:
+            # Samples earlier datasets' reads set aside leave this plan, as on the iterator
+            # path (a sampler that draws lazily gets them through its store instead).
+            fresh = set(self._dataset_reads.skipped_ids()) - self._dataset_aside
+            if fresh:
+                self._dataset_aside |= fresh
+                self.sampler.set_aside(sorted(fresh))
         plan = self.plan(_epoch(epoch))
         if self._dataset_reads is None:
-            self._dataset_reads = DatasetReads(self._ready_spec(), ManifestLookup(self.manifest),
-                                               self.sampler.handle)
+            # Only a lazy sampler's store takes set-asides (as priority 0); another sampler's
+            # store holds what its plans read (InfoBatch's losses), and a 0 would be a loss.
+            self._dataset_reads = DatasetReads(
+                self._ready_spec(), ManifestLookup(self.manifest),
+                self.sampler.handle if self.sampler.lazy else None)
         return self._dataset_reads.dataset(plan, sampler=self.sampler,
                                            block_rows=self.block_rows(),
                                            fmt=self.manifest.format, size=self.transform.size,

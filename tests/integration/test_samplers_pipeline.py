@@ -323,3 +323,47 @@ def test_weighted_shares_keep_cutting_one_plan_after_a_skip(tmp_path, ray_local)
     finally:
         for p in shares:
             p.close()
+
+
+def test_samples_the_dataset_path_sets_aside_leave_later_weighted_plans(tmp_path, ray_local):
+    """pipe.dataset(e)'s reads run in Ray Data, out of the driver's sampler's sight: the
+    next dataset's plan leaves the bad samples out, as the iterator path's does."""
+    root = _folder(tmp_path / "ds", [30, 30])
+    (root / "class_00" / "00003.png").write_bytes(b"")
+    (root / "class_01" / "00007.png").write_bytes(b"not a png")
+    m = raying.Manifest.scan(str(root))
+    bad = {i for i, p in enumerate(m.path_of(np.arange(len(m))))
+           if p.endswith(("00/00003.png", "01/00007.png"))}
+    assert len(bad) == 2
+    pipe = raying.Pipeline(m, sampler=raying.WeightedSampler(seed=2, samples_per_epoch=600),
+                           transform=raying.ImageTransform(size=8),
+                           config=raying.PipelineConfig(block_rows=64, keep_warm=False))
+    try:
+        rows = sum(len(b["id"]) for b in pipe.dataset(0).iter_batches(batch_size=None))
+        assert 550 < rows < 600  # ~20 draws of the bad ones set aside
+        pipe.dataset(1)
+        later = np.concatenate([u.ids for u in pipe.plan(1).units])
+        assert later.size == 600 and not bad & set(later.tolist())
+        assert {s["id"] for s in pipe.stats(sampling=False)["skipped"]} == bad
+    finally:
+        pipe.close()
+
+
+def test_infobatch_scores_keep_no_loss_for_samples_the_dataset_path_sets_aside(tmp_path,
+                                                                              ray_local):
+    """InfoBatch's store holds losses: a bad sample read by pipe.dataset(e) leaves the next
+    plans (the sampler's own set-aside), and is not written into it as a loss of 0 (which
+    pulls the mean down and keeps it a candidate)."""
+    root = _folder(tmp_path / "ib", [20, 20])
+    (root / "class_00" / "00003.png").write_bytes(b"")
+    m = raying.Manifest.scan(str(root))
+    bad = next(i for i, p in enumerate(m.path_of(np.arange(len(m))))
+               if p.endswith("00/00003.png"))
+    pipe = _pipe(m, raying.InfoBatchSampler(prune_ratio=0.5, epochs=4, seed=0), "ibds")
+    try:
+        assert sum(len(b["id"]) for b in pipe.dataset(0).iter_batches(batch_size=None)) == 39
+        pipe.dataset(1)
+        assert np.isnan(pipe.sampler.scores()[bad])
+        assert bad not in np.concatenate([u.ids for u in pipe.plan(1).units]).tolist()
+    finally:
+        pipe.close()

@@ -466,8 +466,9 @@ class PrioritizedSampler:
                    f"{self.name!r}")
             raise ConfigError(msg)
         tables = state.get("tables")
-        if tables:
-            self._check_table_settings(tables[0].get("config") or {})
+        # (a state saved before the store started has no tables, but its alpha)
+        self._check_table_settings(tables[0].get("config") or {} if tables else
+                                   {"alpha": state.get("alpha", self.alpha)})
         self._await_start()
         if tables is not None and self.handle is not None:
             st.load_state_dict(self.handle, tables)

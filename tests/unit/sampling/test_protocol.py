@@ -86,3 +86,5 @@ def test_a_prioritized_state_of_other_table_settings_is_refused_naming_the_argum
                                                  r"\{'guard_after': \d+\}, \.\.\.\)"):
         s.load_state_dict(state_of(alpha=1.0, guard=True))
     s._check_table_settings(state_of(alpha=1.0, beta=0.9)["tables"][0]["config"])
+    with pytest.raises(raying.ConfigError, match=r"\{'alpha': 0.6\}"):  # saved before a store
+        s.load_state_dict({**state_of(alpha=0.6), "tables": None})

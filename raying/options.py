@@ -372,9 +372,21 @@ class CacheConfig:
             msg = (f"CacheConfig(disk_bytes={self.disk_bytes}) needs disk_dir=..., a local "
                    f"directory for the disk tier")
             raise ConfigError(msg)
-        if not self.decay_reads > 0:
-            msg = f"CacheConfig(decay_reads=...) must be > 0, got {self.decay_reads!r}"
+        if self.memory_bytes and not self.memory_dir:
+            msg = (f"CacheConfig(memory_bytes={self.memory_bytes}) needs memory_dir=..., a "
+                   f"directory on tmpfs (default {DEFAULT_MEMORY_CACHE_DIR!r})")
             raise ConfigError(msg)
+        for name in ("memory_dir", "disk_dir"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                msg = f"CacheConfig({name}=...) must be a directory path, got {value!r}"
+                raise ConfigError(msg)
+        _number("CacheConfig(decay_reads=...)", self.decay_reads, low=0.0, low_open=True,
+                hint=f"pass a number of reads, e.g. {DEFAULT_CACHE_DECAY_READS}")
+        for name in ("background_writes", "share_reads"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                msg = f"CacheConfig({name}=...) must be True or False, got {getattr(self, name)!r}"
+                raise ConfigError(msg)
 
     @property
     def enabled(self) -> bool:
@@ -447,10 +459,16 @@ class IOConfig:
             raise ConfigError(msg)
         for name in ("concurrency", "gap_bytes", "max_request_bytes", "prefetch_windows"):
             value = getattr(self, name)
+            if value is None and name in ("max_request_bytes", "prefetch_windows"):
+                msg = f"IOConfig({name}=...) must be an int, got None"
+                raise ConfigError(msg)
             if value is not None and (isinstance(value, bool)
                                       or not isinstance(value, (int, np.integer))):
                 msg = f"IOConfig({name}=...) must be an int, got {value!r}"
                 raise ConfigError(msg)
+        if not isinstance(self.dedupe, (bool, np.bool_)):
+            msg = f"IOConfig(dedupe=...) must be True or False, got {self.dedupe!r}"
+            raise ConfigError(msg)
         if self.concurrency is not None and self.concurrency < 1:
             msg = f"IOConfig(concurrency=...) must be >= 1 or None, got {self.concurrency!r}"
             raise ConfigError(msg)
@@ -583,8 +601,15 @@ class PipelineConfig:
                 msg = f"PipelineConfig({name}=...) must be True or False, got {getattr(self, name)!r}"
                 raise ConfigError(msg)
         cpus = self.task_num_cpus
-        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
-            msg = f"PipelineConfig(task_num_cpus=...) must be a number > 0, got {cpus!r}"
+        if (isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0
+                or not math.isfinite(cpus)):
+            msg = f"PipelineConfig(task_num_cpus=...) must be a finite number > 0, got {cpus!r}"
+            raise ConfigError(msg)
+        args = self.ray_remote_args
+        if args is not None and (not isinstance(args, Mapping)
+                                 or not all(isinstance(k, str) for k in args)):
+            msg = (f"PipelineConfig(ray_remote_args=...) must be a dict of Ray task options "
+                   f"(e.g. {{'resources': {{'ingest': 0.01}}}}) or None, got {args!r}")
             raise ConfigError(msg)
         if self.shard is not None:
             ok = (isinstance(self.shard, (tuple, list)) and len(self.shard) == 2
@@ -726,10 +751,13 @@ class StoreConfig:
             msg = (f"coalesce must be one of {list(COALESCE_MODES)}, got {self.coalesce!r}; "
                    f"'last' keeps the latest report of each id")
             raise ConfigError(msg)
-        checks = [("ema", self.ema, 0.0, 1.0), ("tick_s", self.tick_s, 0.0, math.inf),
+        # (tick_s must be finite: the store applies the queued updates once per tick; a
+        # snapshot interval may be inf, snapshots then come by count alone.)
+        checks = [("ema", self.ema, 0.0, 1.0), ("tick_s", self.tick_s, 0.0, 3600.0),
                   ("snapshot_interval_s", self.snapshot_interval_s, 0.0, math.inf)]
         for name, value, low, high in checks:
-            if not isinstance(value, (int, float)) or not low < value <= high:
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not low < value <= high):
                 msg = f"{name} must be a number in ({low}, {high}], got {value!r}"
                 raise ConfigError(msg)
         for name in ("snapshot_every_updates", "shard_rows"):

@@ -9,7 +9,7 @@ import pytest
 
 import raying
 from raying.errors import ConfigError
-from raying.options import CacheConfig, IOConfig
+from raying.options import CacheConfig, IOConfig, StoreConfig
 
 
 @pytest.mark.parametrize(("field", "value", "pattern"), [
@@ -189,6 +189,16 @@ def test_the_default_sampler_takes_the_environment_the_pipeline_read(monkeypatch
     (lambda: raying.PipelineConfig(io={"gap_bytes": -1}), r"IOConfig\(gap_bytes=...\) must be"),
     (lambda: raying.PipelineConfig(max_image_pixels=-5),
      r"PipelineConfig\(max_image_pixels=...\) must be an integer >= 1 or None, got -5"),
+    (lambda: IOConfig(max_request_bytes=None), r"max_request_bytes=...\) must be an int, got None"),
+    (lambda: IOConfig(dedupe="no"), r"IOConfig\(dedupe=...\) must be True or False"),
+    (lambda: CacheConfig(decay_reads="2"), r"CacheConfig\(decay_reads=...\) must be a finite"),
+    (lambda: CacheConfig(memory_dir=None, memory_bytes=10), r"needs memory_dir="),
+    (lambda: CacheConfig(share_reads="yes"), r"share_reads=...\) must be True or False"),
+    (lambda: raying.PipelineConfig(ray_remote_args="x"),
+     r"ray_remote_args=...\) must be a dict of Ray task options"),
+    (lambda: raying.PipelineConfig(task_num_cpus=float("inf")), r"must be a finite number > 0"),
+    (lambda: StoreConfig(tick_s=True), r"tick_s must be a number in"),
+    (lambda: StoreConfig(tick_s=float("inf")), r"tick_s must be a number in"),
 ])
 def test_config_values_of_the_wrong_type_or_name_are_config_errors_at_construction(make,
                                                                                    pattern):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import warnings
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,11 @@ from raying.read.task import empty_block, iter_unit
 from raying.sampling.plan import EpochPlan, ManifestLookup, ReadUnit
 from raying.sampling.protocol import Sampler
 
+logger = logging.getLogger("raying")
+
+# Attempts of an account call whose actor is restarting after its process was lost.
+DEFAULT_ACCOUNT_TASK_RETRIES = 3
+
 # Ray options that read_datasource takes by name (ray_remote_args is deprecated in 2.60).
 _READ_ARG_NAMES = ("num_cpus", "num_gpus", "memory", "resources", "label_selector",
                    "accelerator_type", "runtime_env", "max_calls")
@@ -29,7 +36,9 @@ def _account_actor_cls():
     new type that Ray registers, and a driver making one per dataset grows with them)."""
     import ray
 
-    @ray.remote(num_cpus=0)
+    # A lost process (OOM, a node gone) restarts the actor, and the calls in flight are
+    # retried on it: the reads go on, their account from then on (close() kills it for good).
+    @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=DEFAULT_ACCOUNT_TASK_RETRIES)
     class _Accounts:
         """Collects the accounts of read tasks run by Ray Data (skips, rows, bytes), logs the
         samples set aside (once each) and gives them priority 0 in the store, if any."""
@@ -37,6 +46,13 @@ def _account_actor_cls():
         def __init__(self, store: Any = None) -> None:
             self.account = RunAccount()
             self.store = store
+            with warnings.catch_warnings():  # Ray's property reads a deprecated actor_id
+                warnings.simplefilter("ignore", DeprecationWarning)
+                restarted = ray.get_runtime_context().was_current_actor_reconstructed
+            if restarted:
+                logger.warning("the account of a pipeline's dataset reads was lost with its "
+                               "process and starts again: pipe.stats() covers the reads "
+                               "from now on")
             # Per epoch: units whose last block came in, rows read and delivered, first skips.
             self.epochs: dict[int, dict[str, Any]] = {}
             # Per epoch: the columns of the first block with rows (see _same_columns).
@@ -116,8 +132,8 @@ def _account_actor_cls():
 
 
 def _closed(exc: BaseException) -> ConfigError:
-    return ConfigError(f"this dataset's pipeline was closed (its account and priority store "
-                       f"are gone: {type(exc).__name__}); iterate pipe.dataset(e) before "
+    return ConfigError(f"this dataset's pipeline was closed, or its account or priority store "
+                       f"is gone ({type(exc).__name__}); iterate pipe.dataset(e) before "
                        f"pipe.close(), or build the pipeline again")
 
 

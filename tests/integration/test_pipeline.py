@@ -730,10 +730,32 @@ def test_a_dataset_iterated_after_its_pipeline_closed_says_so(image_folder, ray_
     ds = pipe.dataset(0)
     assert sum(len(b["id"]) for b in ds.iter_batches(batch_size=16)) == len(pipe.manifest)
     pipe.close()
-    with pytest.raises(raying.ConfigError, match=r"this dataset's pipeline was closed .* "
-                                                 r"iterate pipe.dataset\(e\) before "
+    with pytest.raises(raying.ConfigError, match=r"this dataset's pipeline was closed, or "
+                                                 r"its account .* iterate pipe.dataset\(e\) "
+                                                 r"before "
                                                  r"pipe.close\(\)"):
         list(ds.iter_batches(batch_size=16))
+
+
+def test_a_dataset_s_account_actor_lost_with_its_process_comes_back(image_folder, ray_local):
+    """The account actor of pipe.dataset(e)'s reads dies (an OOM kill of its process): it
+    restarts, and the next datasets read and count (the pipeline was not closed)."""
+    import ray
+
+    pipe = raying.Pipeline(raying.Manifest.scan(str(image_folder)),
+                           transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(decoded_cache="off"))
+    n = len(pipe.manifest)
+    try:
+        assert sum(len(b["id"]) for b in pipe.dataset(0).iter_batches(batch_size=16)) == n
+        ray.kill(pipe._dataset_reads.accounts, no_restart=False)  # as a crash does
+        for epoch in (1, 2):
+            ids = np.concatenate([b["id"] for b in
+                                  pipe.dataset(epoch).iter_batches(batch_size=16)])
+            assert sorted(ids.tolist()) == list(range(n))
+        assert pipe.stats(sampling=False)["dataset"]["rows_read"] >= n
+    finally:
+        pipe.close()
 
 
 def test_a_pipeline_built_again_under_a_closed_one_s_name_has_its_decoded_cache(image_folder,

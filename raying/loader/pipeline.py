@@ -684,9 +684,11 @@ class Pipeline:
         self._same_ray()  # before _start_ray, which would start a Ray of its own
         self._start_ray()
         self._bind()
-        if self._dataset_reads is not None and not self.sampler.lazy:
+        if (self._dataset_reads is not None and not self.sampler.lazy
+                and self.config.shard is None):
             # Samples earlier datasets' reads set aside leave this plan, as on the iterator
-            # path (a sampler that draws lazily gets them through its store instead).
+            # path (a sampler that draws lazily gets them through its store instead; a share
+            # of a sharded pipeline keeps cutting the plan every share cuts).
             fresh = set(self._dataset_reads.skipped_ids()) - self._dataset_aside
             if fresh:
                 self._dataset_aside |= fresh
@@ -848,7 +850,11 @@ class Pipeline:
             raise ConfigError(msg)
         self._same_ray()
         self._bind()
-        self.sampler.load_state_dict(state["sampler"])
+        saved = state["sampler"]
+        if self.manifest.format != "parquet" and isinstance(saved, Mapping):
+            # The Parquet window shapes no plan of an image folder: not a setting to match.
+            saved = {k: v for k, v in saved.items() if k != "window_row_groups"}
+        self.sampler.load_state_dict(saved)
         epoch, unit, row = int(state["epoch"]), int(state["unit"]), int(state["row"])
         if (int(state.get("version", 1)) < 2 and (unit or row) and self.manifest.format ==
                 "parquet" and self.sampler.name in ("uniform", "infobatch")):

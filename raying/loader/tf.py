@@ -105,8 +105,11 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
                 rows = batch[name]
                 lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
                 flat = np.concatenate(list(rows)) if len(rows) else np.zeros(0, dtype)
-                if not np.can_cast(flat.dtype, dtype, casting="same_kind"):
-                    msg = (f"to_tf: column {name!r} has rows of {flat.dtype} in a batch of "
+                # (an empty row, np.array([]) for "no boxes", is float64 whatever the others)
+                kinds = [r.dtype for r in rows if len(r)]
+                got = np.result_type(*kinds) if kinds else np.dtype(dtype)
+                if not np.can_cast(got, dtype, casting="same_kind"):
+                    msg = (f"to_tf: column {name!r} has rows of {got} in a batch of "
                            f"epoch {e}, but the dataset's signature holds {np.dtype(dtype)} "
                            f"(its first batch's rows); return the same dtype in every row, "
                            f"e.g. np.asarray(row, np.float32)")
@@ -141,7 +144,8 @@ def _batch_spec(tf: Any, name: str, value: np.ndarray, n: int | None):
             return tf.TensorSpec((n,), tf.string), None
         if isinstance(row, np.ndarray) and row.ndim == 1 and row.dtype.kind in "biuf":
             # The rows' common dtype (ints beside floats: floats), not the first row's alone.
-            kinds = [r.dtype for r in value if isinstance(r, np.ndarray)]
+            # (empty rows left out: np.array([]) is float64 beside rows of ints)
+            kinds = [r.dtype for r in value if isinstance(r, np.ndarray) and len(r)]
             dtype = np.result_type(*kinds) if kinds else row.dtype
             if dtype.kind not in "biuf":
                 msg = (f"to_tf: column {name!r} mixes rows of {sorted({str(k) for k in kinds})}, "

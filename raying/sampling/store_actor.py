@@ -100,6 +100,9 @@ def _restarted() -> bool:
         return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
+# Longest wait before a failed snapshot is tried again (sooner with a shorter interval).
+SNAPSHOT_RETRY_S = 5.0
+
 class StoreActor:
     """One shard of the priority store: rows ``[lo, lo + n)`` of the global id space.
 
@@ -131,6 +134,7 @@ class StoreActor:
         self._applied_at_saved = 0  # ... and when the last successful one was taken
         self._captured = 0  # snapshots captured (numbered in capture order) ...
         self._written = 0  # ... and the number of the last one written: an older is stale
+        self._retry_at = 0.0  # after a failed snapshot, no new attempt before this (monotonic)
         self._last_cap_refresh = 0.0
         self._snapshot: tuple[Any, str] | None = None
         restarted = _restarted()
@@ -213,7 +217,7 @@ class StoreActor:
                 self.table.refresh_guard()
                 self._last_cap_refresh = now
             since = self.table.counters["updates_applied"] - self._applied_at_snapshot
-            due = self._snapshot is not None and since > 0 and (
+            due = self._snapshot is not None and since > 0 and now >= self._retry_at and (
                 since >= self.options["snapshot_every_updates"]
                 or now - self._last_snapshot_clock >= self.options["snapshot_interval_s"])
             captured = self._capture() if due else None
@@ -249,13 +253,16 @@ class StoreActor:
                 storage.write_bytes_atomic(fs, path, encode_snapshot(state, counters))
                 self._written = number
         except Exception as exc:  # noqa: BLE001 - a failed snapshot must not stop the store
-            # The next attempt comes at the usual cadence (N updates or T seconds later):
-            # what this one held counts as not snapshotted.
+            # What this one held counts as not snapshotted, and the next attempt comes after
+            # the interval (at most SNAPSHOT_RETRY_S): a storage that refuses writes is not
+            # asked again at every tick.
             with self._lock:
                 self.counters["snapshot_errors"] += 1
                 self.counters["snapshots"] -= 1
                 self._applied_at_snapshot = min(self._applied_at_snapshot,
                                                 self._applied_at_saved)
+                self._retry_at = time.monotonic() + min(
+                    self.options["snapshot_interval_s"], SNAPSHOT_RETRY_S)
             self.last_snapshot_error = f"{type(exc).__name__}: {exc}"
             logger.warning("priority store %s: snapshot failed: %s", self.name, exc)
             return

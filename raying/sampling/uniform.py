@@ -39,9 +39,6 @@ class UniformSampler:
     shuffle: bool = True
     window_row_groups: int = dataclasses.field(
         default_factory=lambda: settings().parquet_window_row_groups)
-    # The bound manifest's format: window_row_groups shapes Parquet plans only.
-    _format: str | None = dataclasses.field(default=None, init=False, repr=False,
-                                            compare=False)
 
     name: ClassVar[str] = "uniform"
     lazy: ClassVar[bool] = False
@@ -60,8 +57,7 @@ class UniformSampler:
             raise ConfigError(msg)
 
     def bind(self, manifest: Any, *, name: str) -> None:
-        """No store to set up: notes the manifest's format (what a saved state must match)."""
-        object.__setattr__(self, "_format", manifest.format)
+        """Nothing to set up: a uniform plan needs no store."""
 
     def plan(self, manifest: Any, epoch: int, *, block_rows: int) -> EpochPlan:
         """The plan of ``epoch``: units of about ``block_rows`` ids each."""
@@ -117,10 +113,11 @@ class UniformSampler:
             msg = (f"state was saved with UniformSampler(seed={state.get('seed')}) but this "
                    f"pipeline has seed={self.seed}; build the pipeline with the saved seed")
             raise ConfigError(msg)
-        # Either setting makes another plan (a state saved by an older raying has neither).
-        saved = {"shuffle": state.get("shuffle", self.shuffle)}
-        if self._format in (None, "parquet"):  # folders' plans do not depend on it
-            saved["window_row_groups"] = state.get("window_row_groups", self.window_row_groups)
+        # Either setting makes another plan (a state saved by an older raying has neither;
+        # a Pipeline of an image folder, whose plans do not depend on the window, leaves
+        # the window out).
+        saved = {"shuffle": state.get("shuffle", self.shuffle),
+                 "window_row_groups": state.get("window_row_groups", self.window_row_groups)}
         for key, value in saved.items():
             if value != getattr(self, key):
                 hint = (" (its default comes from RAYING_PARQUET_WINDOW_ROW_GROUPS)"

@@ -197,9 +197,10 @@ class WeightedSampler:
         self.weights = weights
         self.class_balanced = bool(class_balanced)
         self.seed = int(seed)
-        self.samples_per_epoch = samples_per_epoch
+        self.samples_per_epoch = None if samples_per_epoch is None else int(samples_per_epoch)
         self.beta = float(beta)
         self._probs: np.ndarray | None = None
+        self._inputs_digest: str | None = None  # of what the probabilities are made from
         self._aside = SetAside()
 
     def __repr__(self) -> str:
@@ -210,6 +211,7 @@ class WeightedSampler:
     def bind(self, manifest: Any, *, name: str) -> None:
         """Resolve the weights against the dataset's labels (validated here)."""
         self._probs = self.probabilities(manifest)
+        self._inputs_digest = self._digest(manifest.labels)
 
     def probabilities(self, manifest: Any) -> np.ndarray:
         """The draw probability of every id (before ids set aside are left out)."""
@@ -268,13 +270,25 @@ class WeightedSampler:
             out["prob_max"] = float(self._probs.max())
         return out
 
+    def _digest(self, labels: Any) -> str:
+        """A digest of what the draw probabilities are made from: the labels, the weights
+        and class_balanced (exact inputs, not the computed floats, whose last bits may differ
+        on another machine's numpy)."""
+        h = hashlib.blake2b(digest_size=12)
+        h.update(np.ascontiguousarray(labels, np.int64).tobytes())
+        h.update(b"balanced" if self.class_balanced else b"as given")
+        weights = self.weights
+        if weights is None:
+            h.update(b"none")
+        elif isinstance(weights, Mapping):
+            h.update(repr(sorted((str(k), float(v)) for k, v in weights.items())).encode())
+        else:
+            h.update(np.ascontiguousarray(to_numpy(weights, dtype=np.float64)).tobytes())
+        return h.hexdigest()
+
     def _probs_digest(self) -> str | None:
-        """A digest of the bound draw probabilities (weights, class balance and labels
-        together), None before bind."""
-        if self._probs is None:
-            return None
-        return hashlib.blake2b(np.ascontiguousarray(self._probs, np.float64).tobytes(),
-                               digest_size=12).hexdigest()
+        """The bound draw probabilities' digest (:meth:`_digest`), None before bind."""
+        return self._inputs_digest
 
     def state_dict(self) -> dict[str, Any]:
         out = {"sampler": self.name, "seed": self.seed,

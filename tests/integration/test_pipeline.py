@@ -634,7 +634,8 @@ def test_an_iterator_of_a_pipeline_closed_under_it_says_it_was_closed(image_fold
 
 def test_close_stops_the_prefetch_thread_of_an_iterator_still_held(image_folder, ray_local):
     """An iterator the consumer still holds (not exhausted, not closed) when the pipeline
-    closes: its prefetch thread stops with close(), and does not keep the queued batches."""
+    closes: its prefetch thread stops with close() (it kept running, holding its queued
+    batches, until the next next()), and that next() says the pipeline was closed."""
     import threading
 
     m = raying.Manifest.scan(str(image_folder))

@@ -367,3 +367,30 @@ def test_infobatch_scores_keep_no_loss_for_samples_the_dataset_path_sets_aside(t
         assert bad not in np.concatenate([u.ids for u in pipe.plan(1).units]).tolist()
     finally:
         pipe.close()
+
+
+def test_shares_reading_datasets_keep_cutting_one_weighted_plan(tmp_path, ray_local):
+    """A share of a sharded pipeline leaves the samples its own dataset reads set aside in
+    its plans, as its iterator path does: every share must cut the same plan."""
+    root = _folder(tmp_path / "sh", [20, 20])
+    (root / "class_00" / "00005.png").write_bytes(b"")
+    m = raying.Manifest.scan(str(root))
+    shares = [raying.Pipeline(m, sampler=raying.WeightedSampler(seed=3, samples_per_epoch=200),
+                              transform=raying.ImageTransform(size=8),
+                              config=raying.PipelineConfig(block_rows=16, keep_warm=False,
+                                                           shard=(i, 2)))
+              for i in range(2)]
+    try:
+        for p in shares:
+            assert sum(len(b["id"]) for b in p.dataset(0).iter_batches(batch_size=None)) > 0
+        for p in shares:
+            p.dataset(1)
+        plans = [[u.ids.tolist() for u in p.plan(1).units] for p in shares]
+        whole = raying.Pipeline(m, sampler=raying.WeightedSampler(seed=3, samples_per_epoch=200),
+                                config=raying.PipelineConfig(block_rows=16))
+        units = [u.ids.tolist() for u in whole.plan(1).units]
+        whole.close()
+        assert plans[0] == units[0::2] and plans[1] == units[1::2]
+    finally:
+        for p in shares:
+            p.close()

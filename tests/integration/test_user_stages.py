@@ -213,6 +213,24 @@ def test_to_tf_refuses_by_name_rows_it_would_truncate_and_strings_that_are_none(
         batch["boxes"] = rows
         return batch
 
+    def empty_rows(batch):  # "no boxes" as np.array([]), a float64 beside int rows
+        rows = np.empty(len(batch["id"]), dtype=object)
+        rows[:] = [np.array([]) if i % 5 == 4 else np.array([i]) for i in batch["id"]]
+        batch["cls"] = rows
+        return batch
+
+    m = raying.Manifest.scan(str(parquet_set), columns=COLUMNS)
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                           sampler=raying.UniformSampler(seed=0, shuffle=False),
+                           config=raying.PipelineConfig(block_rows=8)).map_batches(empty_rows)
+    got = {}
+    for b in pipe.to_tf(batch_size=7, epoch=0):
+        assert b["cls"].dtype == tf.int64
+        for k, i in enumerate(b["id"].numpy().tolist()):
+            got[i] = b["cls"][k].numpy().tolist()
+    pipe.close()
+    assert got == {i: [] if i % 5 == 4 else [i] for i in range(36)}
+
     def later_none(batch):
         batch["caption"] = np.array([c if i < 7 else None for c, i in
                                      zip(batch["caption"], batch["id"], strict=True)],

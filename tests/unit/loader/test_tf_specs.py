@@ -36,3 +36,5 @@ def test_rows_of_arrays_take_the_common_dtype_of_the_first_batch_s_rows():
     rows[:] = [np.array([1, 2]), np.array([0.25, 0.5]), np.array([3], np.int32)]
     spec, dtype = _batch_spec(tf, "boxes", rows, None)
     assert dtype == np.float64 and spec.dtype == tf.float64
+    rows[:] = [np.array([]), np.array([1, 2]), np.array([3])]  # an empty row: "no boxes"
+    assert _batch_spec(tf, "cls", rows, None)[1] == np.int64

@@ -57,9 +57,10 @@ def test_a_uniform_sampler_refuses_a_state_of_another_order_or_window(tmp_path):
         raying.UniformSampler(seed=3, window_row_groups=1).load_state_dict(s.state_dict())
     folder = raying.Manifest.scan(str(make_image_folder(tmp_path / "imgs", n=4, classes=2,
                                                         size=(8, 8))))
-    t = raying.UniformSampler(seed=3, window_row_groups=1)
-    t.bind(folder, name="t")
-    t.load_state_dict(s.state_dict())  # a folder: the window does not matter
+    saved = raying.Pipeline(folder, sampler=raying.UniformSampler(seed=3, window_row_groups=4)
+                            ).state_dict()
+    other = raying.Pipeline(folder, sampler=raying.UniformSampler(seed=3, window_row_groups=1))
+    other.load_state_dict(saved)  # a folder's plans do not depend on the window
     raying.UniformSampler(seed=3).load_state_dict({"sampler": "uniform", "seed": 3})  # older
 
 

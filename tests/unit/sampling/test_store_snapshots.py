@@ -84,3 +84,25 @@ def test_a_failed_snapshot_is_tried_again_after_the_interval(actor, tmp_path, mo
     assert len(calls) >= 2 and _saved(tmp_path)["counters"]["updates_applied"] == 1
     stats = a.stats()
     assert stats["counters"]["snapshot_errors"] == 1 and stats["updates_since_snapshot"] == 0
+
+
+def test_a_storage_that_refuses_snapshots_is_asked_again_at_most_once_a_retry_wait(
+        actor, monkeypatch):
+    """Snapshots due by count keep failing (an S3 answering 503): a new attempt comes once
+    per SNAPSHOT_RETRY_S (or interval), not at every tick."""
+    from raying.storage import files as storage
+
+    calls = []
+
+    def refusing(fs, path, data):
+        calls.append(time.monotonic())
+        raise OSError("503 Slow Down")
+
+    monkeypatch.setattr(storage, "write_bytes_atomic", refusing)
+    monkeypatch.setattr(sa, "SNAPSHOT_RETRY_S", 0.3)
+    a = actor(snapshot_every_updates=5, snapshot_interval_s=1e9)
+    a.update(np.arange(5), np.ones(5))
+    time.sleep(1.0)  # 20 ticks of 0.05 s
+    a._stop.set()
+    assert 2 <= len(calls) <= 5, len(calls)
+    assert all(b - a_ >= 0.25 for a_, b in zip(calls, calls[1:], strict=False))

@@ -251,3 +251,11 @@ def test_class_balanced_draws_stay_equal_per_class_once_samples_are_set_aside():
     rare = np.bincount(ids[labels[ids] == 0], minlength=20)[5:]  # equal within the class
     stat = float(((rare - rare.mean()) ** 2 / rare.mean()).sum())
     assert chi2_sf(stat, len(rare) - 1) > 0.01
+
+
+def test_a_weighted_state_is_plain_json_with_numpy_settings():
+    import json
+
+    s = raying.WeightedSampler(seed=1, samples_per_epoch=np.int64(10))
+    s.bind(FakeManifest(_labels([3, 3])), name="t")
+    assert json.loads(json.dumps(s.state_dict()))["samples_per_epoch"] == 10

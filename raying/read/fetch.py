@@ -107,7 +107,7 @@ def fetch_files(fs: pafs.FileSystem, paths: Sequence[str], *, io: IOConfig,
     got: list[Any] = [None] * len(keys)
     cache = None
     if io.cache is not None and io.cache.enabled:
-        cache = open_cache(io.cache, namespace=namespace)
+        cache = open_cache(io.cache, namespace=namespace, reopen_removed=True)
         got = list(cache.get_many(files, key_scores, stats=cstats))
     miss = [i for i, g in enumerate(got) if g is None]
     profile = profile_for(fs)

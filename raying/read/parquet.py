@@ -234,7 +234,7 @@ def read_chunks(fs: Any, items: Sequence[tuple[str, int]], column: str, *, io: I
             best[it] = max(best.get(it, float(s)), float(s))
     cache = None
     if io.cache is not None and io.cache.enabled:
-        cache = open_cache(io.cache, namespace=namespace)
+        cache = open_cache(io.cache, namespace=namespace, reopen_removed=True)
     metas = {p: footer(fs, p, stats, cache=cache, namespace=namespace)
              for p in dict.fromkeys(p for p, _ in distinct)}
     if check is not None:

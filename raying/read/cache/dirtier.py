@@ -60,6 +60,15 @@ INSERT OR IGNORE INTO meta VALUES ('version', 2);
 """
 
 
+def dir_id(path: str) -> tuple[int, int] | None:
+    """``(device, inode)`` of the directory at ``path``, None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 class DirTier:
     """A size-bounded, checksummed, multi-process cache directory (see the module docstring).
 
@@ -83,7 +92,8 @@ class DirTier:
         self._data = os.path.join(self.root, "data")
         for k in range(256):  # the fan-out folders, made once rather than at every write
             os.makedirs(os.path.join(self._data, f"{k:02x}"), exist_ok=True)
-        self._lock = threading.Lock()
+        self.root_id = dir_id(self.root)  # which directory this is (one removed and made
+        self._lock = threading.Lock()      # again under the same path is another)
         self._conn: sqlite3.Connection | None = None
         self._pid = -1
         self._fd: int | None = None

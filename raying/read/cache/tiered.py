@@ -30,7 +30,7 @@ from typing import Any
 
 from raying.options import DEFAULT_CACHE_INFLIGHT_S, DEFAULT_CACHE_QUEUE_BYTES, CacheConfig
 from raying.read.cache.arrays import decode_array, encode_array
-from raying.read.cache.dirtier import DirTier, digest_of, entry_bytes
+from raying.read.cache.dirtier import DirTier, digest_of, dir_id, entry_bytes
 from raying.read.cache.inflight import SingleFlight
 
 logger = logging.getLogger(__name__)
@@ -428,11 +428,28 @@ def close_finished(finished: Callable[[str], bool]) -> int:
     return len(caches)
 
 
-def open_cache(config: CacheConfig, *, namespace: str = "") -> TieredCache:
-    """The process's TieredCache for ``config`` and ``namespace`` (opened once, then reused)."""
+def open_cache(config: CacheConfig, *, namespace: str = "",
+               reopen_removed: bool = False) -> TieredCache:
+    """The process's TieredCache for ``config`` and ``namespace`` (opened once, then reused).
+
+    ``reopen_removed``: a tier whose directory was removed since (docs/io.md: free a tier by
+    removing it when no run uses it) is opened again, made anew, instead of dropping every
+    entry for the rest of this process (a Ray worker outlives the runs); not for a decoded
+    cache, whose directory is removed when its pipeline closes and must stay removed."""
     key = (os.getpid(), config, namespace)
+    stale: TieredCache | None = None
     with _REG_LOCK:
         cache = _CACHES.get(key)
+        if (cache is not None and reopen_removed
+                and any(dir_id(t.root) != t.root_id for _, t in cache.tiers)):
+            stale = _CACHES.pop(key)
+            for k in [k for k, t in _TIERS.items() if dir_id(t.root) != t.root_id]:
+                del _TIERS[k]  # the removed directories' tiers (not one made again since)
+            # (other namespaces' caches on the same tiers find it too, at their next use)
+            cache = None
         if cache is None:
             cache = _CACHES[key] = TieredCache(config, namespace=namespace)
+    if stale is not None:
+        logger.info("raying cache: a tier's directory was removed; it is made again")
+        stale.close()
     return cache

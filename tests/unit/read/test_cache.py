@@ -440,3 +440,33 @@ def test_a_damaged_index_is_set_aside_and_the_tier_starts_empty(tmp_path, caplog
     assert [bytes(found[k]) for k in (0, 1)] == [payload_of(k) for k in keys[:2]]
     again.sweep_orphans(max_age_s=0)
     assert again.used_bytes() == _dir_bytes(root) > 0  # the old entries are gone
+
+
+def test_a_tier_removed_between_runs_is_made_again_in_a_process_that_outlives_them(tmp_path):
+    """docs/io.md: free a tier by removing its directory when no run uses it. A Ray worker
+    keeps its opened tiers: the next run's open_cache makes the tier again (it dropped every
+    entry for the rest of the process, silently), for every namespace on it; a decoded
+    cache's removed directory (a closed pipeline's) stays removed."""
+    import shutil
+
+    root = tmp_path / "tier"
+    config = CacheConfig(memory_bytes=1 << 20, memory_dir=str(root), background_writes=False)
+    first = open_cache(config, namespace="a", reopen_removed=True)
+    other = open_cache(config, namespace="b", reopen_removed=True)
+    first.put_many(["k"], [payload_of("k")], [1.0])
+    assert bytes(first.get_many(["k"])[0]) == payload_of("k")
+    shutil.rmtree(root)
+    for namespace, old in (("a", first), ("b", other)):
+        again = open_cache(config, namespace=namespace, reopen_removed=True)
+        assert again is not old and root.is_dir()
+        key = f"k-{namespace}"
+        again.put_many([key], [payload_of(key)], [1.0])
+        assert bytes(again.get_many([key])[0]) == payload_of(key)
+        assert open_cache(config, namespace=namespace, reopen_removed=True) is again
+    assert len(_files(root)) == 2  # both in the tier made again, both indexed
+    decoded = CacheConfig(memory_bytes=1 << 20, memory_dir=str(tmp_path / "decoded"),
+                          background_writes=False)
+    kept = open_cache(decoded, namespace="d")
+    shutil.rmtree(tmp_path / "decoded")
+    assert open_cache(decoded, namespace="d") is kept
+    assert not (tmp_path / "decoded").exists()

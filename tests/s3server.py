@@ -90,6 +90,7 @@ class S3Server:
             return
         cmd = [sys.executable, os.path.abspath(__file__), "--port", str(self.port),
                "--state", str(self.state_dir)] + (["--auth"] if self.auth else [])
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.state_dir / "server.log", "ab")  # noqa: SIM115 - owned by the child
         self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log,
                                       env={**os.environ, **DUMMY_ENV})

@@ -103,6 +103,7 @@ def _restarted() -> bool:
 # Longest wait before a failed snapshot is tried again (sooner with a shorter interval).
 SNAPSHOT_RETRY_S = 5.0
 
+
 class StoreActor:
     """One shard of the priority store: rows ``[lo, lo + n)`` of the global id space.
 

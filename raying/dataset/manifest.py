@@ -128,13 +128,14 @@ class Manifest:
         listed: dict[str, list[str]] = {}
         infos = _scan.list_dataset(fs, path, uri, listed)
         named = len(infos) == 1 and infos[0].path.rstrip("/") == path.rstrip("/")
+        file_uri = uri
         if named:
             # One file named by the URI: its folder is the root, the file its only member.
             path = path.rstrip("/").rpartition("/")[0] or "/"
             uri = uri.rstrip("/").rpartition("/")[0] or "/"
         parquet = _scan.parquet_members(path, infos, PARQUET_EXTENSIONS)
-        if named and format == "parquet":  # the user says what the file is, whatever its name
-            parquet = infos
+        if named and (format == "parquet" or infos[0].path.lower().endswith(PARQUET_EXTENSIONS)):
+            parquet = infos  # the user named it (a _-prefixed name too), or says what it is
         if format == "auto":
             format = "parquet" if parquet else "images"
             endings_auto = tuple("." + e.lower().lstrip(".") for e in (
@@ -160,8 +161,18 @@ class Manifest:
             if col is not None and not isinstance(col, str):
                 msg = f"for Parquet, label must be a column name or None, got {label!r}"
                 raise ConfigError(msg)
-            m = _scan.scan_parquet(cls, fs, path, uri, parquet, col, image_column, opts,
-                                   columns=columns)
+            try:
+                m = _scan.scan_parquet(cls, fs, path, uri, parquet, col, image_column, opts,
+                                       columns=columns)
+            except DataError as exc:
+                if not named:
+                    raise
+                # The messages name the root, the file's folder: say which file was meant.
+                folder = uri.rstrip("/").rpartition("/")[2]
+                hive = ("; a hive partition's label comes from its folder name when the "
+                        f"dataset's root is scanned: scan {uri.rstrip('/').rpartition('/')[0]}"
+                        if "=" in folder else "")
+                raise DataError(f"{file_uri} (the file the URI names): {exc}{hive}") from None
             return _scan.use_classes(m, classes)
         if isinstance(extensions, str):
             extensions = (extensions,)
@@ -174,6 +185,12 @@ class Manifest:
             raise ConfigError(msg)
         images = [i for i in infos if i.path.lower().endswith(endings)]
         _left_out(infos, endings, uri, len(images))
+        if not images and named:
+            msg = (f"{file_uri} names one file, which is neither Parquet "
+                   f"({', '.join(PARQUET_EXTENSIONS)}) nor an image ({', '.join(extensions)}); "
+                   f"point at the dataset's folder or at a data file (format='parquet' reads "
+                   f"Parquet under another name)")
+            raise DataError(msg)
         if not images:
             seen = sorted({_ext(i.path) for i in infos})[:8]
             msg = (f"no images ({', '.join(extensions)}) found under {uri}"

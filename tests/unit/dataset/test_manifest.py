@@ -113,6 +113,32 @@ def test_parq_files_are_parquet_and_a_file_named_is_read_as_format_says(tmp_path
                                     label=None)) == 4
 
 
+def test_a_file_the_uri_names_is_read_or_refused_by_its_own_name(tmp_path):
+    """A Parquet file named by the URI is read whatever its name (a _-prefixed one is
+    bookkeeping only in a folder's listing); what is refused names the file, not its folder,
+    and a file inside a hive partition says where its label comes from."""
+    root = tmp_path / "d"
+    root.mkdir()
+    _parquet(root / "_train.parquet", 4)
+    assert len(raying.Manifest.scan(str(root / "_train.parquet"), label=None)) == 4
+    (root / "_SUCCESS").write_bytes(b"")
+    with pytest.raises(raying.DataError, match=r"_SUCCESS names one file, which is neither "
+                                               r"Parquet"):
+        raying.Manifest.scan(str(root / "_SUCCESS"))
+    _parquet(root / "good.parquet", 4)
+    pq.write_table(pa.table({"id": pa.array([], pa.int64()),
+                             "image": pa.array([], pa.binary())}), root / "empty.parquet")
+    with pytest.raises(raying.DataError, match=r"empty\.parquet \(the file the URI names\)"):
+        raying.Manifest.scan(str(root / "empty.parquet"), label=None)
+    part = tmp_path / "h" / "label=cat"
+    part.mkdir(parents=True)
+    _parquet(part / "part-0.parquet", 4)
+    with pytest.raises(raying.DataError, match=r"part-0\.parquet \(the file the URI names\).*"
+                                               r"hive partition's label .* scan .*/h$"):
+        raying.Manifest.scan(str(part / "part-0.parquet"))
+    assert set(raying.Manifest.scan(str(tmp_path / "h")).classes) == {"cat"}
+
+
 def test_a_hive_folder_of_null_labels_is_refused(tmp_path):
     # pandas and Spark write rows of a null partition value under __HIVE_DEFAULT_PARTITION__;
     # as a class it would sort the integer folders as names and renumber them all.

@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from raying.options import DEFAULT_MEMORY_CACHE_DIR, StorageOptions
+from raying.options import DEFAULT_MEMORY_CACHE_DIR, DEFAULT_PACK_ROW_GROUP_ROWS, StorageOptions
 from raying.storage import files as _storage
 from raying.storage.tiers import fill_concurrency
 from raying.tools import advise_measure as _m
@@ -51,6 +51,8 @@ MIN_SMALL_SET_BLOCK_ROWS = 8
 # Side of pre-decoded pixels (`raying pack --decode-size`), so 224 crops can still move.
 DECODED_SIDE = 256
 BATCH = 256
+# Parquet row groups of fewer rows than this are worth packing again on slow storage.
+SMALL_ROW_GROUP_ROWS = 32
 # Reads in flight when small files never showed the link's bandwidth (latency-bound, S3-like).
 UNSATURATED_CONCURRENCY = 64
 
@@ -120,11 +122,19 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any],
                                         else "parallel reads not measured"))
     # 1. pack to Parquet
     p50 = data["file_bytes_p50"]
-    if parquet:
+    rpg = data["rows_per_row_group"] if parquet else 0
+    if parquet and rpg < SMALL_ROW_GROUP_ROWS and not fast:
+        line("pack", "yes: raying pack SRC DST",
+             f"row groups of ~{rpg} rows: each request, {lat * 1e3:.1f} ms to its first "
+             f"byte, brings that few samples; raying pack writes row groups of "
+             f"{DEFAULT_PACK_ROW_GROUP_ROWS} rows", f"{data['files']} files, "
+             f"~{_mb(data['row_group_bytes'])} per row group; {io_m}")
+    elif parquet:
         line("pack", "already Parquet",
-             f"row groups of ~{data['rows_per_row_group']} rows amortize each request over "
-             f"that many samples", f"{data['files']} files, ~{_mb(data['row_group_bytes'])} "
-             f"per row group")
+             f"row groups of ~{rpg} rows amortize each request over that many samples"
+             + (" (the storage answers fast: small ones cost little)"
+                if rpg < SMALL_ROW_GROUP_ROWS else ""),
+             f"{data['files']} files, ~{_mb(data['row_group_bytes'])} per row group")
     elif not fast and store["latency_share"] >= LATENCY_BOUND_SHARE:
         line("pack", "yes: raying pack SRC DST",
              f"each file waits {lat * 1e3:.1f} ms for its first byte, "

@@ -313,3 +313,18 @@ def test_a_probe_without_parallel_reads_does_not_make_the_storage_serial():
     # Measured (16 reads in flight) and flat: serial, as before.
     a, _ = _advice(data, dict(store, parallel_reads=16), _machine(cores=2))
     assert "disk head" in a["read_concurrency"]["reason"]
+
+
+def test_parquet_of_tiny_row_groups_on_slow_storage_is_advised_to_be_packed_again():
+    """Row groups of 3 rows on S3: each request (30 ms to its first byte) brings 3 samples;
+    on a fast local disk they cost little and the advice says so."""
+    data = _data(format="parquet", files=14, samples=40, bytes=2 * 2**20,
+                 rows_per_row_group=3, row_group_bytes=16 * 1024, sample_bytes=5500)
+    a, _ = _advice(data, _store(), _machine())
+    assert a["pack"]["value"] == "yes: raying pack SRC DST"
+    assert "row groups of ~3 rows" in a["pack"]["reason"] and "256 rows" in a["pack"]["reason"]
+    fast = _store(kind="local", latency_s=0.0001, whole_file_s=0.0002, latency_share=0.5,
+                  bandwidth_bytes_per_s=2e9)
+    a, _ = _advice(data, fast, _machine())
+    assert a["pack"]["value"] == "already Parquet" and "small ones cost little" in \
+        a["pack"]["reason"]

@@ -17,6 +17,95 @@ from raying.sampling.weights import to_numpy
 logger = logging.getLogger(__name__)
 
 
+def _dims(x: Any) -> tuple[int, ...] | None:
+    """The shape of an array, tensor or list from its metadata (no copy off a device);
+    None where it is not known (a ragged list, a symbolic dimension)."""
+    shape = getattr(x, "shape", None)
+    try:
+        return tuple(int(d) for d in (np.shape(x) if shape is None else shape))
+    except (TypeError, ValueError):
+        return None
+
+
+def _kind(x: Any) -> str | None:
+    """The numpy kind (``"f"``, ``"i"``, ``"u"``, ``"b"``, ``"c"``, ...) of an array's,
+    tensor's or list's values, from their dtype's name where they are not numpy (torch's
+    ``torch.float32``, tf's ``<dtype: 'int64'>``): nothing is copied off a device."""
+    dtype = getattr(x, "dtype", None)
+    if isinstance(dtype, np.dtype):
+        return dtype.kind
+    if dtype is None:
+        try:
+            return np.asarray(x).dtype.kind
+        except (TypeError, ValueError):
+            return None
+    name = str(dtype)
+    for token, kind in (("bool", "b"), ("complex", "c"), ("float", "f"), ("uint", "u"),
+                        ("int", "i"), ("string", "S")):
+        if token in name:
+            return kind
+    return None
+
+
+def shape_problem(ids_shape: tuple[int, ...] | None, shape: tuple[int, ...] | None,
+                  ids: int, losses: int) -> str | None:
+    """What is wrong with reporting losses of ``shape`` (``losses`` values) for ids of
+    ``ids_shape`` (``ids`` values), or None: a reduced loss, per-token losses, or losses whose
+    layout would pair them with the ids by accident. A plain length mismatch is not one
+    here: the store rejects and counts those."""
+    if shape is not None and len(shape) == 0 and ids != 1:
+        return (f"raying.report: one loss for {ids} ids, a reduced (mean) loss; pass the "
+                f"per-sample losses (e.g. CrossEntropyLoss(reduction='none'))")
+    if shape is None or len(shape) < 2:
+        return None
+    if shape[0] == ids and losses != ids:
+        # Per-token or per-pixel losses: a caller bug at every step, not bad data.
+        return (f"raying.report: one loss per sample expected, got losses of shape {shape} "
+                f"for {ids} ids; reduce each sample's other axes first "
+                f"(e.g. loss.reshape(len(ids), -1).mean(1))")
+    if shape[0] != ids and losses == ids and shape != ids_shape and shape != (1, ids):
+        # (2, 2) losses for 4 ids: flattened they would pair up by accident of layout
+        # (losses shaped as their ids are, gathered (workers, batch) say, pair up).
+        return (f"raying.report: losses of shape {shape} for {ids} ids; pass one loss per "
+                f"id, of shape ({ids},) (or ({ids}, 1)), in the order of the ids")
+    return None
+
+
+def check_report(ids: Any, losses: Any) -> None:
+    """Refuse, from their metadata alone, what every sampler's ``report`` refuses: ids that
+    are not integers, losses that are not real numbers, a reduced loss, per-token losses
+    and layouts that pair by accident. For samplers that drop losses (uniform, weighted),
+    so that a loop that reports wrong values fails now, not once it changes sampler; a
+    length mismatch is logged once (a prioritized sampler rejects and counts it)."""
+    kind = _kind(ids)
+    if kind is not None and kind not in "iuf":
+        msg = (f"raying.report: ids must be integers, got {type(ids).__name__} of "
+               f"{getattr(ids, 'dtype', kind)}; pass the int64 ids of the batch (batch['id'])")
+        raise ConfigError(msg)
+    kind = _kind(losses)
+    if kind is None or kind not in "iuf":
+        got = type(losses).__name__ + (f" of {losses.dtype}" if hasattr(losses, "dtype") else "")
+        msg = (f"raying.report: losses must be real numbers (float or integer arrays or "
+               f"tensors, one per id), got {got}")
+        raise ConfigError(msg)
+    ids_shape, shape = _dims(ids), _dims(losses)
+    if ids_shape is None or shape is None:
+        return
+    n, size = int(np.prod(ids_shape)), int(np.prod(shape))
+    problem = shape_problem(ids_shape, shape, n, size)
+    if problem is not None:
+        raise ConfigError(problem)
+    global _warned_length
+    if n != size and not _warned_length:
+        _warned_length = True
+        logger.warning("raying.report: %d ids but losses of shape %s; this sampler does not use "
+                       "losses, but a prioritized one would reject and count the batch (pass "
+                       "one loss per id)", n, shape)
+
+
+_warned_length = False
+
+
 class Reporter:
     """Buffers (id, loss) pairs and sends them to a priority store in batches.
 
@@ -70,26 +159,9 @@ class Reporter:
             msg = (f"raying.report: losses must be real numbers (float or integer arrays or "
                    f"tensors, one per id), got {got}")
             raise ConfigError(msg) from None
-        if np.ndim(losses) == 0 and i.size != 1:
-            msg = (f"raying.report: one loss for {i.size} ids, a reduced (mean) loss; pass the "
-                   f"per-sample losses (e.g. CrossEntropyLoss(reduction='none'))")
-            raise ConfigError(msg)
-        shape = tuple(getattr(losses, "shape", None) or np.shape(losses))
-        if len(shape) > 1 and shape[0] == i.size and v.size != i.size:
-            # Per-token or per-pixel losses: a caller bug at every step, not bad data.
-            msg = (f"raying.report: one loss per sample expected, got losses of shape "
-                   f"{tuple(int(d) for d in shape)} for {i.size} ids; reduce each sample's "
-                   f"other axes first (e.g. loss.reshape(len(ids), -1).mean(1))")
-            raise ConfigError(msg)
-        ids_shape = tuple(int(d) for d in (getattr(ids, "shape", None) or np.shape(ids)))
-        if (len(shape) > 1 and shape[0] != i.size and v.size == i.size and shape != ids_shape
-                and shape != (1, i.size)):
-            # (2, 2) losses for 4 ids: flattened they would pair up by accident of layout
-            # (losses shaped as their ids are, gathered (workers, batch) say, pair up).
-            msg = (f"raying.report: losses of shape {tuple(int(d) for d in shape)} for "
-                   f"{i.size} ids; pass one loss per id, of shape ({i.size},) (or "
-                   f"({i.size}, 1)), in the order of the ids")
-            raise ConfigError(msg)
+        problem = shape_problem(_dims(ids), _dims(losses), i.size, v.size)
+        if problem is not None:
+            raise ConfigError(problem)
         v = v.astype(np.float64, copy=False)
         # Float ids travel as floats: the store rejects and counts non-integral ones (a cast
         # here would truncate 1.5 to 1 and credit the loss to another sample).

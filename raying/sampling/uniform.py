@@ -84,7 +84,11 @@ class UniformSampler:
         return unit
 
     def report(self, ids: Any, losses: Any) -> None:
-        """Losses do not change a uniform plan; they are accepted and dropped."""
+        """Losses do not change a uniform plan; they are checked as a prioritized
+        sampler checks them (from their metadata: nothing is copied off a device) and dropped."""
+        from raying.sampling.feedback import check_report
+
+        check_report(ids, losses)
 
     def set_aside(self, ids: Any) -> None:
         """A uniform epoch reads every id once, bad ones included; they are reported."""

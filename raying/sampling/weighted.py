@@ -250,7 +250,11 @@ class WeightedSampler:
         return unit
 
     def report(self, ids: Any, losses: Any) -> None:
-        """Losses do not change static weights; they are accepted and dropped."""
+        """Losses do not change static weights; they are checked as a prioritized
+        sampler checks them (from their metadata: nothing is copied off a device) and dropped."""
+        from raying.sampling.feedback import check_report
+
+        check_report(ids, losses)
 
     def set_aside(self, ids: Any) -> None:
         """Samples that failed to read are not drawn in epochs planned later."""

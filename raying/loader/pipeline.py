@@ -834,7 +834,13 @@ class Pipeline:
         return {"version": STATE_VERSION, "epoch": epoch, "unit": unit, "row": row,
                 "block_rows": self.block_rows(),
                 "delivered": delivered, "sampler": self.sampler.state_dict(),
-                "fingerprint": self.manifest.fingerprint()}
+                "fingerprint": self.manifest.fingerprint(), "augment": self._augment()}
+
+    def _augment(self) -> dict[str, Any]:
+        """What makes the pixels besides the plan: the transform and the user's stages."""
+        return {"transform": repr(self.transform),
+                "stages": [f"{s.name}{' (with_rng)' if s.with_rng else ''}"
+                           for s in self._stages]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iteration of that epoch continues there."""
@@ -865,6 +871,17 @@ class Pipeline:
                            "first row (rows read before the save are read again)", self.name,
                            epoch)
             unit, row = 0, 0
+        saved_augment = state.get("augment")
+        if saved_augment is not None and saved_augment != self._augment():
+            # Not refused: a recipe may change its augmentation on purpose between phases
+            # (progressive resizing); a resume that meant to continue the same run is told.
+            logger.warning("pipeline %s: the state was saved by a pipeline of other "
+                           "augmentation (%s, stages %s); this one has %s, stages %s: the "
+                           "resumed reads give other pixels than the saved run would have. "
+                           "Build the pipeline as the saved run did if it is to continue "
+                           "the same run", self.name, saved_augment.get("transform"),
+                           saved_augment.get("stages"), self._augment()["transform"],
+                           self._augment()["stages"])
         self._resume = (epoch, unit, row, int(state.get("delivered", 0)))
         if self._stream is not None:
             self._stream.cancel()

@@ -34,3 +34,34 @@ def test_an_old_parquet_position_inside_an_epoch_restarts_the_epoch(tmp_path, ca
     pipe.load_state_dict(dict(old, unit=0, row=0))  # an epoch's start means the same
     assert pipe._resume == (3, 0, 0, 200) and not caplog.text
     pipe.close()
+
+
+def _jitter(batch):
+    return batch
+
+
+def _jitter_rng(batch, rng):
+    return batch
+
+
+def test_a_resume_into_other_augmentation_is_told_and_the_same_one_is_not(tmp_path, caplog):
+    saved = _pipe(tmp_path).map_batches(_jitter_rng, with_rng=True)
+    state = saved.state_dict()
+    assert state["augment"]["stages"] == [f"{__name__}._jitter_rng (with_rng)"]
+    same = _pipe(tmp_path).map_batches(_jitter_rng, with_rng=True)
+    with caplog.at_level(logging.WARNING):
+        same.load_state_dict(state)
+    assert "other augmentation" not in caplog.text
+    others = [_pipe(tmp_path).map_batches(_jitter),  # another stage
+              _pipe(tmp_path),  # none
+              raying.Pipeline(saved.manifest, transform=raying.ImageTransform(size=160),
+                              config=raying.PipelineConfig(block_rows=8))]  # another size
+    for other in others:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            other.load_state_dict(state)
+        assert "the state was saved by a pipeline of other augmentation" in caplog.text
+        assert "_jitter_rng (with_rng)" in caplog.text
+        other.close()
+    for p in (saved, same):
+        p.close()

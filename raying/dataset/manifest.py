@@ -126,7 +126,7 @@ class Manifest:
             uri = f"{scheme}://{rest}"
         fs, path = _storage.resolve(uri, opts)
         listed: dict[str, list[str]] = {}
-        infos = _scan.list_dataset(fs, path, uri, listed)
+        infos = _scan.list_dataset(fs, path, uri, listed, opts)
         named = len(infos) == 1 and infos[0].path.rstrip("/") == path.rstrip("/")
         file_uri = uri
         if named:

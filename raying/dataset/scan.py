@@ -15,15 +15,16 @@ import pyarrow.parquet as pq
 
 from raying.errors import ConfigError, DataError
 from raying.options import StorageOptions, settings
+from raying.storage import errors as _storage_errors
 from raying.storage import files as _storage
-from raying.storage.errors import NotFoundError
 
 DECODED_SHAPE_COLUMNS = ("height", "width", "channels")
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"  # a hive partition folder's value for null
 
 
 def list_dataset(fs: pafs.FileSystem, path: str, uri: str,
-                 report: dict[str, list[str]] | None = None) -> list[pafs.FileInfo]:
+                 report: dict[str, list[str]] | None = None,
+                 options: StorageOptions | None = None) -> list[pafs.FileInfo]:
     """Every file of the dataset (one listing call), or the single file the URI names;
     ``report`` (see ``list_files``) gets the folders listed."""
     info = _storage.file_info(fs, path, uri)
@@ -31,8 +32,7 @@ def list_dataset(fs: pafs.FileSystem, path: str, uri: str,
         down = _storage.unreachable(fs, uri)
         if down is not None:
             raise down
-        msg = f"{uri} does not exist; check the path (and for S3 the bucket and prefix)"
-        raise NotFoundError(msg)
+        raise _storage_errors.missing_error(fs, path, uri, options)
     if info.type == pafs.FileType.File:
         return [info]
     # Names starting with "_" are kept here (a class folder may be "_other"); Parquet scans

@@ -199,6 +199,12 @@ def _hdfs_unreachable(fs, uri: str, detail: str, tries: str) -> StorageError | N
     return err
 
 
+def missing_error(fs: pafs.FileSystem, path: str, uri: str, options=None) -> NotFoundError:
+    """The error for a dataset root that does not exist: on S3 it says whether the bucket
+    is missing (at which endpoint) or the prefix, on HDFS where hdfs:/// points."""
+    return NotFoundError(_missing_message(fs, _scheme_of_uri(uri), path, uri, options))
+
+
 def _missing_message(fs, scheme, path, uri, options) -> str:
     if scheme == "s3" and fs is not None:
         bucket = path.split("/", 1)[0]

@@ -290,3 +290,16 @@ def test_server_restarted_mid_read_loses_nothing(tmp_path):
     assert [type(o) for o in out if not isinstance(o, bytes)] == []
     assert dict(zip([i.path.rsplit("/", 1)[1] for i in infos], out, strict=True)) == payloads
     assert len(retried) > 0  # the outage was hit, and survived
+
+
+def test_a_scan_of_a_missing_bucket_or_prefix_says_which(dataset_uri, s3_endpoint):
+    import raying
+
+    opts = {"endpoint_url": s3_endpoint}
+    with pytest.raises(NotFoundError, match=r"^s3://no-such-bucket/train does not exist: bucket "
+                                            rf"'no-such-bucket' does not exist at {s3_endpoint}; "
+                                            r"check the bucket name and the endpoint$"):
+        raying.Manifest.scan("s3://no-such-bucket/train", storage=opts)
+    with pytest.raises(NotFoundError, match=rf"^s3://{BUCKET}/no-such-prefix does not exist; "
+                                            r"check the key or prefix \(the bucket exists\)$"):
+        raying.Manifest.scan(f"s3://{BUCKET}/no-such-prefix", storage=opts)

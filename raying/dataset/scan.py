@@ -294,8 +294,8 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
         "file": np.concatenate(file_idx), "row_group": np.concatenate(rg_idx),
         "row": np.concatenate(row_idx), "size": np.concatenate(sizes)}
     # The names raying pack recorded are those of its own "label" column: not of another
-    # column chosen as the label, nor of an unlabelled scan.
-    classes = _classes_from_metadata(schema0) if label_col == "label" else None
+    # column chosen as the label, nor of an unlabelled scan; a ClassLabel's are its column's.
+    classes = _classes_from_metadata(schema0, label_col)
     if label_col is None:
         cols["label"] = np.full(len(cols["file"]), -1, dtype=np.int64)
     elif hive is not None:
@@ -305,6 +305,12 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     else:
         labels, found = _read_labels(fs, infos, uris, label_col, workers)
         cols["label"] = labels
+        if found is None and classes is not None and len(labels) and (
+                labels.max() >= len(classes)):
+            warnings.warn(f"{uri}: the file's metadata names {len(classes)} classes, but label "
+                          f"column {label_col!r} holds label {int(labels.max())}; the names "
+                          f"are not used (pass classes=[...] to name the labels)", stacklevel=3)
+            classes = None
         classes = found if found is not None else classes
     meta: dict[str, Any] = {"image_column": image_col, "label_column": label_col,
                             "decoded": decoded,
@@ -643,11 +649,28 @@ def _check_decoded_shapes(fs, infos, uris, shape: list[int], workers: int) -> No
         list(pool.map(one, range(len(infos))))
 
 
-def _classes_from_metadata(schema: pa.Schema) -> list[str] | None:
+def _classes_from_metadata(schema: pa.Schema, label_col: str | None) -> list[str] | None:
+    """The class names the writer recorded for integer labels: raying pack's for its
+    ``label`` column, or a Hugging Face ``ClassLabel``'s names for ``label_col`` (the
+    ``huggingface`` schema metadata that ``datasets`` writes)."""
     import json
 
-    raw = (schema.metadata or {}).get(b"raying.classes")
-    return json.loads(raw) if raw else None
+    meta = schema.metadata or {}
+    raw = meta.get(b"raying.classes")
+    if raw and label_col == "label":
+        return json.loads(raw)
+    raw = meta.get(b"huggingface")
+    if not raw or label_col is None:
+        return None
+    try:
+        feature = json.loads(raw)["info"]["features"][label_col]
+    except (ValueError, KeyError, TypeError):
+        return None
+    names = feature.get("names") if isinstance(feature, dict) else None
+    if (not isinstance(feature, dict) or feature.get("_type") != "ClassLabel"
+            or not isinstance(names, list) or not names):
+        return None
+    return [str(n) for n in names]
 
 
 def _read_labels(fs, infos, uris, col: str, workers: int) -> tuple[np.ndarray, list[str] | None]:

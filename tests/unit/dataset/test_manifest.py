@@ -627,6 +627,34 @@ def test_the_class_names_a_pack_recorded_go_only_with_its_label_column(tmp_path)
     assert other.classes is None and other.labels.tolist() == list(range(6))
 
 
+def test_a_hugging_face_class_label_names_the_integer_labels_of_its_column(tmp_path):
+    """``datasets`` writes its features (a ClassLabel's names) in the schema's
+    ``huggingface`` metadata: they name that column's integer labels."""
+    import json
+
+    from raying.tools.datagen import encode
+
+    img = encode(np.zeros((4, 4, 3), np.uint8), "png")
+    features = {"image": {"_type": "Image"},
+                "fine": {"names": ["ant", "bee", "cat", "dog"], "_type": "ClassLabel"},
+                "coarse": {"dtype": "int64", "_type": "Value"}}
+    meta = {b"huggingface": json.dumps({"info": {"features": features}})}
+    table = pa.table({"image": [img] * 6, "fine": [3, 0, 2, 1, 3, 0],
+                      "coarse": [0, 1, 0, 1, 0, 1]}).replace_schema_metadata(meta)
+    pq.write_table(table, tmp_path / "p.parquet")
+    fine = raying.Manifest.scan(str(tmp_path), label="fine")
+    assert fine.classes == ["ant", "bee", "cat", "dog"]
+    assert fine.labels.tolist() == [3, 0, 2, 1, 3, 0]
+    assert raying.Manifest.scan(str(tmp_path), label="coarse").classes is None  # a Value
+    # Names that do not cover the labels are not used, and the scan says so.
+    features["coarse"] = {"names": ["x"], "_type": "ClassLabel"}
+    meta = {b"huggingface": json.dumps({"info": {"features": features}})}
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "p.parquet")
+    with pytest.warns(UserWarning, match="names 1 classes, but label column 'coarse' holds "
+                                         "label 1; the names are not used"):
+        assert raying.Manifest.scan(str(tmp_path), label="coarse").classes is None
+
+
 def test_scanning_a_saved_manifest_says_what_it_is(tmp_path):
     make_image_folder(tmp_path / "imgs", n=4, classes=2, size=(8, 8))
     m = raying.Manifest.scan(str(tmp_path / "imgs"))

@@ -141,11 +141,13 @@ class BlockStream:
         self._budget = None if inflight_bytes is None else max(1, int(inflight_bytes))
         self._min_window = max(1, min(int(min_window), self._window))
         self._row_bytes = int(spec.transform.size) ** 2 * 3
-        # Slices start at multiples of block_rows: the same stage chunks as the whole unit's.
+        # Slices start at multiples of block_rows: the same stage calls as the whole unit's
+        # where that is a multiple of the calls' rows (any stage: one that looks across a
+        # call's rows would see other rows together, one with a generator other draws).
         self._part_rows = _part_rows(self._budget, self._min_window, self._row_bytes,
                                      int(block_rows),
                                      splittable=split_units and (
-                                         not rng_stages
+                                         not spec.stages
                                          or int(block_rows) % DEFAULT_STAGE_ROWS == 0))
         self._keep_warm = keep_warm
         self._block_rows = int(block_rows)

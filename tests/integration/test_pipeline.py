@@ -611,6 +611,40 @@ def test_a_unit_over_its_byte_share_runs_as_slices_with_the_same_rows(packed, ra
     assert parts >= 2  # windows of up to 32 rows were split on the shards
 
 
+def _mate(batch):
+    """A stage without a generator that looks across its call's rows (a fixed mixup)."""
+    return {**batch, "mate": np.roll(batch["id"], 1)}
+
+
+def test_a_stage_that_looks_across_rows_sees_the_same_calls_whether_or_not_units_split(
+        tmp_path, ray_local, monkeypatch):
+    """Slices start at multiples of block_rows; with block_rows not a multiple of the stage's
+    call rows a split unit's calls would start elsewhere, and a stage that pairs rows within
+    a call (without a generator) gave other rows on a machine of a smaller object store."""
+    import raying.loader.pipeline as pipeline_module
+    import raying.sampling.uniform as uniform_module
+    from tests.unit.read.test_stages import write_parquet_set
+
+    monkeypatch.setattr(uniform_module, "unit_rows_cap", lambda rows, block_rows: rows)
+    root = write_parquet_set(tmp_path, files=((0, 800),), row_group_size=100)
+    m = raying.Manifest.scan(str(root), format="parquet", label="label")
+
+    def run(share):
+        monkeypatch.setattr(pipeline_module, "DEFAULT_INFLIGHT_STORE_SHARE", share)
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               sampler=raying.UniformSampler(seed=2),
+                               config=raying.PipelineConfig(block_rows=20, window=4,
+                                                            decoded_cache="off"))
+        pipe = pipe.map_batches(_mate)
+        blocks = list(pipe.iter_blocks(0))
+        pipe.close()
+        return [np.concatenate([b[k] for b in blocks]) for k in ("id", "mate")]
+
+    tight, roomy = run(1e-9), run(0.75)
+    assert np.array_equal(tight[0], roomy[0])
+    assert np.array_equal(tight[1], roomy[1])
+
+
 def _slow(batch):
     import time
 

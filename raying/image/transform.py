@@ -378,9 +378,15 @@ class ImageTransform:
             return
         halvings = _crop.halvings(box[2], box[3], self.size)
         eighths = 8 >> min(halvings, 3)  # libjpeg's DCT scaling does the first three
-        extra = halvings - min(halvings, 3)
-        if orientation == 1 and self._render_jpeg_region(buf, height, width, eighths, box,
-                                                         flip, dst, extra=extra):
+        tiny = max(height, width) < 8
+        if tiny:
+            # Under 8 px another n/8 scale gives the same size (3x3 at 3/8 and at 4/8 is
+            # 2x2), and simplejpeg picks the smallest: a tiny image decodes whole, at full
+            # scale, then halves, whichever path would have run.
+            eighths = 8
+        extra = halvings - {8: 0, 4: 1, 2: 2, 1: 3}[eighths]
+        if orientation == 1 and not tiny and self._render_jpeg_region(
+                buf, height, width, eighths, box, flip, dst, extra=extra):
             return
         src = decode_jpeg_stored(buf, height, width, eighths)
         if eighths == 8 and orientation == 1 and _whole(box):

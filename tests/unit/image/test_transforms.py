@@ -550,6 +550,29 @@ def test_region_decode_gives_the_whole_decodes_pixels(monkeypatch, interpolation
     assert np.abs(out[0] - out[1]).max() <= 1
 
 
+def test_tiny_jpegs_give_the_same_pixels_with_or_without_the_region_decode(monkeypatch):
+    """Under 8 px two DCT scales give one size (3x3 at 3/8 and 4/8: 2x2); simplejpeg picks
+    the smaller, the region decode the asked one: the pixels of one seed and epoch depended
+    on which path ran (up to 29 levels apart)."""
+    import cv2
+
+    from raying.image import decode as decode_module
+    from raying.options import Settings, use
+
+    if not decode_module.ROI_DECODE:
+        pytest.skip("the region-decode extension was not built (no libjpeg headers)")
+    monkeypatch.setattr("raying.options._active", None)
+    rng = np.random.default_rng(0)
+    datas = [cv2.imencode(".jpg", rng.integers(0, 255, (h, w, 3), dtype=np.uint8))[1].tobytes()
+             for h, w in [(3, 3)] * 6 + [(6, 5), (7, 2), (2, 7), (5, 6)]]
+    out = {}
+    for roi in (0, 1):
+        use(Settings(roi_decode=roi))
+        out[roi] = ImageTransform(size=1, flip=False).apply_encoded(
+            datas, np.arange(len(datas)), seed=0, epoch=0).images
+    assert np.array_equal(out[0], out[1])
+
+
 def test_odd_sized_crops_keep_their_last_rows_and_columns_when_halved():
     """A crop of 2x the output or more is halved by 2x2 area steps; an odd side's last row or
     column was dropped, and the output's last row/column then sampled the replicated border

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import random
 import threading
@@ -51,6 +52,10 @@ def register(fs: pafs.FileSystem, spec) -> None:
         _SPECS[id(fs)] = spec
 
 
+# A path that can never open: a loop of symbolic links, a name over the file system's limit.
+_PERMANENT_ERRNOS = frozenset({errno.ELOOP, errno.ENAMETOOLONG})
+
+
 def classify(exc: BaseException) -> str:
     """One of ``missing``, ``credentials``, ``network``, ``transient``, ``permanent``."""
     if isinstance(exc, FileNotFoundError):
@@ -59,6 +64,8 @@ def classify(exc: BaseException) -> str:
         return "credentials"
     if isinstance(exc, (IsADirectoryError, NotADirectoryError)):
         return "permanent"
+    if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
+        return "permanent"  # the same path fails the same way: no retry, said at once
     if isinstance(exc, RayingError) and not isinstance(exc, StorageError):
         return "permanent"
     text = str(exc)

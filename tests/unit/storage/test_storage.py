@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import re
 import sys
 import threading
 import time
@@ -771,3 +772,17 @@ def test_options_for_workers_carry_the_environment_s_endpoint_and_region_not_its
     for uri in ("/data/train", "hdfs://nn:8020/train"):
         opts = StorageOptions(slow="hdd", hdfs_user="alice")
         assert travelling_options(uri, opts) == opts
+
+
+def test_a_path_that_can_never_open_is_said_at_once_not_retried(tmp_path):
+    """A loop of symbolic links or a name over the file system's limit fails the same way at
+    every attempt: reported at the first, with the file, not after the retries' backoff."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    fs, root = storage.resolve(str(tmp_path))
+    for path in (f"{root}/a", f"{root}/{'x' * 300}.jpg"):
+        retries: list = []
+        with pytest.raises(StorageError, match=re.escape(path)):
+            storage.read_bytes(fs, path, on_retry=lambda *a, seen=retries: seen.append(a),
+                               backoff=0.5)
+        assert retries == [], path

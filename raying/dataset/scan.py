@@ -263,7 +263,7 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
                    f"and is not under a hive partition folder {label_col}=<value>/; pass "
                    f"label='<column or partition key>' or label=None for unlabelled data")
             raise DataError(msg)
-    decoded = _decoded_shape(schema0, image_col, footers[0], fs, infos[0].path, uris[0])
+    decoded = _decoded_shape(schema0, image_col, fs, infos, uris)
     if decoded is not None:
         _check_decoded_shapes(fs, infos, uris, decoded, workers)
 
@@ -607,18 +607,35 @@ def _is_int(t: pa.DataType) -> bool:
     return pa.types.is_integer(t)
 
 
-def _decoded_shape(schema: pa.Schema, image_col: str, fm: pq.FileMetaData, fs, path: str,
-                   where: str) -> list[int] | None:
-    """(h, w, c) when the image column holds pre-decoded uint8 pixels, else None."""
+def _decoded_shape(schema: pa.Schema, image_col: str, fs, infos, uris) -> list[int] | None:
+    """(h, w, c) when the image column holds pre-decoded uint8 pixels, else None: the shape
+    of the first row that gives one (a file or row group may be empty, a row's shape null)."""
     field = schema.field(image_col)
     if not pa.types.is_fixed_size_binary(field.type):
         return None
     if not all(c in schema.names for c in DECODED_SHAPE_COLUMNS):
-        msg = (f"{where}: column {image_col!r} is fixed_size_binary (pre-decoded pixels) but "
+        msg = (f"{uris[0]}: column {image_col!r} is fixed_size_binary (pre-decoded pixels) but "
                f"the columns {DECODED_SHAPE_COLUMNS} that give its shape are missing")
         raise DataError(msg)
-    first = pq.ParquetFile(path, filesystem=fs).read_row_group(0, columns=list(DECODED_SHAPE_COLUMNS))
-    shape = [int(first.column(c)[0].as_py()) for c in DECODED_SHAPE_COLUMNS]
+    shape = None
+    for info, where in zip(infos, uris, strict=True):
+        try:
+            t = _read_columns(fs, info.path, list(DECODED_SHAPE_COLUMNS))
+        except (pa.ArrowInvalid, OSError) as exc:
+            msg = f"{where}: cannot read columns {DECODED_SHAPE_COLUMNS} ({_short(exc)})"
+            raise DataError(msg) from None
+        given = np.ones(t.num_rows, dtype=bool)
+        for c in DECODED_SHAPE_COLUMNS:
+            given &= np.asarray(t.column(c).is_valid().to_numpy(zero_copy_only=False), bool)
+        if given.any():
+            row = int(np.flatnonzero(given)[0])
+            shape = [int(t.column(c)[row].as_py()) for c in DECODED_SHAPE_COLUMNS]
+            break
+    if shape is None:
+        msg = (f"{uris[0]}: no row gives the shape of the pre-decoded pixels in {image_col!r} "
+               f"(columns {DECODED_SHAPE_COLUMNS} empty or null); re-pack with raying pack "
+               f"--decode-size")
+        raise DataError(msg)
     if math.prod(shape) != field.type.byte_width:
         msg = (f"{where}: height*width*channels = {shape} does not match the "
                f"{field.type.byte_width} bytes of column {image_col!r}")
@@ -640,8 +657,11 @@ def _check_decoded_shapes(fs, infos, uris, shape: list[int], workers: int) -> No
                    else col.to_numpy(zero_copy_only=False))
             bad = np.flatnonzero(got != want)
             if len(bad):
-                msg = (f"{uris[k]}: row {int(bad[0])} has {c} {got[bad[0]]}, not {want} as the "
-                       f"first row: pre-decoded pixels must share one shape (h, w, c) = "
+                row = int(bad[0])
+                value = col[row].as_py()
+                said = f"a null {c}" if value is None else f"{c} {value}"
+                msg = (f"{uris[k]}: row {row} has {said}, not {want} as the other rows: "
+                       f"pre-decoded pixels must share one shape (h, w, c) = "
                        f"{tuple(shape)}; re-pack with raying pack --decode-size")
                 raise DataError(msg)
 

@@ -507,7 +507,13 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
         h, w, c = spec.decoded
         buf = np.frombuffer(flat.buffers()[1], dtype=np.uint8)
         buf = buf[flat.offset * h * w * c:(flat.offset + len(flat)) * h * w * c]
-        return Rows(buf.reshape(len(flat), h, w, c), pos), None, nbytes
+        if not flat.null_count:
+            return Rows(buf.reshape(len(flat), h, w, c), pos), None, nbytes
+        # A null cell's slot holds whatever the writer left (zeros, with pyarrow): set aside
+        # as missing, named by its location, never delivered as pixels.
+        valid = np.asarray(flat.is_valid().to_numpy(zero_copy_only=False))[pos]
+        return (Rows(buf.reshape(len(flat), h, w, c), pos, valid),
+                row_locations(spec, unit, ids), nbytes)
     return binary_views(values, pos), row_locations(spec, unit, ids), nbytes
 
 

@@ -115,10 +115,15 @@ class ParquetRows(_ReadOnce):
 
     def part(self, part: slice, out: np.ndarray | None) -> Part:
         if self.spec.decoded is not None:
-            images = self.spec.transform.apply_decoded(self.values[part], self.keys[part],
-                                                       seed=self.spec.seed,
+            rows, keys = self.values[part], self.keys[part]
+            ok = np.ones(len(rows), dtype=bool) if rows.valid is None else rows.valid.copy()
+            errors = [DecodeError("missing", "no pixels (a null cell of the image column)",
+                                  path=self.where[part][k], sample_id=int(self.ids[part][k]))
+                      for k in np.flatnonzero(~ok)]
+            if errors:
+                rows, keys = rows[ok], keys[ok]
+            images = self.spec.transform.apply_decoded(rows, keys, seed=self.spec.seed,
                                                        epoch=self.unit.epoch, out=out)
-            ok, errors = np.ones(len(self.ids[part]), dtype=bool), []
         else:
             images, ok, errors = transform_encoded(self.spec, self.unit, self.ids[part],
                                                    self.values[part], self.where[part], out,

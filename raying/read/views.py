@@ -9,17 +9,21 @@ import pyarrow as pa
 
 
 class Rows:
-    """Rows ``pos`` of a (N, h, w, c) array as a sequence of views: no gather copy."""
+    """Rows ``pos`` of a (N, h, w, c) array as a sequence of views: no gather copy.
+    ``valid``: per row of ``pos``, whether it holds pixels (False: a null cell, whose slot
+    holds whatever the writer left there), or None when every row does."""
 
-    def __init__(self, array: np.ndarray, pos: np.ndarray) -> None:
-        self.array, self.pos = array, pos
+    def __init__(self, array: np.ndarray, pos: np.ndarray,
+                 valid: np.ndarray | None = None) -> None:
+        self.array, self.pos, self.valid = array, pos, valid
 
     def __len__(self) -> int:
         return len(self.pos)
 
     def __getitem__(self, key):
-        if isinstance(key, slice):
-            return Rows(self.array, self.pos[key])
+        if isinstance(key, slice) or (isinstance(key, np.ndarray) and key.dtype == bool):
+            return Rows(self.array, self.pos[key],
+                        None if self.valid is None else self.valid[key])
         return self.array[self.pos[key]]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 
 import cv2
@@ -29,7 +30,9 @@ def jpeg_orientation(buf) -> int:
     """EXIF orientation (1-8) of a JPEG from its header bytes; 1 when absent or malformed.
 
     Walks the marker segments up to the start of scan and reads tag 0x0112 of IFD0 in an
-    ``Exif`` APP1 segment. Never raises: a broken EXIF block must not fail a decodable image.
+    ``Exif`` APP1 segment; without that tag, ``tiff:Orientation`` of an XMP APP1 segment, as
+    PIL's ``getexif()`` (and so ``ImageOps.exif_transpose``) does. Never raises: a broken
+    EXIF block must not fail a decodable image.
     """
     try:
         return _jpeg_orientation(memoryview(buf).cast("B"))
@@ -37,12 +40,17 @@ def jpeg_orientation(buf) -> int:
         return 1
 
 
+_XMP_HEADER = b"http://ns.adobe.com/xap/1.0/\x00"
+_XMP_ORIENTATION = re.compile(rb'tiff:Orientation(="|>)([0-9])')
+
+
 def _jpeg_orientation(buf: memoryview) -> int:
     n = min(len(buf), _MAX_SCAN_BYTES)
     pos = 2
+    xmp = None  # the last XMP segment's orientation (PIL keeps the last)
     while pos + 4 <= n:
         if buf[pos] != 0xFF:
-            return 1
+            break
         marker = buf[pos + 1]
         if marker == 0xFF:  # fill byte
             pos += 1
@@ -51,39 +59,44 @@ def _jpeg_orientation(buf: memoryview) -> int:
             pos += 2
             continue
         if marker in (0xDA, 0xD9):  # start of scan / end of image: no Exif after this
-            return 1
+            break
         seglen = (buf[pos + 2] << 8) | buf[pos + 3]
         if seglen < 2:
-            return 1
+            break
         start = pos + 4
         end = min(pos + 2 + seglen, n)
         if marker == 0xE1 and end - start >= 14 and bytes(buf[start:start + 6]) == b"Exif\0\0":
             found = _tiff_orientation(buf, start + 6, end)
-            if found:
-                return found
+            if found is not None:  # the tag, valid or not, decides (PIL: 0 or 9 turn nothing)
+                return found if found in ORIENTATION_OPS else 1
+        elif marker == 0xE1 and bytes(buf[start:start + len(_XMP_HEADER)]) == _XMP_HEADER:
+            match = _XMP_ORIENTATION.search(bytes(buf[start + len(_XMP_HEADER):end]))
+            xmp = int(match[2]) if match else xmp
         pos += 2 + seglen
-    return 1
+    return xmp if xmp in ORIENTATION_OPS else 1
 
 
-def _tiff_orientation(buf: memoryview, base: int, end: int) -> int:
+def _tiff_orientation(buf: memoryview, base: int, end: int) -> int | None:
+    """Tag 0x0112 of the TIFF block at ``base``: its value (0 for a type other than SHORT or
+    LONG), or None when the block has no such tag or cannot be read."""
     order = bytes(buf[base:base + 2])
     if order == b"II":
         fmt = "<"
     elif order == b"MM":
         fmt = ">"
     else:
-        return 0
+        return None
     magic, ifd = struct.unpack_from(fmt + "HI", buf, base + 2)
     if magic != 42:
-        return 0
+        return None
     pos = base + ifd
     if pos + 2 > end:
-        return 0
+        return None
     (count,) = struct.unpack_from(fmt + "H", buf, pos)
     pos += 2
     for _ in range(count):
         if pos + 12 > end:
-            return 0
+            return None
         tag, typ = struct.unpack_from(fmt + "HH", buf, pos)
         if tag == ORIENTATION_TAG:
             if typ == 3:  # SHORT
@@ -92,9 +105,9 @@ def _tiff_orientation(buf: memoryview, base: int, end: int) -> int:
                 (value,) = struct.unpack_from(fmt + "I", buf, pos + 8)
             else:
                 return 0
-            return value if value in ORIENTATION_OPS else 0
+            return value
         pos += 12
-    return 0
+    return None
 
 
 def swaps_axes(orientation: int) -> bool:

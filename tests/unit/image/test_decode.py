@@ -197,6 +197,39 @@ def test_exif_orientation_matches_pil(orientation):
     assert got.shape[:2] == ((40, 24) if orientation >= 5 else (24, 40))
 
 
+_XMP = (b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/'
+        b'22-rdf-syntax-ns#"><rdf:Description xmlns:tiff="http://ns.adobe.com/tiff/1.0/" '
+        b'%s/></rdf:RDF></x:xmpmeta>')
+
+
+@pytest.mark.parametrize(("xmp", "exif", "want"), [
+    (b'tiff:Orientation="6"', None, 6),  # XMP alone: turned, as PIL turns it
+    (b'tiff:Orientation="3"', 1, 1),  # an EXIF tag decides over XMP
+    (b'tiff:Orientation="8"', 9, 1),  # ... even an invalid one (PIL turns nothing)
+    (b'tiff:Orientation="0"', None, 1),
+    (b'tiff:Make="x"', None, 1),
+])
+def test_an_xmp_orientation_counts_where_exif_has_none_as_pil_s(xmp, exif, want):
+    stored = _gradient(24, 40)
+    stored[:6, :10] = 255  # a marker that any wrong turn moves
+    for mode in ("RGB", "CMYK"):  # CMYK decodes through PIL, RGB through simplejpeg
+        buf = io.BytesIO()
+        kwargs = {"xmp": _XMP % xmp}
+        if exif is not None:
+            tags = Image.Exif()
+            tags[0x0112] = exif
+            kwargs["exif"] = tags.tobytes()
+        Image.fromarray(stored).convert(mode).save(buf, "JPEG", quality=95, **kwargs)
+        data = buf.getvalue()
+        ref = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB"))
+        got = decode_image(data)
+        assert got.shape == ref.shape, (mode, xmp, exif)
+        assert np.abs(got.astype(int) - ref).mean() < 2.0, (mode, xmp, exif)
+        assert image_size(data) == ref.shape[:2]
+        if mode == "RGB":
+            assert _exif.jpeg_orientation(data) == want
+
+
 def test_exif_40x20_orientation_6_decodes_to_20x40():
     buf = io.BytesIO()
     exif = Image.Exif()

@@ -306,6 +306,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"({_mb(m['memory_available_bytes'])} available), GPU: "
              f"{(str(m['gpus']) + 'x ' + str(m['gpu_name'])) if m['gpus'] else 'none'}, "
              f"decode {_ms(m['decode_ms_per_image'])} ms/image/core"]
+    if d.get("labels"):
+        lines.append(f"  labels   {d['labels']}")
     if m.get("decode_failed"):
         over = ("the decode time is over the rest" if m["decode_ms_per_image"] is not None
                 else "the decode time is unknown")

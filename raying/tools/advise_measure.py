@@ -117,6 +117,17 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
             sample_file=known[first].path, image_column=col, image_type=typ,
             pre_decoded=typ.startswith("fixed_size_binary"))
         out["sample_bytes"] = int(out["bytes"] / max(out["samples"], 1))
+        schema = md.schema.to_arrow_schema()
+        if "label" in schema.names:
+            out["labels"] = f"column 'label' ({schema.field('label').type})"
+        elif any("/label=" in i.path[len(path.rstrip("/")):] for i in parquet):
+            out["labels"] = "hive partition folders label=<value>/"
+        else:
+            out["labels"] = (f"none found: the files have no 'label' column (columns: "
+                             f"{', '.join(schema.names)}) and no label=<value>/ folders, and "
+                             f"Manifest.scan refuses them as given: pass label='<column>', or "
+                             f"label=None for unlabelled data")
+            out["labels_refused"] = True
     else:
         exts: dict[str, int] = {}
         for i in images:
@@ -124,6 +135,18 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
             exts[e] = exts.get(e, 0) + 1
         out.update(samples=len(images), extensions=exts, pre_decoded=False,
                    sample_bytes=int(np.median(sizes)))
+        root = path.rstrip("/") + "/"
+        rel = [i.path[len(root):] if i.path.startswith(root) else "" for i in images]
+        top = sum(1 for r in rel if "/" not in r)
+        classes = {r.split("/", 1)[0] for r in rel if "/" in r}
+        if top:
+            out["labels"] = (f"{top:,} of {len(images):,} images lie at the top level, in no "
+                             f"class folder: Manifest.scan (label='folder') refuses them; "
+                             f"move them into class folders, or scan with label=None for "
+                             f"unlabelled data")
+            out["labels_refused"] = True
+        else:
+            out["labels"] = f"{len(classes):,} class folders"
     return out
 
 

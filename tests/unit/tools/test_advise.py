@@ -183,6 +183,49 @@ def test_the_dataset_is_counted_as_the_scan_counts_it(tmp_path):
         m.measure_dataset(fs, str(pq_root), str(pq_root))
 
 
+def test_labels_the_scan_would_refuse_are_said_in_the_report(tmp_path):
+    """advise measures what Manifest.scan(uri) takes as labels, and says where the scan as
+    given refuses the dataset (images outside class folders, Parquet of no label column),
+    with the same fix: a full recommendation alone would leave that for the first run."""
+    import shutil
+
+    import pandas as pd
+    import pyarrow.fs as pafs
+
+    from raying.tools import advise_measure as m
+    from raying.tools.datagen import make_image_folder
+
+    fs = pafs.LocalFileSystem()
+    root = make_image_folder(tmp_path / "img", n=12, classes=3, size=(16, 16), seed=1)
+    got = m.measure_dataset(fs, str(root), str(root))
+    assert got["labels"] == "3 class folders" and not got.get("labels_refused")
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for k, f in enumerate(sorted(root.rglob("*.jpg"))[:5]):
+        shutil.copy(f, flat / f"{k}.jpg")
+    shutil.copytree(root / "class_00", flat / "class_00")
+    got = m.measure_dataset(fs, str(flat), str(flat))
+    assert got["labels_refused"] and got["labels"].startswith(
+        "5 of 9 images lie at the top level, in no class folder")
+    with pytest.raises(raying.DataError, match="at its top level"):
+        raying.Manifest.scan(str(flat))
+    images = [p.read_bytes() for p in sorted(root.rglob("*.jpg"))]
+    pq_root = tmp_path / "pq"
+    pq_root.mkdir()
+    pd.DataFrame({"image": images, "target": [0, 1] * 6}).to_parquet(pq_root / "p.parquet")
+    got = m.measure_dataset(fs, str(pq_root), str(pq_root))
+    assert got["labels_refused"] and "no 'label' column (columns: image, target)" in got["labels"]
+    with pytest.raises(raying.DataError, match="has no label column 'label'"):
+        raying.Manifest.scan(str(pq_root))
+    pd.DataFrame({"image": images, "label": [0, 1] * 6}).to_parquet(pq_root / "p.parquet")
+    got = m.measure_dataset(fs, str(pq_root), str(pq_root))
+    assert got["labels"] == "column 'label' (int64)" and not got.get("labels_refused")
+    report = {"uri": "x", "measured": {"dataset": {**_data(), "labels": "3 class folders"},
+                                       "storage": _store(), "machine": _machine()},
+              "advice": [], "config": recommend(_data(), _store(), _machine())[1]}
+    assert "  labels   3 class folders" in format_report(report)
+
+
 def test_an_unreadable_parquet_footer_is_a_data_error_naming_the_file(tmp_path):
     import pyarrow as pa
     import pyarrow.fs as pafs

@@ -871,6 +871,7 @@ class Pipeline:
                            "first row (rows read before the save are read again)", self.name,
                            epoch)
             unit, row = 0, 0
+            state = {**state, "delivered": 0}  # the epoch's rows are all delivered again
         saved_augment = state.get("augment")
         if saved_augment is not None and saved_augment != self._augment():
             # Not refused: a recipe may change its augmentation on purpose between phases

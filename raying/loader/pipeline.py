@@ -146,6 +146,7 @@ class Pipeline:
         self._warned_empty_share = False
         self._dataset_aside: set[int] = set()  # dataset reads' set-asides handed to the sampler
         self._dataset_reads: DatasetReads | None = None  # once dataset() ran
+        self._dataset_lock = threading.Lock()  # one account actor, however many threads ask
         self._lookup: ManifestLookup | None = None
         self._spec_ready = False
         self._footprint = Footprint()  # this node's tmpfs before the pipeline's first read
@@ -299,6 +300,7 @@ class Pipeline:
         """The explicit plan of ``epoch`` (units of ids; prioritized units are drawn later)."""
         self._same_ray()
         self._bind()
+        self._hand_dataset_asides()
         plan = self.sampler.plan(self.manifest, _epoch(epoch), block_rows=self.block_rows())
         if self.config.shard is None:
             return plan
@@ -308,6 +310,19 @@ class Pipeline:
         mine = [dataclasses.replace(u, index=k)
                 for k, u in enumerate(plan.units[index::count])]
         return dataclasses.replace(plan, units=mine)
+
+    def _hand_dataset_asides(self) -> None:
+        """Samples that ``dataset(e)``'s reads set aside leave the plans made from now on, on
+        either path, as the iterator's own set-asides do (a sampler that draws lazily gets
+        them through its store instead; a share of a sharded pipeline keeps cutting the plan
+        every share cuts)."""
+        reads = self._dataset_reads
+        if reads is None or self.sampler.lazy or self.config.shard is not None:
+            return
+        fresh = set(reads.skipped_ids()) - self._dataset_aside
+        if fresh:
+            self._dataset_aside |= fresh
+            self.sampler.set_aside(sorted(fresh))
 
     def block_rows(self) -> int:
         """Rows per read task (and per block): ``config.block_rows``, or for a small epoch (under
@@ -684,26 +699,23 @@ class Pipeline:
         self._same_ray()  # before _start_ray, which would start a Ray of its own
         self._start_ray()
         self._bind()
-        if (self._dataset_reads is not None and not self.sampler.lazy
-                and self.config.shard is None):
-            # Samples earlier datasets' reads set aside leave this plan, as on the iterator
-            # path (a sampler that draws lazily gets them through its store instead; a share
-            # of a sharded pipeline keeps cutting the plan every share cuts).
-            fresh = set(self._dataset_reads.skipped_ids()) - self._dataset_aside
-            if fresh:
-                self._dataset_aside |= fresh
-                self.sampler.set_aside(sorted(fresh))
         plan = self.plan(_epoch(epoch))
-        if self._dataset_reads is None:
-            # Only a lazy sampler's store takes set-asides (as priority 0); another sampler's
-            # store holds what its plans read (InfoBatch's losses), and a 0 would be a loss.
-            self._dataset_reads = DatasetReads(
-                self._ready_spec(), ManifestLookup(self.manifest),
-                self.sampler.handle if self.sampler.lazy else None)
+        with self._dataset_lock:
+            if self._dataset_reads is None:
+                # Only a lazy sampler's store takes set-asides (as priority 0); another
+                # sampler's store holds what its plans read (InfoBatch's losses), and a 0
+                # would be a loss.
+                self._dataset_reads = DatasetReads(
+                    self._ready_spec(), ManifestLookup(self.manifest),
+                    self.sampler.handle if self.sampler.lazy else None)
+        # The read tasks reserve what the iterator path's do: task_num_cpus, unless
+        # ray_remote_args says otherwise.
+        remote_args = {"num_cpus": self.config.task_num_cpus,
+                       **(self.config.ray_remote_args or {})}
         return self._dataset_reads.dataset(plan, sampler=self.sampler,
                                            block_rows=self.block_rows(),
                                            fmt=self.manifest.format, size=self.transform.size,
-                                           ray_remote_args=self.config.ray_remote_args,
+                                           ray_remote_args=remote_args,
                                            samples=len(self.manifest),
                                            root=self.manifest.root)
 

@@ -759,6 +759,63 @@ def test_a_shard_queues_read_tasks_for_its_share_of_the_cores(image_folder, ray_
     assert windows[(1, cpus)] == max(2, DEFAULT_INFLIGHT_TASKS_PER_CPU)
 
 
+def _task_cpus(batch):
+    import ray
+
+    got = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    return {**batch, "task_cpus": np.full(len(batch["id"]), got, dtype=np.float64)}
+
+
+def test_dataset_read_tasks_reserve_what_the_iterator_s_do(image_folder, ray_local):
+    """PipelineConfig(task_num_cpus=...) sizes the read tasks of pipe.dataset(e) too (they
+    reserved Ray Data's one CPU); ray_remote_args' num_cpus still decides where given."""
+    m = raying.Manifest.scan(str(image_folder))
+    for config, want in ((dict(task_num_cpus=0.5), 0.5),
+                         (dict(task_num_cpus=0.5, ray_remote_args={"num_cpus": 0.25}), 0.25)):
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               config=raying.PipelineConfig(**config)).map_batches(_task_cpus)
+        try:
+            it = {float(x) for b in pipe.iter_batches(batch_size=32) for x in b["task_cpus"]}
+            ds = {float(x) for b in pipe.dataset(0).iter_batches(batch_size=32)
+                  for x in b["task_cpus"]}
+            assert it == ds == {want}, (config, it, ds)
+        finally:
+            pipe.close()
+
+
+def test_threads_taking_their_first_datasets_at_once_share_one_account(image_folder,
+                                                                      ray_local, monkeypatch):
+    """Two threads calling dataset(e) for the first time together: each made an account
+    actor, the second replaced the first, and the first dataset's reads left stats()."""
+    import threading
+    import time
+
+    import raying.loader.pipeline as pipeline_module
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16))
+    made, original = [], pipeline_module.DatasetReads
+
+    def slow(*args, **kwargs):  # the actor's start takes a while, as on a busy node
+        time.sleep(0.2)
+        made.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline_module, "DatasetReads", slow)
+    try:
+        rows: list[int] = []
+        threads = [threading.Thread(target=lambda e=e: rows.append(pipe.dataset(e).count()))
+                   for e in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert made == [1] and rows == [len(m), len(m)]
+        assert pipe.stats(sampling=False)["dataset"]["rows_read"] == 2 * len(m)
+    finally:
+        pipe.close()
+
+
 def test_a_dataset_iterated_after_its_pipeline_closed_says_so(image_folder, ray_local):
     pipe = raying.Pipeline(raying.Manifest.scan(str(image_folder)),
                            transform=raying.ImageTransform(size=16))

@@ -347,6 +347,16 @@ def test_samples_the_dataset_path_sets_aside_leave_later_weighted_plans(tmp_path
         assert {s["id"] for s in pipe.stats(sampling=False)["skipped"]} == bad
     finally:
         pipe.close()
+    # ... and so does the iterator path's next epoch, planned after them.
+    pipe = raying.Pipeline(m, sampler=raying.WeightedSampler(seed=2, samples_per_epoch=600),
+                           transform=raying.ImageTransform(size=8),
+                           config=raying.PipelineConfig(block_rows=64, keep_warm=False))
+    try:
+        assert pipe.dataset(0).count() < 600
+        ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=64, epoch=1)])
+        assert ids.size == 600 and not bad & set(ids.tolist())
+    finally:
+        pipe.close()
 
 
 def test_infobatch_scores_keep_no_loss_for_samples_the_dataset_path_sets_aside(tmp_path,

@@ -31,7 +31,8 @@ CREDENTIAL_FILE_ENV = ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_PR
 
 def run(main: Callable[[], int | None]) -> int:
     """A job's entry point: raying's own errors (a missing path, bad data, refused
-    credentials) are one line on stderr and exit code 2, not a traceback."""
+    credentials) are one line on stderr and exit code 2, not a traceback; also where a Ray
+    Train worker raised them (Ray Train's own error cuts the worker's message short)."""
     from raying.errors import RayingError
 
     try:
@@ -39,6 +40,40 @@ def run(main: Callable[[], int | None]) -> int:
     except RayingError as exc:
         print(f"{Path(sys.argv[0]).name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        found = raying_error_in(exc)
+        if found is None:
+            raise
+        rank, err = found
+        print(f"{Path(sys.argv[0]).name}: error: {type(err).__name__} in Train worker {rank}: "
+              f"{err}", file=sys.stderr)
+        return 2
+
+
+def raying_error_in(exc: BaseException) -> tuple[int | None, BaseException] | None:
+    """(worker rank or None, raying error) found inside ``exc``: a Ray Train error's worker
+    failures (each wrapping the worker's exception), a Ray task error's cause, an exception's
+    cause or context; None when raying raised none of them."""
+    from raying.errors import RayingError
+
+    todo: list[tuple[int | None, BaseException]] = [(None, exc)]
+    seen: set[int] = set()
+    while todo:
+        rank, e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, RayingError):
+            return rank, e
+        failures = getattr(e, "worker_failures", None)
+        if isinstance(failures, dict):
+            todo.extend((int(r) if isinstance(r, int) else None, f)
+                        for r, f in failures.items() if isinstance(f, BaseException))
+        for name in ("_base_exc", "cause", "controller_failure", "__cause__", "__context__"):
+            inner = getattr(e, name, None)
+            if isinstance(inner, BaseException):
+                todo.append((rank, inner))
+    return None
 
 
 positive = positive_int  # argparse type: an integer of 1 or more

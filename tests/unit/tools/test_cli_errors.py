@@ -127,6 +127,34 @@ def test_job_entry_point_turns_raying_errors_into_one_line(capsys):
     assert common.run(lambda: 0) == 0
 
 
+def test_job_entry_point_finds_raying_errors_inside_ray_train_s(capsys):
+    """Ray Train ends a run whose worker raised with its own error, the worker's message cut
+    short: the job still says raying's error, whole, in one line (and which worker)."""
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from raying.errors import StorageError
+
+    common = _common()
+    said = ("cannot connect to HDFS at 127.0.0.1:9000 to reach hdfs://127.0.0.1:9000/data (the "
+            "NameNode did not answer). Check that the NameNode is up")
+
+    def main() -> int:
+        wrapped = UserExceptionWithTraceback(StorageError(said), "Traceback ...")
+        raise WorkerGroupError("[Rank 1]\n...cut", {1: wrapped})
+
+    assert common.run(main) == 2
+    err = capsys.readouterr().err
+    assert f"error: StorageError in Train worker 1: {said}" in err and "Traceback" not in err
+
+    def other() -> int:  # not raying's: Ray's own error goes up unchanged
+        raise WorkerGroupError("[Rank 0] boom", {0: UserExceptionWithTraceback(
+            ValueError("boom"), "Traceback ...")})
+
+    with pytest.raises(WorkerGroupError):
+        common.run(other)
+
+
 def test_demo_refuses_zero_seeds():
     import argparse
 

@@ -269,6 +269,9 @@ def _uri(scheme: str, path: str) -> str:
     return path if scheme == "file" else f"{scheme}://{path}"
 
 
+# Seconds after which a failed attempt counts as one the storage's client retried itself.
+SLOW_ATTEMPT_S = 10.0
+
 # A process warns of a retried storage call at most this often (a storage outage makes every
 # open of every read task retry; one line says it).
 RETRY_WARNING_EVERY_S = 30.0
@@ -301,10 +304,11 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
     """Run ``call()``; on a transient failure wait (exponential backoff, jitter) and run it again.
 
     A call without ``on_retry`` (one made where no account counts the retries: a scan, a
-    listing, advise, a file's open outside a read task) logs its first retry as a warning, at most once every
-    ``RETRY_WARNING_EVERY_S`` per process, so a run waiting on storage that does not answer
-    says so before its attempts run out (each may take the SDK's own retries and timeouts: a
-    minute or more against an endpoint that accepts and never answers).
+    listing, advise, a file's open outside a read task) logs its first retry as a warning, a
+    counted one (a read task's) its second, at most once every ``RETRY_WARNING_EVERY_S`` per
+    process, so a run waiting on storage that does not answer says so before its attempts run
+    out (each may take the SDK's own retries and timeouts: a minute or more against an
+    endpoint that accepts and never answers).
 
     Raises:
         the raying error of the last failure, after ``attempts`` tries or at the first failure
@@ -315,16 +319,30 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
         raise ConfigError(msg)
     attempt = 1
     while True:
+        began = time.monotonic()
         try:
             return call()
         except Exception as exc:
-            final = attempt >= attempts or not is_retryable(exc)
+            # An attempt that failed only after SLOW_ATTEMPT_S had the storage's own client
+            # retry within it (Hadoop's block acquisition, an SDK's retries and timeouts): a
+            # second such attempt ends the call, as raying's backoff of seconds is meant for
+            # outages of seconds, and each further attempt would wait as long again.
+            slow = time.monotonic() - began >= SLOW_ATTEMPT_S and attempt >= 2
+            final = attempt >= attempts or not is_retryable(exc) or slow
             error = storage_error(exc, fs, path, attempts=attempt, uri=uri, probe=final)
+            if slow and attempt < attempts:
+                logger.warning("%s; not retried again: the attempt failed only after %.0f s, "
+                               "within which the storage's own client retried", error,
+                               time.monotonic() - began)
             if final:
                 raise error from None
             delay = min(backoff * 2 ** (attempt - 1), DEFAULT_READ_RETRY_MAX_BACKOFF_S)
             delay *= 0.5 + random.random() / 2
-            loud = on_retry is None and attempt == 1 and _warn_now()
+            # Said once per RETRY_WARNING_EVERY_S per process: an uncounted call's first
+            # retry; a counted read's second (one blip is routine and its account counts it,
+            # but storage that keeps failing holds an epoch for as long as the storage's own
+            # client retries each read, minutes with Hadoop's defaults, and is said now).
+            loud = attempt == (1 if on_retry is None else 2) and _warn_now()
             logger.log(logging.WARNING if loud else logging.DEBUG,
                        "retrying in %.2fs (attempt %d of %d): %s", delay, attempt + 1,
                        attempts, error)

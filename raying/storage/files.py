@@ -8,12 +8,13 @@ dict). Errors name the URI and the fix; credentials never appear in messages, re
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -300,9 +301,7 @@ def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
     def each(batch: list[str]) -> list[bytes | Exception]:
         if isinstance(fs, pafs.LocalFileSystem) or workers <= 1 or len(batch) <= 1:
             return [one(n) for n in batch]
-        with ThreadPoolExecutor(max_workers=min(workers, len(batch)),
-                                thread_name_prefix="raying-read") as pool:
-            return list(pool.map(one, batch))
+        return _read_pooled(batch, one, min(workers, len(batch)))
 
     got = each(names)
     again = [i for i, r in enumerate(got) if isinstance(r, StorageError)
@@ -313,6 +312,49 @@ def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
         for i, result in zip(again, each([names[i] for i in again]), strict=True):
             got[i] = result
     return got
+
+
+def _read_pooled(names: list[str], one: Callable[[str], bytes | Exception],
+                 workers: int) -> list[bytes | Exception]:
+    """``one`` of every name on ``workers`` threads, in order; but once a whole first wave of
+    reads (``workers`` of them) failed on the storage and none succeeded, the rest are not
+    started: each would wait out the storage client's own retries (with Hadoop's defaults
+    ~20 s a read for a block no live DataNode holds, times raying's attempts), and the unit
+    is refused as an outage anyway. Their slots get a StorageError saying so; reads still
+    running are left to finish on their own."""
+    out: list[bytes | Exception | None] = [None] * len(names)
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="raying-read")
+    waiting = iter(range(len(names)))
+    running = {}
+    ok = failed = 0
+    first: Exception | None = None
+    try:
+        for i in itertools.islice(waiting, workers):
+            running[pool.submit(one, names[i])] = i
+        while running:
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                i = running.pop(future)
+                out[i] = result = future.result()
+                if isinstance(result, StorageError) and not isinstance(result, NotFoundError):
+                    failed += 1
+                    first = first or result
+                elif not isinstance(result, Exception):
+                    ok += 1
+            if not ok and failed >= workers and first is not None:
+                said = str(first).splitlines()[0]
+                for i in [*running.values(), *waiting]:
+                    err = StorageError(f"not read: the {failed} reads before it in this unit "
+                                       f"failed on the storage, none read ({said})")
+                    err.outage = getattr(first, "outage", False)
+                    out[i] = err
+                running.clear()
+                break
+            for i in itertools.islice(waiting, len(done)):
+                running[pool.submit(one, names[i])] = i
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return out  # type: ignore[return-value]
 
 
 def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
@@ -474,9 +516,12 @@ def refuse_outage(datas: Sequence[Any], *, again: str = "run the epoch again") -
             return
         first = first or d
     kind = type(first) if isinstance(first, CredentialsError) else StorageError
+    said = str(first).splitlines()[0]
+    check = ("check that the DataNodes are up (hdfs dfsadmin -report lists the live ones) and "
+             "that this user may read the files" if "hdfs://" in said else
+             "check the endpoint and the credentials")
     msg = (f"none of the {len(datas)} reads of this unit succeeded; the first failed with: "
-           f"{str(first).splitlines()[0]}. The storage is unreachable or refusing access: "
-           f"on_error='skip' sets bad files aside, not outages: check the endpoint and the "
-           f"credentials, then {again} (an outage longer than the retries' few "
-           f"seconds of backoff: raise RAYING_READ_RETRIES)")
+           f"{said}. The storage is unreachable or refusing access: on_error='skip' sets bad "
+           f"files aside, not outages: {check}, then {again} (an outage longer than the "
+           f"retries' few seconds of backoff: raise RAYING_READ_RETRIES)")
     raise kind(msg)

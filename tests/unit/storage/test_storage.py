@@ -443,6 +443,73 @@ def test_a_short_outage_that_outlasts_one_read_s_retries_loses_no_file(tree):
         storage.read_bytes(pafs.LocalFileSystem(), n) for n in names[1:3]]
 
 
+class _Down(_Flaky):
+    """Every open fails with ``message`` after ``delay_s`` (a client waiting out its own
+    retries before it gives up); opens are counted."""
+
+    def __init__(self, message: str, delay_s: float) -> None:
+        super().__init__(10**9, message)
+        self.delay_s = delay_s
+        self.lock = threading.Lock()
+
+    def open_input_stream(self, path):
+        with self.lock:
+            self.opens += 1
+        time.sleep(self.delay_s)
+        raise OSError(self.message)
+
+
+def test_a_unit_whose_first_wave_of_reads_all_failed_starts_no_more(tree, monkeypatch):
+    """Storage that fails every read, each after its client's own retries (HDFS with no live
+    DataNode: ~20 s a read with Hadoop's defaults): a unit of 40 files waited for every one,
+    minutes in all. Once the first wave (one read per thread) failed and none succeeded, the
+    rest are not started and the unit is refused as an outage, naming the first error."""
+    handler = _Down("HDFS read failed, errno: 255 (Input/output error)", 0.05)
+    fs = pafs.PyFileSystem(handler)
+    names = [f"{tree}/cats/1.jpg"] * 40
+    got = storage.read_many(fs, names, threads=4, retries=2, backoff=0.001)
+    assert all(isinstance(g, StorageError) for g in got)
+    assert handler.opens <= 4 * 2 + 4, handler.opens  # the first wave's attempts, and a few
+    assert "not read: the 4 reads before it in this unit failed on the storage" in str(got[-1])
+    with pytest.raises(StorageError, match=r"none of the 40 reads of this unit succeeded.*"
+                                           r"check the endpoint and the credentials"):
+        storage.refuse_outage(got)
+    # A failure among reads that succeed is its file's: every read is made.
+    handler = _Outage(2, {"1.jpg"})
+    fs = pafs.PyFileSystem(handler)
+    names = [f"{tree}/cats/1.jpg"] + [f"{tree}/cats/2.jpg"] * 11
+    got = storage.read_many(fs, names, threads=4, retries=1, backoff=0.001)
+    assert isinstance(got[0], StorageError) and got[1:] == [b"b" * 20] * 11
+
+
+def test_attempts_the_storage_client_retried_itself_end_after_the_second(tree, monkeypatch,
+                                                                         caplog):
+    """Each attempt against HDFS of no live DataNode fails only after Hadoop's own retries
+    (~20 s with its defaults): five attempts made a read wait ~2 minutes. A second attempt
+    that fails that slowly ends the read (a first may meet an outage that then ends)."""
+    monkeypatch.setattr(_errors, "SLOW_ATTEMPT_S", 0.05)
+    handler = _Down("HDFS read failed, errno: 255", 0.06)
+    with caplog.at_level(logging.WARNING, logger="raying.storage.files"):
+        with pytest.raises(StorageError, match=r"\(after 2 attempts\)"):
+            storage.read_bytes(pafs.PyFileSystem(handler), f"{tree}/cats/1.jpg", retries=5,
+                               backoff=0.001)
+    assert handler.opens == 2
+    assert "not retried again: the attempt failed only after" in caplog.text
+    handler = _Down("HDFS read failed, errno: 255", 0.0)  # fast failures: every attempt
+    with pytest.raises(StorageError, match=r"\(after 5 attempts\)"):
+        storage.read_bytes(pafs.PyFileSystem(handler), f"{tree}/cats/1.jpg", retries=5,
+                           backoff=0.001)
+    assert handler.opens == 5
+
+
+def test_an_hdfs_unit_that_read_nothing_names_the_datanodes():
+    err = StorageError("cannot read hdfs://nn:9000/data/a.jpg (after 5 attempts): HDFS read "
+                       "failed")
+    with pytest.raises(StorageError, match=r"check that the DataNodes are up \(hdfs dfsadmin "
+                                           r"-report lists the live ones\)"):
+        storage.refuse_outage([err, err])
+
+
 def test_no_second_round_when_every_read_failed(tree):
     """Every read failing is an outage the caller reports at once: one round only."""
     handler = _Outage(100, {"1.jpg", "2.jpg"})
@@ -720,7 +787,9 @@ def test_a_retried_call_without_an_account_warns_once_then_succeeds(caplog, tmp_
                                                                    monkeypatch):
     """A scan-side call (no on_retry) says it is waiting on storage at its first retry, once,
     and the next such call within RETRY_WARNING_EVERY_S does not say it again; a read task's
-    call (its retries counted by on_retry) stays at debug."""
+    call (its retries counted by on_retry) says so at its second retry only: one blip is
+    routine and counted, a read that keeps failing holds the epoch (with Hadoop's client
+    defaults, minutes) and must not do so in silence."""
     monkeypatch.setattr(_errors, "_last_retry_warning", [-1e9])
     fails = [ConnectionResetError("connection reset by peer")] * 2
 
@@ -747,7 +816,21 @@ def test_a_retried_call_without_an_account_warns_once_then_succeeds(caplog, tmp_
         assert _errors.retrying(call, fs, str(tmp_path / "x"), 4, 0.001,
                                 on_retry=lambda *a: counted.append(a)) == "ok"
     assert len(counted) == 2
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the interval's
+    monkeypatch.setattr(_errors, "_last_retry_warning", [-1e9])
+    caplog.clear()
+    fails[:] = [ConnectionResetError("connection reset by peer")]
+    with caplog.at_level(logging.DEBUG, logger="raying.storage.files"):
+        assert _errors.retrying(call, fs, str(tmp_path / "x"), 4, 0.001,
+                                on_retry=lambda *a: counted.append(a)) == "ok"
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]  # one blip: counted only
+    caplog.clear()
+    fails[:] = [ConnectionResetError("connection reset by peer")] * 2
+    with caplog.at_level(logging.DEBUG, logger="raying.storage.files"):
+        assert _errors.retrying(call, fs, str(tmp_path / "x"), 4, 0.001,
+                                on_retry=lambda *a: counted.append(a)) == "ok"
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG, logging.WARNING]
+    assert "attempt 3 of 4" in caplog.records[1].getMessage()
 
 
 def test_options_for_workers_carry_the_environment_s_endpoint_and_region_not_its_keys(

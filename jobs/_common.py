@@ -29,16 +29,21 @@ CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOK
 CREDENTIAL_FILE_ENV = ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_PROFILE")
 
 
-def run(main: Callable[[], int | None]) -> int:
+def run(main: Callable[[], int | None],
+        parser: argparse.ArgumentParser | None = None) -> int:
     """A job's entry point: raying's own errors (a missing path, bad data, refused
     credentials) are one line on stderr and exit code 2, not a traceback; also where a Ray
-    Train worker raised them (Ray Train's own error cuts the worker's message short)."""
+    Train worker raised them (Ray Train's own error cuts the worker's message short). With
+    the job's ``parser``, the fixes they name in keywords (``overwrite=True``) are said in
+    the job's flags (``--overwrite``)."""
     from raying.errors import RayingError
+    from raying.tools.cli import _in_flags
 
     try:
         return int(main() or 0)
     except RayingError as exc:
-        print(f"{Path(sys.argv[0]).name}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).name}: error: {type(exc).__name__}: "
+              f"{_in_flags(str(exc), parser)}", file=sys.stderr)
         return 2
     except Exception as exc:
         found = raying_error_in(exc)
@@ -46,7 +51,7 @@ def run(main: Callable[[], int | None]) -> int:
             raise
         rank, err = found
         print(f"{Path(sys.argv[0]).name}: error: {type(err).__name__} in Train worker {rank}: "
-              f"{err}", file=sys.stderr)
+              f"{_in_flags(str(err), parser)}", file=sys.stderr)
         return 2
 
 

@@ -84,4 +84,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_common.run(main))
+    sys.exit(_common.run(main, build_parser()))

@@ -87,8 +87,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
         msg = f"pack(on_error=...) must be 'skip' or 'raise', got {on_error!r}"
         raise ConfigError(msg)
     if shard_rows < 1 or row_group_rows < 1:
-        msg = (f"shard_rows and row_group_rows must be >= 1, got {shard_rows} and "
-               f"{row_group_rows}")
+        msg = (f"rows must be >= 1, got shard_rows={shard_rows} and "
+               f"row_group_rows={row_group_rows}")
         raise ConfigError(msg)
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         msg = f"pack(seed=...) must be a non-negative int, got {seed!r}"

@@ -125,6 +125,19 @@ def test_job_entry_point_turns_raying_errors_into_one_line(capsys):
     assert "error: StorageError: /x does not exist; check the path" in err
     assert "Traceback" not in err
     assert common.run(lambda: 0) == 0
+    # With the job's parser, the fix is said in its flags.
+    import argparse
+
+    from raying.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--overwrite", action="store_true")
+
+    def full() -> int:
+        raise ConfigError("/out holds 3 shard files; pass overwrite=True to delete them first")
+
+    assert common.run(full, parser) == 2
+    assert "pass --overwrite to delete them first" in capsys.readouterr().err
 
 
 def test_job_entry_point_finds_raying_errors_inside_ray_train_s(capsys):
@@ -359,6 +372,9 @@ def test_errors_name_the_commands_flags_not_the_librarys_keywords(capsys, tmp_pa
     err = capsys.readouterr().err
     assert "--label folder needs each image inside a class subfolder" in err, err
     assert err.rstrip().endswith("or pass --label none"), err
+    assert cli.main(["pack", str(root), str(tmp_path / "out"), "--shard-rows", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "rows must be >= 1, got --shard-rows 0 and --row-group-rows" in err, err
     (root / "a.parquet").write_bytes(b"")
     assert cli.main(["scan", str(root)]) == 2
     err = capsys.readouterr().err

@@ -158,6 +158,35 @@ def test_ray_started_after_the_jvm_leaves_it_its_signal_handler(hdfs, tmp_path):
     assert Path(line.split(" in ", 1)[1]).name.startswith("libjvm"), line
 
 
+_INTERRUPTED = """
+import os, signal, sys, time
+import raying
+
+raying.Manifest.scan(sys.argv[1], label=None)  # starts libhdfs's JVM in this process
+try:
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C
+        time.sleep(5)
+    finally:
+        print("finally ran", flush=True)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+"""
+
+
+def test_ctrl_c_after_the_jvm_started_is_python_s(hdfs, hdfs_images, tmp_path):
+    """The JVM took SIGINT for itself and ended the process at Ctrl-C (exit 130): no
+    KeyboardInterrupt, no finally blocks, no pipe.close() (now and then a segmentation
+    fault instead). Started with -Xrs, it leaves SIGINT to Python."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(_INTERRUPTED)
+    env = {**os.environ, **hdfs.client_env}
+    done = subprocess.run([sys.executable, str(script), hdfs_images], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert done.stdout.split() == ["finally", "ran", "KeyboardInterrupt"], done.stdout
+
+
 # --- scan, pack, pipeline: the same as local ------------------------------------------------
 
 

@@ -150,7 +150,18 @@ def _storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *, kin
         return StorageError(msg)
     if scheme == "hdfs" and "working directory URI: file:" in detail:
         return StorageError(f"cannot {action} {uri}{tries}: {detail}. {_DEFAULT_FS_HINT}")
+    if scheme == "hdfs" and action != "read" and any(m in detail for m in _HDFS_WRITE_MARKERS):
+        # The NameNode took the file; no DataNode took its blocks.
+        return StorageError(f"cannot {action} {uri}{tries}: {detail}. {_HDFS_DATANODES_FIX}")
+    if scheme == "hdfs" and "HDFS read failed" in detail:
+        return StorageError(f"cannot {action} {uri}{tries}: {detail}. {_HDFS_DATANODES_FIX}")
     return StorageError(f"cannot {action} {uri}{tries}: {detail}")
+
+
+# libhdfs's words when a write's blocks found no DataNode (all down, or full).
+_HDFS_WRITE_MARKERS = ("CloseFile failed", "HDFS Write failed", "HDFS Flush failed")
+_HDFS_DATANODES_FIX = ("Check that the DataNodes holding or taking its blocks are up and have "
+                       "space (hdfs dfsadmin -report lists the live ones)")
 
 
 def unreachable(fs: pafs.FileSystem, uri: str) -> StorageError | None:

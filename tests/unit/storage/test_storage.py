@@ -748,6 +748,14 @@ def test_a_failed_hdfs_read_is_a_network_failure_and_retried():
     assert _errors.classify(exc) == "network" and _errors.is_retryable(exc)
     # A Parquet file that does not parse is not the storage's failure.
     assert _errors.classify(ValueError("Parquet magic bytes not found in footer")) == "permanent"
+    # Its error, and a write whose blocks no DataNode took, name the DataNodes.
+    err = storage_error(exc, None, "nn:9000/d/x.jpg", uri="hdfs://nn:9000/d/x.jpg", probe=False)
+    assert str(err).startswith("cannot read hdfs://nn:9000/d/x.jpg: ")
+    assert "Check that the DataNodes holding or taking its blocks are up" in str(err)
+    closed = OSError(255, "HDFS CloseFile failed")
+    err = storage_error(closed, None, "nn:9000/d/p.parquet", uri="hdfs://nn:9000/d/p.parquet",
+                        action="write", probe=False)
+    assert "(hdfs dfsadmin -report lists the live ones)" in str(err)
 
 
 def test_a_java_home_with_a_symlink_loop_is_refused_at_once_not_searched_for_ever(hadoop,

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.fs as _pafs
 import pyarrow.parquet as pq
 
-from raying.errors import FileChangedError
+from raying.errors import FileChangedError, StorageError
 from raying.read.spec import ReadSpec
 from raying.sampling.plan import ReadUnit
 
@@ -30,6 +30,49 @@ def _changed(spec: ReadSpec, f: int, what: str) -> FileChangedError:
     return FileChangedError(f"{where} was rewritten since the manifest was scanned{what}; its "
                             f"rows would come under other ids: scan the dataset again "
                             f"(Manifest.scan)")
+
+
+def check_local_root(spec: ReadSpec, *, none_of: int = 0, first: Any = None,
+                     file: str | None = None) -> None:
+    """Stop a read whose files were not found because this node does not hold the dataset:
+    its local folder is missing here, or (``none_of``: the number of files a unit asked for,
+    none of which exists; ``first``, the first one's error; or ``file``, a Parquet file the
+    scan listed) the folder here is not the one scanned. Read tasks run on every node and read the dataset at the path it was scanned
+    at. Those files are good samples (elsewhere): set aside as unreadable they would be
+    dropped from every later plan, and a weighted sampler would run out of them.
+
+    Raises:
+        StorageError: naming the folder, this node and the fix (an outage, never skipped).
+    """
+    import os
+    import socket
+
+    root = spec.root
+    local = "://" not in root
+    here = socket.gethostname()
+    scanned = (f"; the dataset was scanned on {spec.scanned_on}"
+               if spec.scanned_on and spec.scanned_on != here else "")
+    if local and not os.path.isdir(root):
+        what = f"{root} does not exist on this node ({here}){scanned}"
+    elif file is not None:
+        what = f"{file} does not exist on this node ({here}), though the scan listed it{scanned}"
+    elif none_of >= 2:
+        said = str(first).splitlines()[0] if first is not None else ""
+        what = (f"none of the {none_of} files of this read unit exists under {root} on this "
+                f"node ({here}){scanned} (the first: {said})")
+    else:
+        return
+    err = StorageError(f"{what}: the dataset there is not the one scanned. Read tasks run on "
+                       f"every node and read the dataset at the path it was scanned at: put it "
+                       f"on storage every node reaches (S3, HDFS, a shared mount), copy it to "
+                       f"that path on every node, or keep the reads on the nodes that hold it "
+                       f"(PipelineConfig(ray_remote_args={{'resources': ...}})); if its files "
+                       f"were moved or removed since, scan it again (Manifest.scan)"
+                       if local else
+                       f"{what}: the dataset was moved or removed since it was scanned; scan "
+                       f"it again (Manifest.scan)")
+    err.outage = True
+    raise err
 
 
 # Files found unchanged since the scan, in this process: the indices of the files, per

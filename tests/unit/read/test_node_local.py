@@ -1,0 +1,68 @@
+"""A local dataset that this node does not hold (its folder missing or emptied here) stops
+the read naming the node and the fix; its files are not set aside as bad samples."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import raying
+from raying.read.task import iter_unit
+from raying.tools.datagen import encode, make_image_folder
+
+
+def _read(m, tmp_path, on_error="skip"):
+    pipe = raying.Pipeline(m, on_error=on_error, transform=raying.ImageTransform(size=8),
+                           sampler=raying.UniformSampler(seed=1),
+                           config=raying.PipelineConfig(block_rows=8, decoded_cache="off"))
+    try:
+        spec = pipe._ready_spec()
+        got = []
+        for unit in pipe.plan(0).units:
+            unit, paths = pipe._fill(unit)
+            got.extend(iter_unit(spec, unit, paths, block_rows=8))
+        return got
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("how", ["moved", "emptied"])
+def test_an_image_folder_this_node_does_not_hold_stops_the_read(tmp_path, how):
+    root = make_image_folder(tmp_path / "imgs", n=16, classes=2, size=(8, 8))
+    m = raying.Manifest.scan(str(root))
+    if how == "moved":
+        root.rename(tmp_path / "elsewhere")
+        said = rf"{root} does not exist on this node \("
+    else:  # a folder of that name, without the dataset (an empty mount on another node)
+        for entry in root.iterdir():
+            shutil.rmtree(entry)
+        said = rf"none of the 8 files of this read unit exists under {root} on this node \("
+    with pytest.raises(raying.StorageError, match=said + r".*storage every node reaches"):
+        _read(m, tmp_path)
+
+
+def test_a_file_missing_beside_others_is_still_a_bad_sample_set_aside(tmp_path):
+    root = make_image_folder(tmp_path / "imgs", n=16, classes=2, size=(8, 8))
+    m = raying.Manifest.scan(str(root))
+    gone = sorted(root.rglob("*.jpg"))[3]
+    gone.unlink()
+    got = _read(m, tmp_path)
+    skipped = [s for _, account in got for s in account.skipped]
+    assert [(s[2], s[1]) for s in skipped] == [("read_error", str(gone.relative_to(root)))]
+    assert sum(len(b["id"]) for b, _ in got) == 15
+
+
+def test_a_parquet_file_this_node_does_not_hold_is_named_not_called_corrupt(tmp_path):
+    img = encode(np.zeros((4, 4, 3), np.uint8), "png")
+    for k in range(2):
+        pq.write_table(pa.table({"image": [img] * 8, "label": [0, 1] * 4}),
+                       tmp_path / f"part-{k}.parquet")
+    m = raying.Manifest.scan(str(tmp_path))
+    (tmp_path / "part-1.parquet").unlink()
+    with pytest.raises(raying.StorageError, match=r"part-1.parquet does not exist on this node "
+                                                  r"\(.*\), though the scan listed it"):
+        _read(m, tmp_path)

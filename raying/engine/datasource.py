@@ -431,6 +431,7 @@ class DatasetReads:
         if self.accounts is not None:
             self._final = {"error": "the Ray session of these reads ended before close()"}
         self.accounts = None
+        self.spec_ref = self.lookup_ref = None
 
     def release(self) -> None:
         """Stop the account actor, keeping its final account."""
@@ -442,6 +443,9 @@ class DatasetReads:
 
             ray.kill(self.accounts)
         self.accounts = None
+        # The spec and the label lookup (8 B a sample) stay in the object store only while a
+        # dataset taken before holds them, not for as long as the closed pipeline lives.
+        self.spec_ref = self.lookup_ref = None
 
 
 def merge_dataset_account(out: dict[str, Any], reads: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import threading
@@ -15,6 +16,8 @@ import numpy as np
 from raying.errors import ConfigError
 from raying.options import DEFAULT_GUARD_AFTER, settings
 from raying.sampling.plan import EpochPlan, ReadUnit, occurrence_ranks
+
+logger = logging.getLogger(__name__)
 
 # A buffered plan is dropped (and a fresh one drawn) once this process has sent reports since
 # it was drawn, or once it is this old (reports from other processes, e.g. Train workers).
@@ -534,10 +537,24 @@ class PrioritizedSampler:
             self._reporter = None
             return
         if release_store and self.handle is not None and self._created:
+            from raying.options import StoreConfig
+
             try:  # what stats() said last, for stats() after close
                 self._final_stats = {**self.stats(), "store_closed": True}
+                answers = True
+            except st.StoreTimeoutError as exc:  # its node lost, the actor not back yet
+                self._final_stats, answers = None, False
+                logger.warning("%s; close() stops it without its final figures or snapshot",
+                               exc)
             except Exception:  # noqa: BLE001 - a store already gone (Ray shut down)
-                self._final_stats = None
-            st.kill_store(self.handle, snapshot=True)
+                self._final_stats, answers = None, True
+            # A snapshot only where the store writes them, and only from one that answers:
+            # close() must not wait out a second timeout, nor leave the store running.
+            snapshot = answers and StoreConfig.coerce(self.store_options).snapshot_uri is not None
+            try:
+                st.kill_store(self.handle, snapshot=snapshot)
+            except st.StoreTimeoutError as exc:
+                logger.warning("%s; close() stops the store without it", exc)
+                st.kill_store(self.handle, snapshot=False)
             self.handle = None
             self._reporter = None

@@ -432,3 +432,35 @@ def test_plans_come_from_the_store_once_it_may_hold_losses(manifest, tmp_path, r
     pipe.plan(0)
     assert snap._created and not snap._fresh
     pipe.close()
+
+
+def test_close_stops_a_store_that_no_longer_answers(manifest, ray_local, monkeypatch, caplog):
+    """A store whose node was lost answers nothing until Ray brings it back: close() waited
+    out a stats call and a snapshot (60 s each, a snapshot though no snapshot_uri was set),
+    then raised and left the store running. It warns, skips both and stops the store."""
+    import ray
+
+    import raying.sampling.store as st
+
+    pipe = raying.Pipeline(manifest, sampler=raying.PrioritizedSampler(seed=1),
+                           transform=raying.ImageTransform(size=16))
+    pipe.report(np.arange(4), np.ones(4))
+    assert pipe.priorities() is not None  # the store answers
+    handle = pipe.sampler.handle
+    snapshots = []
+
+    def silent(h):
+        raise st.StoreTimeoutError(f"priority store {h.name!r} did not answer stats within "
+                                   f"60 s; check that it is alive")
+
+    monkeypatch.setattr(st, "stats", silent)
+    monkeypatch.setattr(st, "snapshot_now", lambda h: snapshots.append(h))
+    began = time.monotonic()
+    with caplog.at_level("WARNING"):
+        pipe.close()
+    assert time.monotonic() - began < 30
+    assert snapshots == []  # no snapshot_uri: nothing to write
+    assert "close() stops it without its final figures or snapshot" in caplog.text
+    for shard in range(len(handle.actors)):
+        with pytest.raises(ValueError):
+            ray.get_actor(st._shard_name(handle.name, shard), namespace=handle.namespace)

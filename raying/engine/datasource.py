@@ -359,7 +359,11 @@ class DatasetReads:
 
         self.spec_ref = ray.put(spec)
         self.lookup_ref = ray.put(lookup)
-        self.accounts: Any = _account_actor_cls().remote(store)
+        from raying.sampling.store import head_placement
+
+        # On the head, as the priority store: a worker node lost (a spot instance) would
+        # restart it empty, and stats() would lose the counts and skips read so far.
+        self.accounts: Any = _account_actor_cls().options(**head_placement()).remote(store)
         self._final: dict[str, Any] | None = None
 
     def dataset(self, plan: EpochPlan, *, sampler: Sampler, block_rows: int, fmt: str,

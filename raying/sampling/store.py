@@ -104,6 +104,11 @@ def _get(refs: Any, what: str, name: str, timeout_s: float = DEFAULT_STORE_CALL_
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
+def head_placement() -> dict[str, Any]:
+    """Actor options that pin an actor of no CPU to the head node, where there is one."""
+    return _placement(None)
+
+
 def _placement(options: Mapping[str, Any] | None) -> dict[str, Any]:
     """The store's actor options: the caller's, or a pin to the head node when there is one.
 

@@ -855,6 +855,24 @@ def test_a_closed_pipeline_holds_no_dataset_objects(image_folder, ray_local):
     ray.get(ray.put(0))  # the store still answers
 
 
+def test_a_dataset_s_account_actor_lives_on_the_head(image_folder, ray_local):
+    """As the priority store: on a worker node (a spot instance) its loss restarted it
+    empty, and stats() lost the counts and skips of the reads so far."""
+    import ray
+
+    from raying.sampling.store import HEAD_NODE_RESOURCE
+
+    pipe = raying.Pipeline(raying.Manifest.scan(str(image_folder)),
+                           transform=raying.ImageTransform(size=16))
+    try:
+        before = ray.available_resources().get(HEAD_NODE_RESOURCE)
+        assert before is not None
+        assert pipe.dataset(0).count() == len(pipe.manifest)
+        assert ray.available_resources()[HEAD_NODE_RESOURCE] < before  # held by the actor
+    finally:
+        pipe.close()
+
+
 def test_a_dataset_s_account_actor_lost_with_its_process_comes_back(image_folder, ray_local):
     """The account actor of pipe.dataset(e)'s reads dies (an OOM kill of its process): it
     restarts, and the next datasets read and count (the pipeline was not closed)."""

@@ -138,11 +138,18 @@ class TieredCache:
         self.config = config
         self.namespace = config.namespace or namespace
         self.tiers: list[tuple[str, DirTier]] = []
+        wanted = []
         if config.memory_bytes:
-            self.tiers.append(("memory", _tier(config.memory_dir, config.memory_bytes, config,
-                                               "memory")))
+            wanted.append(("memory", config.memory_dir, config.memory_bytes))
         if config.disk_bytes and config.disk_dir:
-            self.tiers.append(("disk", _tier(config.disk_dir, config.disk_bytes, config, "disk")))
+            wanted.append(("disk", config.disk_dir, config.disk_bytes))
+        for name, root, capacity in wanted:
+            try:
+                self.tiers.append((name, _tier(root, capacity, config, name)))
+            except OSError as exc:
+                # The driver checked the folder on its own node; this node's may be read-only,
+                # full or a file. The cache is an optimisation: reads go around the tier.
+                _warn_unusable(name, root, exc)
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._background = CacheStats()  # admissions done by the writer, not yet reported
@@ -397,6 +404,22 @@ class TieredCache:
 _TIERS: dict[tuple, DirTier] = {}
 _CACHES: dict[tuple, TieredCache] = {}
 _REG_LOCK = threading.RLock()
+
+
+_WARNED_UNUSABLE: set[str] = set()
+
+
+def _warn_unusable(name: str, root: str, exc: OSError) -> None:
+    """Say once per process and folder that a cache tier cannot be used on this node."""
+    import socket
+
+    with _REG_LOCK:
+        if root in _WARNED_UNUSABLE:
+            return
+        _WARNED_UNUSABLE.add(root)
+    logger.warning("raying cache: the %s tier at %s cannot be used on this node (%s): %s; reads "
+                   "go around it here. Give every node a writable folder at that path (or "
+                   "leave the tier out)", name, root, socket.gethostname(), exc)
 
 
 def _tier(root: str, capacity: int, config: CacheConfig, name: str) -> DirTier:

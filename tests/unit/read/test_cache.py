@@ -470,3 +470,31 @@ def test_a_tier_removed_between_runs_is_made_again_in_a_process_that_outlives_th
     shutil.rmtree(tmp_path / "decoded")
     assert open_cache(decoded, namespace="d") is kept
     assert not (tmp_path / "decoded").exists()
+
+
+def test_a_tier_folder_this_node_cannot_use_is_read_around(tmp_path, caplog):
+    """The driver checks a tier's folder on its own node; on another node the same path may
+    be read-only, full or a file: the read there went down with a bare OSError at every
+    epoch. The tier is left out on that node, once said, and the reads go on."""
+    import logging
+
+    from raying.options import CacheConfig
+    from raying.read.cache.tiered import TieredCache
+
+    (tmp_path / "a-file").write_text("x")
+    bad = str(tmp_path / "a-file" / "tier")
+    config = CacheConfig(memory_bytes=2**20, memory_dir=str(tmp_path / "mem"),
+                         disk_bytes=2**20, disk_dir=bad)
+    with caplog.at_level(logging.WARNING, logger="raying.read.cache.tiered"):
+        cache = TieredCache(config)
+        again = TieredCache(config)
+    try:
+        assert [name for name, _ in cache.tiers] == ["memory"]
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 1 and f"the disk tier at {bad} cannot be used on this node" in said[0]
+        cache.put_many(["k"], [b"payload"])
+        cache.flush()
+        assert bytes(cache.get_many(["k"])[0]) == b"payload"
+    finally:
+        cache.close()
+        again.close()

@@ -181,6 +181,18 @@ class BlockStream:
         self._unread: list[tuple[tuple[int, int, int], Any, Any]] = []  # (key, task, bug)
         self._closed = False  # close(): iterators still running stop with CLOSED
 
+    def resize(self, window: int, inflight_bytes: int | None, min_window: int) -> None:
+        """A new window (read tasks in flight), byte budget and least window, for the cluster
+        as it is now: the parts submitted from now on keep to them (the tasks in flight
+        run on)."""
+        with self._lock:
+            self._window = max(1, int(window))
+            self._budget = None if inflight_bytes is None else max(1, int(inflight_bytes))
+            self._min_window = max(1, min(int(min_window), self._window))
+            if self._part_rows is not None:
+                self._part_rows = _part_rows(self._budget, self._min_window, self._row_bytes,
+                                             self._block_rows, splittable=True)
+
     # -- submission ----------------------------------------------------------------------------
     def _split(self, unit: ReadUnit) -> None:
         """Fill ``unit`` (ids drawn, paths found) and queue it as one part or, when its

@@ -147,6 +147,7 @@ class Pipeline:
         self._dataset_aside: set[int] = set()  # dataset reads' set-asides handed to the sampler
         self._dataset_reads: DatasetReads | None = None  # once dataset() ran
         self._dataset_lock = threading.Lock()  # one account actor, however many threads ask
+        self._sized_for: tuple[int, int] | None = None  # (CPUs, store bytes) the window fits
         self._lookup: ManifestLookup | None = None
         self._spec_ready = False
         self._footprint = Footprint()  # this node's tmpfs before the pipeline's first read
@@ -377,6 +378,27 @@ class Pipeline:
             self._spec_ready = True
         return self._spec
 
+    def _window(self, resources: dict[str, float]) -> tuple[int, int | None, int]:
+        """(read tasks in flight, decoded bytes in flight, the least window) for a cluster of
+        ``resources``."""
+        cpus = int(resources.get("CPU", 1))
+        shards = self.config.shard[1] if self.config.shard else 1
+        window = self.config.window
+        if window is None:
+            # Per core this stream may use: a Train worker's shard queues for its share of
+            # the cores only. Shards queueing for every core made the tasks of a worker
+            # that ran ahead hold the cores the one behind waited for, and data-parallel
+            # workers advance in step (W2 through Ray Train: 1,449-2,227 img/s against
+            # 2,110-2,498 with the shares, two rounds each).
+            window = max(2, self.settings.inflight_tasks_per_cpu * -(-cpus // shards))
+        # Decoded bytes in flight: a share of the object store, split between the
+        # streams that share it (a Train worker's shard); at least one unit per core
+        # this stream may use, plus the one being consumed.
+        store = resources.get("object_store_memory")
+        inflight_bytes = (int(store * DEFAULT_INFLIGHT_STORE_SHARE / shards)
+                          if store else None)
+        return window, inflight_bytes, -(-cpus // shards) + 1
+
     def _block_stream(self):
         self._same_ray()
         if self._stream is None:
@@ -387,23 +409,8 @@ class Pipeline:
             self._start_ray()
             self._bind()
             resources = ray.cluster_resources()
-            cpus = int(resources.get("CPU", 1))
-            shards = self.config.shard[1] if self.config.shard else 1
-            window = self.config.window
-            if window is None:
-                # Per core this stream may use: a Train worker's shard queues for its share of
-                # the cores only. Shards queueing for every core made the tasks of a worker
-                # that ran ahead hold the cores the one behind waited for, and data-parallel
-                # workers advance in step (W2 through Ray Train: 1,449-2,227 img/s against
-                # 2,110-2,498 with the shares, two rounds each).
-                window = max(2, self.settings.inflight_tasks_per_cpu * -(-cpus // shards))
-            # Decoded bytes in flight: a share of the object store, split between the
-            # streams that share it (a Train worker's shard); at least one unit per core
-            # this stream may use, plus the one being consumed.
-            store = resources.get("object_store_memory")
-            inflight_bytes = (int(store * DEFAULT_INFLIGHT_STORE_SHARE / shards)
-                              if store else None)
-            min_window = -(-cpus // shards) + 1
+            self._sized_for = _sizing(resources)
+            window, inflight_bytes, min_window = self._window(resources)
             opts: dict[str, Any] = {"num_cpus": self.config.task_num_cpus}
             if self.config.spread:
                 opts["scheduling_strategy"] = "SPREAD"
@@ -421,6 +428,19 @@ class Pipeline:
                                        # whole Parquet windows in flight spill the store.
                                        split_units=True)
         return self._stream
+
+    def _fit_window(self, stream: Any) -> None:
+        """Size the stream's window again when the cluster's CPUs or object store changed
+        since it was sized (an autoscaler added nodes: a cluster that starts from a head of
+        0 CPUs would keep a window of 2 read tasks for the whole run)."""
+        import ray
+
+        resources = ray.cluster_resources()
+        sizing = _sizing(resources)
+        if sizing == self._sized_for:
+            return
+        self._sized_for = sizing
+        stream.resize(*self._window(resources))
 
     # -- iteration -----------------------------------------------------------------------------
     def _on_account(self, account: UnitAccount) -> None:
@@ -471,6 +491,7 @@ class Pipeline:
                            "the state stands", self.name, self._resume[0], self._resume[3],
                            epoch)
         self._resume = None
+        self._fit_window(stream)
         units: list[tuple[int, int, int, bool]] = []
         cursor = self._cursor = {"epoch": int(epoch), "units": units, "delivered": base,
                                  "base": base, "start": (start_unit, skip), "tail": tail}
@@ -983,6 +1004,11 @@ def _warn_no_node_fits(task_cpus: float) -> None:
             "PipelineConfig(task_num_cpus=%s): no node of this Ray has that many CPUs (the "
             "largest has %g), so the read tasks wait until an autoscaler adds one, for ever "
             "without one; use task_num_cpus <= %g", task_cpus, largest, largest)
+
+
+def _sizing(resources: dict[str, float]) -> tuple[int, int]:
+    """What a stream's window is sized by: the cluster's CPUs and object store bytes."""
+    return int(resources.get("CPU", 1)), int(resources.get("object_store_memory", 0))
 
 
 def _delivered_to_end(cur: dict[str, Any]) -> bool:

@@ -1,0 +1,40 @@
+"""A cluster that grows under a running pipeline (an autoscaler adding nodes): the iterator's
+window of read tasks is sized again at each epoch, not kept at what the first one saw."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import raying
+from raying.options import DEFAULT_INFLIGHT_STORE_SHARE
+
+
+def test_the_read_window_grows_with_the_cluster(image_folder):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "object_store_memory": 128 * 1024**2})
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        m = raying.Manifest.scan(str(image_folder))
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               config=raying.PipelineConfig(block_rows=8))
+        try:
+            ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=8, epoch=0)])
+            assert sorted(ids.tolist()) == list(range(len(m)))
+            assert pipe._stream._window == 2  # one CPU: max(2, 2 per CPU)
+            cluster.add_node(num_cpus=2, object_store_memory=128 * 1024**2)
+            cluster.wait_for_nodes()
+            ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=8, epoch=1)])
+            assert sorted(ids.tolist()) == list(range(len(m)))
+            assert pipe._stream._window == 6  # three CPUs now
+            store = ray.cluster_resources()["object_store_memory"]
+            assert pipe._stream._budget == int(store * DEFAULT_INFLIGHT_STORE_SHARE)
+        finally:
+            pipe.close()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

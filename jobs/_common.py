@@ -47,7 +47,7 @@ def run(main: Callable[[], int | None],
         return 2
     except Exception as exc:
         found = raying_error_in(exc)
-        if found is None:
+        if found is None or found[0] is None:  # not raised in a Train worker: as it is
             raise
         rank, err = found
         print(f"{Path(sys.argv[0]).name}: error: {type(err).__name__} in Train worker {rank}: "
@@ -58,7 +58,8 @@ def run(main: Callable[[], int | None],
 def raying_error_in(exc: BaseException) -> tuple[int | None, BaseException] | None:
     """(worker rank or None, raying error) found inside ``exc``: a Ray Train error's worker
     failures (each wrapping the worker's exception), a Ray task error's cause, an exception's
-    cause or context; None when raying raised none of them."""
+    explicit cause (``raise ... from``; not the one being handled when it was raised, which
+    would hide a bug behind it); None when raying raised none of them."""
     from raying.errors import RayingError
 
     todo: list[tuple[int | None, BaseException]] = [(None, exc)]
@@ -74,7 +75,7 @@ def raying_error_in(exc: BaseException) -> tuple[int | None, BaseException] | No
         if isinstance(failures, dict):
             todo.extend((int(r) if isinstance(r, int) else None, f)
                         for r, f in failures.items() if isinstance(f, BaseException))
-        for name in ("_base_exc", "cause", "controller_failure", "__cause__", "__context__"):
+        for name in ("_base_exc", "cause", "controller_failure", "__cause__"):
             inner = getattr(e, name, None)
             if isinstance(inner, BaseException):
                 todo.append((rank, inner))

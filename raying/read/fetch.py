@@ -70,14 +70,10 @@ def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
     else:
         probs = getattr(unit, "probs", None) if scores is None else scores
         datas, account = fetch_files(fs, paths, io=io, scores=probs, namespace=spec.dataset_key)
-    missing = [d for d in datas if isinstance(d, _storage.NotFoundError)]
-    if missing:
+    if any(isinstance(d, _storage.NotFoundError) for d in datas):
         from raying.read.scanned_files import check_local_root
 
-        # A folder this node does not hold is not bad samples (nor a unit none of whose
-        # files exists here).
-        check_local_root(spec, none_of=len(datas) if len(missing) == len(datas) else 0,
-                         first=missing[0])
+        check_local_root(spec)  # a folder this node does not hold is not bad samples
     refuse_outage(datas)
     return datas, account
 

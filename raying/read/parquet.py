@@ -578,9 +578,11 @@ def _retry_storage(fs: Any, path: str, read: Any, on_retry: Any) -> Any:
 def _parquet_error(spec: ReadSpec, rel: str, groups: list[int], exc: BaseException
                    ) -> DataError | StorageError:
     if isinstance(exc, FileNotFoundError):
-        # The scan listed it: the folder here is not the one scanned (this node does not
-        # hold the dataset, or it changed since), not a corrupt file.
-        _files.check_local_root(spec, file=f"{spec.root.rstrip('/')}/{rel}")
+        # The scan listed it: this node does not hold the dataset, or the file was removed or
+        # moved since; not a corrupt file.
+        _files.check_local_root(spec, file=rel)
+        return DataError(f"{spec.root.rstrip('/')}/{rel} does not exist: it was removed or "
+                         f"moved since the manifest was scanned; scan the dataset again")
     if isinstance(exc, StorageError) and not isinstance(exc, FileNotFoundError):
         # Unreachable or refused storage says nothing about the file: keep the storage error.
         kind = type(exc) if isinstance(exc, CredentialsError) else StorageError

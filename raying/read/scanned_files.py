@@ -32,14 +32,14 @@ def _changed(spec: ReadSpec, f: int, what: str) -> FileChangedError:
                             f"(Manifest.scan)")
 
 
-def check_local_root(spec: ReadSpec, *, none_of: int = 0, first: Any = None,
-                     file: str | None = None) -> None:
-    """Stop a read whose files were not found because this node does not hold the dataset:
-    its local folder is missing here, or (``none_of``: the number of files a unit asked for,
-    none of which exists; ``first``, the first one's error; or ``file``, a Parquet file the
-    scan listed) the folder here is not the one scanned. Read tasks run on every node and read the dataset at the path it was scanned
-    at. Those files are good samples (elsewhere): set aside as unreadable they would be
-    dropped from every later plan, and a weighted sampler would run out of them.
+def check_local_root(spec: ReadSpec, *, file: str | None = None) -> None:
+    """Stop a read whose files were not found because this node does not hold the local
+    dataset: its folder is missing here, or empty (a mount point with nothing mounted). Read
+    tasks run on every node and read the dataset at the path it was scanned at; those files
+    are good samples (elsewhere), and set aside as unreadable they would be dropped from
+    every later plan (a weighted sampler would run out of them). Files missing from a folder
+    that holds others (removed on purpose) are left to the read's policy. ``file``: the
+    Parquet file not found, named in the error.
 
     Raises:
         StorageError: naming the folder, this node and the fix (an outage, never skipped).
@@ -48,29 +48,26 @@ def check_local_root(spec: ReadSpec, *, none_of: int = 0, first: Any = None,
     import socket
 
     root = spec.root
-    local = "://" not in root
-    here = socket.gethostname()
-    scanned = (f"; the dataset was scanned on {spec.scanned_on}"
-               if spec.scanned_on and spec.scanned_on != here else "")
-    if local and not os.path.isdir(root):
-        what = f"{root} does not exist on this node ({here}){scanned}"
-    elif file is not None:
-        what = f"{file} does not exist on this node ({here}), though the scan listed it{scanned}"
-    elif none_of >= 2:
-        said = str(first).splitlines()[0] if first is not None else ""
-        what = (f"none of the {none_of} files of this read unit exists under {root} on this "
-                f"node ({here}){scanned} (the first: {said})")
-    else:
+    if "://" in root:
         return
-    err = StorageError(f"{what}: the dataset there is not the one scanned. Read tasks run on "
-                       f"every node and read the dataset at the path it was scanned at: put it "
-                       f"on storage every node reaches (S3, HDFS, a shared mount), copy it to "
-                       f"that path on every node, or keep the reads on the nodes that hold it "
-                       f"(PipelineConfig(ray_remote_args={{'resources': ...}})); if its files "
-                       f"were moved or removed since, scan it again (Manifest.scan)"
-                       if local else
-                       f"{what}: the dataset was moved or removed since it was scanned; scan "
-                       f"it again (Manifest.scan)")
+    try:
+        with os.scandir(root) as entries:
+            if next(entries, None) is not None:
+                return
+        what = "is empty"
+    except FileNotFoundError:
+        what = "does not exist"
+    except OSError:  # not a folder, not readable: the read's own error says it
+        return
+    here = socket.gethostname()
+    scanned = (f" (the dataset was scanned on {spec.scanned_on})"
+               if spec.scanned_on and spec.scanned_on != here else "")
+    missing = f" ({file} not found)" if file else ""
+    err = StorageError(f"{root} {what} on this node ({here}){scanned}{missing}: read tasks run "
+                       f"on every node and read the dataset at the path it was scanned at. Put "
+                       f"it on storage every node reaches (S3, HDFS, a shared mount), copy it "
+                       f"to that path on every node, or keep the reads on the nodes that hold "
+                       f"it (PipelineConfig(ray_remote_args={{'resources': ...}}))")
     err.outage = True
     raise err
 

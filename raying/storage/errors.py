@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import logging
 import random
@@ -154,14 +155,17 @@ def _storage_error(exc: Exception, fs: pafs.FileSystem | None, path: str, *, kin
         # The NameNode took the file; no DataNode took its blocks.
         return StorageError(f"cannot {action} {uri}{tries}: {detail}. {_HDFS_DATANODES_FIX}")
     if scheme == "hdfs" and "HDFS read failed" in detail:
-        return StorageError(f"cannot {action} {uri}{tries}: {detail}. {_HDFS_DATANODES_FIX}")
+        return StorageError(f"cannot {action} {uri}{tries}: {detail}. {_HDFS_READ_FIX}")
     return StorageError(f"cannot {action} {uri}{tries}: {detail}")
 
 
 # libhdfs's words when a write's blocks found no DataNode (all down, or full).
 _HDFS_WRITE_MARKERS = ("CloseFile failed", "HDFS Write failed", "HDFS Flush failed")
-_HDFS_DATANODES_FIX = ("Check that the DataNodes holding or taking its blocks are up and have "
-                       "space (hdfs dfsadmin -report lists the live ones)")
+_HDFS_DATANODES_FIX = ("Check that the DataNodes taking its blocks are up and have space (hdfs "
+                       "dfsadmin -report lists the live ones)")
+# A read no DataNode served: all down, or (one file's) its blocks lost every replica.
+_HDFS_READ_FIX = ("Check that the DataNodes holding its blocks are up (hdfs dfsadmin -report "
+                  "lists the live ones; hdfs fsck PATH, a file's missing blocks)")
 
 
 def unreachable(fs: pafs.FileSystem, uri: str) -> StorageError | None:
@@ -280,6 +284,11 @@ def _uri(scheme: str, path: str) -> str:
     return path if scheme == "file" else f"{scheme}://{path}"
 
 
+# Set, in the thread that makes a read, by a caller that may give up on it (a unit whose
+# reads all fail, see files.read_many): once it is set the read makes no further attempt.
+ABANDONED: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "raying_read_abandoned", default=None)
+
 # Seconds after which a failed attempt counts as one the storage's client retried itself.
 SLOW_ATTEMPT_S = 10.0
 
@@ -329,6 +338,7 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
         msg = f"retries must be >= 1 (attempts in all), got {attempts!r}"
         raise ConfigError(msg)
     attempt = 1
+    slow_before = False
     while True:
         began = time.monotonic()
         try:
@@ -336,17 +346,23 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
         except Exception as exc:
             # An attempt that failed only after SLOW_ATTEMPT_S had the storage's own client
             # retry within it (Hadoop's block acquisition, an SDK's retries and timeouts): a
-            # second such attempt ends the call, as raying's backoff of seconds is meant for
-            # outages of seconds, and each further attempt would wait as long again.
-            slow = time.monotonic() - began >= SLOW_ATTEMPT_S and attempt >= 2
-            final = attempt >= attempts or not is_retryable(exc) or slow
+            # second such attempt in a row ends the call, as raying's backoff of seconds is
+            # meant for outages of seconds, and each further attempt would wait as long again.
+            took = time.monotonic() - began
+            slow = took >= SLOW_ATTEMPT_S
+            again = slow and slow_before
+            slow_before = slow
+            final = attempt >= attempts or not is_retryable(exc) or again
             error = storage_error(exc, fs, path, attempts=attempt, uri=uri, probe=final)
-            if slow and attempt < attempts:
-                logger.warning("%s; not retried again: the attempt failed only after %.0f s, "
-                               "within which the storage's own client retried", error,
-                               time.monotonic() - began)
+            if again and attempt < attempts and _warn_now():
+                logger.warning("%s; not retried again: two attempts in a row failed only "
+                               "after %.1f s or more, within which the storage's own client "
+                               "retried", error, SLOW_ATTEMPT_S)
             if final:
                 raise error from None
+            abandoned = ABANDONED.get()
+            if abandoned is not None and abandoned.is_set():
+                raise error from None  # the caller gave up on this read: no further attempt
             delay = min(backoff * 2 ** (attempt - 1), DEFAULT_READ_RETRY_MAX_BACKOFF_S)
             delay *= 0.5 + random.random() / 2
             # Said once per RETRY_WARNING_EVERY_S per process: an uncounted call's first

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -289,19 +290,23 @@ def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
         One entry per path, in order: the bytes, or the StorageError that ended its reads.
     """
     names = [p.path if isinstance(p, pafs.FileInfo) else p for p in paths]
+    abandoned = threading.Event()  # set when the unit gives up on its reads still running
 
     def one(name: str) -> bytes | Exception:
+        token = _errors.ABANDONED.set(abandoned)
         try:
             return read_bytes(fs, name, retries=retries, backoff=backoff, on_retry=on_retry)
         except Exception as exc:  # noqa: BLE001 - each failure is returned in its slot
             return exc
+        finally:
+            _errors.ABANDONED.reset(token)
 
     workers = min(threads or settings().remote_read_threads, len(names))
 
     def each(batch: list[str]) -> list[bytes | Exception]:
         if isinstance(fs, pafs.LocalFileSystem) or workers <= 1 or len(batch) <= 1:
             return [one(n) for n in batch]
-        return _read_pooled(batch, one, min(workers, len(batch)))
+        return _read_pooled(batch, one, min(workers, len(batch)), abandoned)
 
     got = each(names)
     again = [i for i, r in enumerate(got) if isinstance(r, StorageError)
@@ -315,13 +320,15 @@ def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
 
 
 def _read_pooled(names: list[str], one: Callable[[str], bytes | Exception],
-                 workers: int) -> list[bytes | Exception]:
-    """``one`` of every name on ``workers`` threads, in order; but once a whole first wave of
-    reads (``workers`` of them) failed on the storage and none succeeded, the rest are not
-    started: each would wait out the storage client's own retries (with Hadoop's defaults
-    ~20 s a read for a block no live DataNode holds, times raying's attempts), and the unit
-    is refused as an outage anyway. Their slots get a StorageError saying so; reads still
-    running are left to finish on their own."""
+                 workers: int, abandoned: threading.Event) -> list[bytes | Exception]:
+    """``one`` of every name on ``workers`` threads, in order; but once two waves of reads
+    (``2 * workers``) failed on the storage and none succeeded, the rest are not started:
+    each would wait out the storage client's own retries (with Hadoop's defaults ~20 s a
+    read for a block no live DataNode holds, times raying's attempts), and the unit is
+    refused as an outage anyway. (One wave may be a run of bad files, a lost block each:
+    the next wave's reads then succeed, and every file is read.) Their slots get a
+    StorageError marked ``unread``; reads still running finish their attempt and make no
+    other (``abandoned`` is set)."""
     out: list[bytes | Exception | None] = [None] * len(names)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="raying-read")
     waiting = iter(range(len(names)))
@@ -341,13 +348,15 @@ def _read_pooled(names: list[str], one: Callable[[str], bytes | Exception],
                     first = first or result
                 elif not isinstance(result, Exception):
                     ok += 1
-            if not ok and failed >= workers and first is not None:
+            if not ok and failed >= 2 * workers and first is not None:
                 said = str(first).splitlines()[0]
                 for i in [*running.values(), *waiting]:
                     err = StorageError(f"not read: the {failed} reads before it in this unit "
                                        f"failed on the storage, none read ({said})")
                     err.outage = getattr(first, "outage", False)
+                    err.unread = True
                     out[i] = err
+                abandoned.set()
                 running.clear()
                 break
             for i in itertools.islice(waiting, len(done)):
@@ -514,13 +523,19 @@ def refuse_outage(datas: Sequence[Any], *, again: str = "run the epoch again") -
     for d in datas:
         if not isinstance(d, StorageError) or isinstance(d, NotFoundError):
             return
-        first = first or d
+        if first is None or (getattr(first, "unread", False)
+                             and not getattr(d, "unread", False)):
+            first = d  # the first read made, not a slot left unread
     kind = type(first) if isinstance(first, CredentialsError) else StorageError
     said = str(first).splitlines()[0]
     check = ("check that the DataNodes are up (hdfs dfsadmin -report lists the live ones) and "
              "that this user may read the files" if "hdfs://" in said else
              "check the endpoint and the credentials")
-    msg = (f"none of the {len(datas)} reads of this unit succeeded; the first failed with: "
+    unread = sum(bool(getattr(d, "unread", False)) for d in datas)
+    made = (f"none of the {len(datas)} reads of this unit succeeded" if not unread else
+            f"none of the {len(datas) - unread} reads made of this unit's {len(datas)} "
+            f"succeeded (the other {unread} were not started)")
+    msg = (f"{made}; the first failed with: "
            f"{said}. The storage is unreachable or refusing access: on_error='skip' sets bad "
            f"files aside, not outages: {check}, then {again} (an outage longer than the "
            f"retries' few seconds of backoff: raise RAYING_READ_RETRIES)")

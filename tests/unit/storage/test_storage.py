@@ -469,9 +469,14 @@ def test_a_unit_whose_first_wave_of_reads_all_failed_starts_no_more(tree, monkey
     names = [f"{tree}/cats/1.jpg"] * 40
     got = storage.read_many(fs, names, threads=4, retries=2, backoff=0.001)
     assert all(isinstance(g, StorageError) for g in got)
-    assert handler.opens <= 4 * 2 + 4, handler.opens  # the first wave's attempts, and a few
-    assert "not read: the 4 reads before it in this unit failed on the storage" in str(got[-1])
-    with pytest.raises(StorageError, match=r"none of the 40 reads of this unit succeeded.*"
+    assert handler.opens <= (2 * 4 + 4) * 2, handler.opens  # two waves' attempts, and a few
+    opened = handler.opens
+    time.sleep(0.3)  # the reads still running when the unit gave up make no other attempt
+    assert handler.opens == opened
+    assert "not read: the 8 reads before it in this unit failed on the storage" in str(got[-1])
+    with pytest.raises(StorageError, match=r"none of the \d+ reads made of this unit's 40 "
+                                           r"succeeded \(the other \d+ were not started\); "
+                                           r"the first failed with: cannot read .*"
                                            r"check the endpoint and the credentials"):
         storage.refuse_outage(got)
     # A failure among reads that succeed is its file's: every read is made.
@@ -488,18 +493,60 @@ def test_attempts_the_storage_client_retried_itself_end_after_the_second(tree, m
     (~20 s with its defaults): five attempts made a read wait ~2 minutes. A second attempt
     that fails that slowly ends the read (a first may meet an outage that then ends)."""
     monkeypatch.setattr(_errors, "SLOW_ATTEMPT_S", 0.05)
+    monkeypatch.setattr(_errors, "_last_retry_warning", [-1e9])
     handler = _Down("HDFS read failed, errno: 255", 0.06)
     with caplog.at_level(logging.WARNING, logger="raying.storage.files"):
-        with pytest.raises(StorageError, match=r"\(after 2 attempts\)"):
+        with pytest.raises(StorageError, match=r"\(after 2 attempts\)"):  # a read task's
             storage.read_bytes(pafs.PyFileSystem(handler), f"{tree}/cats/1.jpg", retries=5,
-                               backoff=0.001)
-    assert handler.opens == 2
-    assert "not retried again: the attempt failed only after" in caplog.text
+                               backoff=0.001, on_retry=lambda *a: None)
+        assert handler.opens == 2
+        assert "not retried again: two attempts in a row failed only after" in caplog.text
+        caplog.clear()
+        with pytest.raises(StorageError, match=r"\(after 2 attempts\)"):  # said once per 30 s
+            storage.read_bytes(pafs.PyFileSystem(handler), f"{tree}/cats/2.jpg", retries=5,
+                               backoff=0.001, on_retry=lambda *a: None)
+        assert not caplog.text
+
+    class _FastThenSlow(_Down):  # a blip, then the storage client's own long wait
+        def open_input_stream(self, path):
+            self.delay_s = 0.0 if self.opens == 0 else 0.06
+            return super().open_input_stream(path)
+
+    handler = _FastThenSlow("HDFS read failed, errno: 255", 0.0)
+    with pytest.raises(StorageError, match=r"\(after 3 attempts\)"):  # two slow in a row
+        storage.read_bytes(pafs.PyFileSystem(handler), f"{tree}/cats/1.jpg", retries=5,
+                           backoff=0.001)
+    assert handler.opens == 3
     handler = _Down("HDFS read failed, errno: 255", 0.0)  # fast failures: every attempt
     with pytest.raises(StorageError, match=r"\(after 5 attempts\)"):
         storage.read_bytes(pafs.PyFileSystem(handler), f"{tree}/cats/1.jpg", retries=5,
                            backoff=0.001)
     assert handler.opens == 5
+
+
+class _BadFirst(_Flaky):
+    """Opens of ``1.jpg`` fail after ``delay_s`` (a lost block: one file's); others read."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(0, "HDFS read failed, errno: 255")
+        self.delay_s = delay_s
+
+    def open_input_stream(self, path):
+        if path.endswith("/1.jpg"):
+            time.sleep(self.delay_s)
+            raise OSError(self.message)
+        return self.base.open_input_stream(path)
+
+
+def test_a_first_wave_of_bad_files_does_not_stop_the_unit(tree):
+    """A unit whose first reads are all bad files (a lost block each) reads the rest: one
+    failed wave is no outage, and its good files are not given up unread."""
+    fs = pafs.PyFileSystem(_BadFirst(0.2))
+    names = [f"{tree}/cats/1.jpg"] * 4 + [f"{tree}/cats/2.jpg"] * 12
+    got = storage.read_many(fs, names, threads=4, retries=1, backoff=0.001)
+    assert all(isinstance(g, StorageError) for g in got[:4])
+    assert got[4:] == [b"b" * 20] * 12
+    storage.refuse_outage(got)  # bad files among good ones: not an outage
 
 
 def test_an_hdfs_unit_that_read_nothing_names_the_datanodes():
@@ -751,7 +798,8 @@ def test_a_failed_hdfs_read_is_a_network_failure_and_retried():
     # Its error, and a write whose blocks no DataNode took, name the DataNodes.
     err = storage_error(exc, None, "nn:9000/d/x.jpg", uri="hdfs://nn:9000/d/x.jpg", probe=False)
     assert str(err).startswith("cannot read hdfs://nn:9000/d/x.jpg: ")
-    assert "Check that the DataNodes holding or taking its blocks are up" in str(err)
+    assert "Check that the DataNodes holding its blocks are up" in str(err)
+    assert "hdfs fsck PATH, a file's missing blocks" in str(err)
     closed = OSError(255, "HDFS CloseFile failed")
     err = storage_error(closed, None, "nn:9000/d/p.parquet", uri="hdfs://nn:9000/d/p.parquet",
                         action="write", probe=False)

@@ -167,6 +167,15 @@ def test_job_entry_point_finds_raying_errors_inside_ray_train_s(capsys):
     with pytest.raises(WorkerGroupError):
         common.run(other)
 
+    def bug_while_handling() -> int:  # a bug raised while a raying error was handled
+        try:
+            raise StorageError("cannot read s3://b/x.jpg: timed out")
+        except StorageError:
+            return {}["missing"]
+
+    with pytest.raises(KeyError):
+        common.run(bug_while_handling)
+
 
 def test_demo_refuses_zero_seeds():
     import argparse

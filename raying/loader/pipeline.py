@@ -873,6 +873,7 @@ class Pipeline:
         """What makes the pixels besides the plan: the transform and the user's stages."""
         return {"transform": repr(self.transform),
                 "stages": [f"{s.name}{' (with_rng)' if s.with_rng else ''}"
+                           + (f" {_short_repr(dict(s.fn_kwargs))}" if s.fn_kwargs else "")
                            for s in self._stages]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1004,6 +1005,12 @@ def _warn_no_node_fits(task_cpus: float) -> None:
             "PipelineConfig(task_num_cpus=%s): no node of this Ray has that many CPUs (the "
             "largest has %g), so the read tasks wait until an autoscaler adds one, for ever "
             "without one; use task_num_cpus <= %g", task_cpus, largest, largest)
+
+
+def _short_repr(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a stage's fn_kwargs in a state)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _sizing(resources: dict[str, float]) -> tuple[int, int]:

@@ -40,7 +40,7 @@ def _jitter(batch):
     return batch
 
 
-def _jitter_rng(batch, rng):
+def _jitter_rng(batch, rng, strength=0.4):
     return batch
 
 
@@ -53,6 +53,8 @@ def test_a_resume_into_other_augmentation_is_told_and_the_same_one_is_not(tmp_pa
         same.load_state_dict(state)
     assert "other augmentation" not in caplog.text
     others = [_pipe(tmp_path).map_batches(_jitter),  # another stage
+              _pipe(tmp_path).map_batches(_jitter_rng, with_rng=True,  # other arguments
+                                          fn_kwargs={"strength": 0.5}),
               _pipe(tmp_path),  # none
               raying.Pipeline(saved.manifest, transform=raying.ImageTransform(size=160),
                               config=raying.PipelineConfig(block_rows=8))]  # another size

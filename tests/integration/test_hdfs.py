@@ -162,6 +162,9 @@ _INTERRUPTED = """
 import os, signal, sys, time
 import raying
 
+# Python's own handler, as an interactive run has it (a process started in the background of
+# a non-interactive shell, as CI's, inherits SIGINT ignored and Python leaves it so).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 raying.Manifest.scan(sys.argv[1], label=None)  # starts libhdfs's JVM in this process
 try:
     try:

@@ -9,6 +9,7 @@ import random
 import threading
 import time
 import urllib.parse
+import weakref
 
 import pyarrow.fs as pafs
 
@@ -41,16 +42,18 @@ _NETWORK_MARKERS = ("NETWORK_CONNECTION", "curlCode", "Could not connect", "Conn
 # block answers, whether the DataNodes are down or that block lost every replica.
 _FILE_MARKERS = ("HDFS read failed",)
 
-# Filesystems built by StorageSpec.filesystem() and their specs, to name endpoints in errors.
-# Cached filesystems live as long as the process, so their ids are never reused.
-_SPECS: dict[int, object] = {}
+# Filesystems built by StorageSpec.filesystem() and their specs, to name endpoints in errors:
+# id -> (a weak reference to the filesystem, its spec). A filesystem let go (the cache
+# cleared) frees its id for another object, which must not inherit the spec (a local
+# filesystem's errors would speak of S3).
+_SPECS: dict[int, tuple[weakref.ref, object]] = {}
 _SPECS_LOCK = threading.Lock()
 
 
 def register(fs: pafs.FileSystem, spec) -> None:
     """Remember which StorageSpec built ``fs`` (for error messages)."""
     with _SPECS_LOCK:
-        _SPECS[id(fs)] = spec
+        _SPECS[id(fs)] = (weakref.ref(fs), spec)
 
 
 # A path that can never open: a loop of symbolic links, a name over the file system's limit.
@@ -258,7 +261,13 @@ def _is_arrow_error(exc: BaseException) -> bool:
 
 def _spec_of(fs):
     with _SPECS_LOCK:
-        return _SPECS.get(id(fs))
+        entry = _SPECS.get(id(fs))
+        if entry is None:
+            return None
+        if entry[0]() is not fs:  # another object at a freed filesystem's id
+            del _SPECS[id(fs)]
+            return None
+        return entry[1]
 
 
 def _scheme_of(fs, spec) -> str:

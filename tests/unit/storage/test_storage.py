@@ -925,3 +925,23 @@ def test_a_path_that_can_never_open_is_said_at_once_not_retried(tmp_path):
             storage.read_bytes(fs, path, on_retry=lambda *a, seen=retries: seen.append(a),
                                backoff=0.5)
         assert retries == [], path
+
+
+def test_a_filesystem_let_go_leaves_its_spec_to_no_other_object():
+    """Specs were kept by a filesystem's id: once an S3 filesystem was let go (the cache
+    cleared), a local filesystem born at the same id spoke of S3 in its errors."""
+    import gc
+
+    s3ish = pafs.LocalFileSystem()  # stands for a filesystem that StorageSpec built
+    _errors.register(s3ish, StorageSpec("s3", options=None))
+    freed = id(s3ish)
+    del s3ish
+    gc.collect()
+    born = [pafs.LocalFileSystem() for _ in range(2000)]
+    reused = next((fs for fs in born if id(fs) == freed), None)
+    if reused is None:  # the allocator put none there: the entry must still not leak out
+        _errors._SPECS[id(born[0])] = _errors._SPECS.pop(freed)
+        reused = born[0]
+    assert _errors._spec_of(reused) is None
+    err = storage_error(PermissionError(13, "Permission denied"), reused, "/x")
+    assert str(err) == "permission denied to read /x; check the file's owner and mode"

@@ -136,11 +136,13 @@ class Manifest:
         parquet = _scan.parquet_members(path, infos, PARQUET_EXTENSIONS)
         if named and (format == "parquet" or infos[0].path.lower().endswith(PARQUET_EXTENSIONS)):
             parquet = infos  # the user named it (a _-prefixed name too), or says what it is
+        if isinstance(extensions, str):
+            extensions = (extensions,)
+        endings = tuple("." + e.lower().lstrip(".") for e in extensions)  # ".JPG", "png" too
+        image_flags = [i.path.lower().endswith(endings) for i in infos]
         if format == "auto":
             format = "parquet" if parquet else "images"
-            endings_auto = tuple("." + e.lower().lstrip(".") for e in (
-                (extensions,) if isinstance(extensions, str) else extensions))
-            images = sum(1 for i in infos if i.path.lower().endswith(endings_auto))
+            images = sum(image_flags)
             if parquet and images:
                 # A folder of both: a captions.parquet beside an image folder, or a few
                 # pictures beside Parquet shards. Which one the user means is theirs to say.
@@ -174,17 +176,15 @@ class Manifest:
                         if "=" in folder else "")
                 raise DataError(f"{file_uri} (the file the URI names): {exc}{hive}") from None
             return _scan.use_classes(m, classes)
-        if isinstance(extensions, str):
-            extensions = (extensions,)
-        endings = tuple("." + e.lower().lstrip(".") for e in extensions)  # ".JPG", "png" too
         if columns:
             msg = (f"columns={[a for a, _ in columns]} reads Parquet columns, but {uri} is "
                    f"scanned as an image "
                    f"folder (format={format!r}), which has none; drop columns=, or point at "
                    f"Parquet files")
             raise ConfigError(msg)
-        images = [i for i in infos if i.path.lower().endswith(endings)]
-        _left_out(infos, endings, uri, len(images))
+        images = [i for i, image in zip(infos, image_flags, strict=True) if image]
+        _left_out([i for i, image in zip(infos, image_flags, strict=True) if not image],
+                  uri, len(images))
         if not images and named:
             msg = (f"{file_uri} names one file, which is neither Parquet "
                    f"({', '.join(PARQUET_EXTENSIONS)}) nor an image ({', '.join(extensions)}); "
@@ -370,13 +370,13 @@ def _extra_columns(columns: Any, format: str, uri: str) -> list[tuple[str, str]]
     return pairs
 
 
-def _left_out(infos: list, endings: tuple[str, ...], uri: str, kept: int) -> None:
-    """Say which files of an image folder the scan left out for their endings (a README, a
-    labels.csv; or images under an ending not asked for), so that none goes unnoticed."""
+def _left_out(infos: list, uri: str, kept: int) -> None:
+    """Say which files of an image folder the scan left out for their endings (``infos``: a
+    README, a labels.csv; or images under an ending not asked for), so that none goes
+    unnoticed."""
     other: dict[str, int] = {}
     for i in infos:
-        if not i.path.lower().endswith(endings):
-            other[_ext(i.path)] = other.get(_ext(i.path), 0) + 1
+        other[_ext(i.path)] = other.get(_ext(i.path), 0) + 1
     if other and kept:
         seen = ", ".join(f"{e} ({n})" for e, n in sorted(other.items(), key=lambda x: -x[1])[:6])
         logger.warning("raying: scan of %s left out %d files whose endings are not among the "

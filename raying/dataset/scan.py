@@ -94,7 +94,10 @@ def scan_images(cls, root: str, uri: str, infos: list[pafs.FileInfo], label: Any
                 opts: StorageOptions, dirs: list[str] | None = None):
     """Build an image-folder manifest: ids in sorted path order, labels from folders (a
     folder of ``dirs``, the listing's, with no image gets a warning: it has no label)."""
-    rel = sorted((_relative(root, i.path), i.size if i.size is not None else -1) for i in infos)
+    top = root.rstrip("/") + "/"
+    cut = len(top)
+    rel = sorted((i.path[cut:] if i.path.startswith(top) else _relative(root, i.path),
+                  -1 if i.size is None else i.size) for i in infos)
     paths = np.array([r for r, _ in rel], dtype=object)
     sizes = np.array([s for _, s in rel], dtype=np.int64)
     classes: list[str] | None = None

@@ -99,36 +99,77 @@ def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | No
             raise exc from None
         infos, base = [info], base.rpartition("/")[0]
     prefix = len(base.rstrip("/")) + 1
-    infos = _named(fs, infos, base)
+    # Each read of a FileInfo's path makes a new string and of its type a new enum (~0.4 us
+    # each; a dataset scan reads paths in several passes): both are read once here.
+    infos, paths, types = _named(fs, infos, base)
+    folders: dict[str, bool] = {}
 
-    def kept(i: pafs.FileInfo) -> bool:
-        return not any(part[:1] and part[:1] in skip_prefixes
-                       for part in i.path[prefix:].split("/"))
+    def kept(rel: str) -> bool:
+        folder, _, name = rel.rpartition("/")
+        ok = folders.get(folder)
+        if ok is None:
+            ok = folders[folder] = not any(part[:1] and part[:1] in skip_prefixes
+                                           for part in folder.split("/"))
+        return ok and not (name[:1] and name[:1] in skip_prefixes)
 
-    out = [i for i in infos if i.type == pafs.FileType.File and kept(i)
-           and (exts is None or i.path.lower().endswith(exts))]
+    file, folder = pafs.FileType.File, pafs.FileType.Directory
+    out = [ListedFile(i, p) for i, p, t in zip(infos, paths, types, strict=True)
+           if t == file and kept(p[prefix:]) and (exts is None or p.lower().endswith(exts))]
     if report is not None:
-        report["dirs"] = [i.path[prefix:] for i in infos
-                          if i.type == pafs.FileType.Directory and kept(i)]
-    out.sort(key=lambda i: i.path)
+        report["dirs"] = [p[prefix:] for p, t in zip(paths, types, strict=True)
+                          if t == folder and kept(p[prefix:])]
+    out.sort(key=_path_of)
     if isinstance(fs, pafs.LocalFileSystem) and out:
         out = _drop_symlink_loops(out, base)
     return out
 
 
+class ListedFile:
+    """A file of a listing: pyarrow's FileInfo with its path and size read once (each read
+    of ``FileInfo.path`` makes a new string); the rest (``mtime``, ``type``) from the info."""
+
+    __slots__ = ("info", "path", "size")
+
+    def __init__(self, info: pafs.FileInfo, path: str) -> None:
+        self.info = info
+        self.path = path
+        self.size = info.size
+
+    @property
+    def mtime(self) -> Any:
+        return self.info.mtime
+
+    @property
+    def type(self) -> pafs.FileType:
+        return self.info.type
+
+    @property
+    def is_file(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"ListedFile({self.path!r}, size={self.size})"
+
+
+def _path_of(item: Any) -> str:
+    return item.path
+
+
 def _named(fs: pafs.FileSystem, infos: list[pafs.FileInfo],
-           base: str) -> list[pafs.FileInfo]:
-    """The listed entries that can be used, with a warning for those set aside: names that
-    are not UTF-8 (pyarrow cannot give their path; an archive from an old system, Latin-1
-    names). The other files are kept."""
-    good, undecodable = [], 0
+           base: str) -> tuple[list[pafs.FileInfo], list[str], list[pafs.FileType]]:
+    """The listed entries that can be used, their paths and types (each read of either
+    makes a new object), with a warning for those set aside: names that are not UTF-8 (pyarrow cannot give their path; an archive from an old
+    system, Latin-1 names). The other files are kept."""
+    good, paths, types, undecodable = [], [], [], 0
     for info in infos:
         try:
-            info.path  # noqa: B018 - raises for a name that is not UTF-8
+            path = info.path
         except UnicodeDecodeError:
             undecodable += 1
             continue
         good.append(info)
+        paths.append(path)
+        types.append(info.type)
     if undecodable:
         named = ""
         if isinstance(fs, pafs.LocalFileSystem):
@@ -137,7 +178,7 @@ def _named(fs: pafs.FileSystem, infos: list[pafs.FileInfo],
         logger.warning("raying: left out %d entries under %s whose names are not UTF-8%s; "
                        "rename them to UTF-8 (e.g. convmv -f latin1 -t utf-8 -r --notest "
                        "<folder>) to read them", undecodable, base, named)
-    return good
+    return good, paths, types
 
 
 def _undecodable_names(base: str, limit: int) -> list[str]:
@@ -226,7 +267,7 @@ def _drop_symlink_loops(infos: list[pafs.FileInfo], base: str) -> list[pafs.File
 
     top = base.rstrip("/")
     looped: dict[str, str] = {}
-    for d in sorted({os.path.dirname(i.path) for i in infos}):
+    for d in sorted({i.path.rpartition("/")[0] for i in infos}):
         chain = [d]  # d and its folders up to the root
         while len(chain[-1]) > len(top) and os.path.dirname(chain[-1]) != chain[-1]:
             chain.append(os.path.dirname(chain[-1]))
@@ -239,7 +280,7 @@ def _drop_symlink_loops(infos: list[pafs.FileInfo], base: str) -> list[pafs.File
             seen[r] = folder
     if not looped:
         return infos
-    keep = [i for i in infos if os.path.dirname(i.path) not in looped]
+    keep = [i for i in infos if i.path.rpartition("/")[0] not in looped]
     logger.warning("raying: left out %d files listed under %d folders that a symlink loop "
                    "leads back into (e.g. %s again); remove or fix the link",
                    len(infos) - len(keep), len(looped), next(iter(looped.values())))
@@ -289,7 +330,7 @@ def read_many(fs: pafs.FileSystem, paths: Sequence[str | pafs.FileInfo], *,
     Returns:
         One entry per path, in order: the bytes, or the StorageError that ended its reads.
     """
-    names = [p.path if isinstance(p, pafs.FileInfo) else p for p in paths]
+    names = [p.path if isinstance(p, (pafs.FileInfo, ListedFile)) else p for p in paths]
     abandoned = threading.Event()  # set when the unit gives up on its reads still running
 
     def one(name: str) -> bytes | Exception:

@@ -57,6 +57,10 @@ _ON_ERROR = ("skip", "raise")
 MIN_BLOCK_ROWS = 32
 # How long close() waits for read tasks still running before it removes the decoded cache.
 DEFAULT_CLOSE_WAIT_S = 30.0
+# Seconds between two looks at the cluster's size within an epoch (one
+# ``ray.cluster_resources()`` call): nodes an autoscaler adds in the middle of a long epoch
+# (an ImageNet epoch lasts tens of minutes) get read tasks then, not at the next epoch.
+WINDOW_REFIT_S = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -432,7 +436,8 @@ class Pipeline:
     def _fit_window(self, stream: Any) -> None:
         """Size the stream's window again when the cluster's CPUs or object store changed
         since it was sized (an autoscaler added nodes: a cluster that starts from a head of
-        0 CPUs would keep a window of 2 read tasks for the whole run)."""
+        0 CPUs would keep a window of 2 read tasks for the whole run). Called as each epoch
+        starts and every ``WINDOW_REFIT_S`` within it."""
         import ray
 
         resources = ray.cluster_resources()
@@ -492,6 +497,7 @@ class Pipeline:
                            epoch)
         self._resume = None
         self._fit_window(stream)
+        fitted = time.monotonic()
         units: list[tuple[int, int, int, bool]] = []
         cursor = self._cursor = {"epoch": int(epoch), "units": units, "delivered": base,
                                  "base": base, "start": (start_unit, skip), "tail": tail}
@@ -526,6 +532,9 @@ class Pipeline:
                 raise
             if len(block["id"]):
                 keys = self._same_columns(keys, block, int(epoch))
+            if time.monotonic() - fitted >= WINDOW_REFIT_S:
+                fitted = time.monotonic()
+                self._fit_window(stream)
             begin = offset.get(index, 0)
             offset[index] = begin + len(block["id"])
             units.append((index, begin, begin + len(block["id"]), last))

@@ -1,5 +1,6 @@
 """A cluster that grows under a running pipeline (an autoscaler adding nodes): the iterator's
-window of read tasks is sized again at each epoch, not kept at what the first one saw."""
+window of read tasks is sized again at each epoch and within one, not kept at what the first
+one saw."""
 
 from __future__ import annotations
 
@@ -38,3 +39,48 @@ def test_the_read_window_grows_with_the_cluster(image_folder):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_the_read_window_grows_within_an_epoch(image_folder, monkeypatch):
+    """Nodes added in the middle of a long epoch get read tasks before the epoch ends."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from raying.loader import pipeline as _pipeline
+
+    monkeypatch.setattr(_pipeline, "WINDOW_REFIT_S", 0.0)  # look at every block
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "object_store_memory": 128 * 1024**2})
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        m = raying.Manifest.scan(str(image_folder))
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               config=raying.PipelineConfig(block_rows=8))
+        pipe = pipe.map_batches(_slow)  # an epoch long enough for the node to come up
+        try:
+            batches = pipe.iter_batches(batch_size=8, epoch=0)
+            ids = [next(batches)["id"]]
+            assert pipe._stream._window == 2  # one CPU: max(2, 2 per CPU)
+            cluster.add_node(num_cpus=2, object_store_memory=128 * 1024**2)
+            cluster.wait_for_nodes()
+            windows = []
+            for b in batches:
+                ids.append(b["id"])
+                windows.append(pipe._stream._window)
+            assert windows[-1] == 6  # three CPUs, within epoch 0
+            got = np.concatenate(ids)
+            assert sorted(got.tolist()) == list(range(len(m)))
+        finally:
+            pipe.close()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _slow(batch):
+    import time
+
+    time.sleep(0.5)
+    return batch

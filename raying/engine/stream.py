@@ -331,57 +331,84 @@ class BlockStream:
                                                           else 0)
                                 for u in plan.units if u.index >= start_unit})
         index = start_unit
-        while index <= last:
-            if self._unread:
-                self._reap_unread()
-            k = 0
-            while True:  # the unit's parts, in order
-                if not ray.is_initialized():  # submitting would start a new Ray (auto-init)
-                    raise ConfigError("Ray was shut down while this epoch was read")
-                with self._lock:
-                    self._check(mine)
-                    self._top_up()
-                    key = (epoch, index, k)
-                    ref = self._take(key)
-                    self._reading[key] = ref
-                    last_part = k + 1 >= self._nparts.get((epoch, index), 1)
-                for part in _parts(ref):
-                    try:
-                        block, account = ray.get(part)
-                    except ray.exceptions.RayTaskError as exc:
-                        with self._lock:
-                            if self._generation == mine:
-                                others = [(k, r) for k, r in (*self._inflight.items(),
-                                                              *self._reading.items())
-                                          if r is not ref]
-                                self.cancel()
-                            else:
-                                others = []
-                        cause = getattr(exc, "cause", None)
-                        more = _read_out_failures(
-                            others, DEFAULT_READ_OUT_S, epoch=epoch, raised=cause,
-                            left=lambda keyed, bug=cause: self._hold(keyed, bug))
-                        if isinstance(cause, RayingError):
-                            cause.read_retries = getattr(cause, "read_retries", 0) + more
-                            raise cause from None
-                        raise
+        try:
+            while index <= last:
+                if self._unread:
+                    self._reap_unread()
+                k = 0
+                while True:  # the unit's parts, in order
+                    if not ray.is_initialized():  # submitting would start a new Ray (auto-init)
+                        raise ConfigError("Ray was shut down while this epoch was read")
                     with self._lock:
                         self._check(mine)
-                    if account.final and not last_part:  # the unit goes on in the next part
-                        account = dataclasses.replace(account, final=False)
-                    if on_account is not None:
-                        on_account(account)
-                    yield index, block, account.final
-                with self._lock:
-                    self._reading.pop(key, None)
-                    self._check(mine)
+                        self._top_up()
+                        key = (epoch, index, k)
+                        ref = self._take(key)
+                        self._reading[key] = ref
+                        last_part = k + 1 >= self._nparts.get((epoch, index), 1)
+                    for part in _parts(ref):
+                        try:
+                            block, account = ray.get(part)
+                        except ray.exceptions.RayTaskError as exc:
+                            with self._lock:
+                                if self._generation == mine:
+                                    others = [(k, r) for k, r in (*self._inflight.items(),
+                                                                  *self._reading.items())
+                                              if r is not ref]
+                                    self.cancel()
+                                else:
+                                    others = []
+                            cause = getattr(exc, "cause", None)
+                            more = _read_out_failures(
+                                others, DEFAULT_READ_OUT_S, epoch=epoch, raised=cause,
+                                left=lambda keyed, bug=cause: self._hold(keyed, bug))
+                            if isinstance(cause, RayingError):
+                                cause.read_retries = getattr(cause, "read_retries", 0) + more
+                                raise cause from None
+                            raise
+                        with self._lock:
+                            self._check(mine)
+                        if account.final and not last_part:  # the unit goes on in the next part
+                            account = dataclasses.replace(account, final=False)
+                        if on_account is not None:
+                            on_account(account)
+                        yield index, block, account.final
+                    with self._lock:
+                        self._reading.pop(key, None)
+                        self._check(mine)
+                        if last_part:
+                            self._nparts.pop((epoch, index), None)
+                        self._top_up()
                     if last_part:
-                        self._nparts.pop((epoch, index), None)
-                    self._top_up()
-                if last_part:
-                    break
-                k += 1
-            index += 1
+                        break
+                    k += 1
+                index += 1
+        except GeneratorExit:
+            # The consumer stopped early (a loop's break, a closed iterator): its epoch's
+            # reads go now, as a new iteration would drop them; refs kept would pin their
+            # blocks in the store until then, and keep prefetch() from starting an epoch.
+            self._drop_epoch(epoch, mine)
+            raise
+
+    def _drop_epoch(self, epoch: int, mine: int) -> None:
+        """Drop what the stopped iteration ``mine`` of ``epoch`` left submitted or pending
+        (the next epoch's warm reads stay, for its iteration to take); nothing once a newer
+        iteration took over the stream."""
+        with self._lock:
+            if self._generation != mine:
+                return
+            for key in [k for k in self._reading if k[0] == epoch]:
+                del self._reading[key]
+            for key in [k for k in self._inflight if k[0] == epoch]:
+                self._pop(key)
+            for part in [k for k in self._nparts if k[0] == epoch]:
+                del self._nparts[part]
+            self._parts = collections.deque(p for p in self._parts if p[0].epoch != epoch)
+            if self._pending_epoch == epoch:
+                self._pending.clear()
+                self._pending_epoch = None
+                self._next_epoch_plan = None
+            self._consuming = None
 
     def _hold(self, keyed: list[tuple[tuple[int, int, int], Any]], bug: Any) -> None:
         """Keep a stopped epoch's tasks that still ran after the read-out wait (with the error
@@ -421,9 +448,13 @@ class BlockStream:
                 raise ConfigError(CLOSED)
             raise SupersededError(SUPERSEDED)
 
-    def cancel(self) -> None:
-        """Drop every submitted and pending unit (a different epoch or a resume was asked)."""
+    def cancel(self, *, supersede: bool = False) -> None:
+        """Drop every submitted and pending unit (a different epoch or a resume was asked);
+        ``supersede``: an iteration still running stops at its next step with
+        ``SupersededError`` (a resume point loaded under it)."""
         with self._lock:
+            if supersede:
+                self._generation += 1
             self._cancel()
 
     def _cancel(self) -> None:

@@ -474,8 +474,17 @@ class Pipeline:
         return self
 
     def iter_blocks(self, epoch: int = 0) -> Iterator[dict[str, np.ndarray]]:
-        """The epoch's blocks in plan order (host numpy; image uint8 NHWC)."""
-        return self._epoch_blocks(epoch, tail=0)
+        """The epoch's blocks in plan order (host numpy; image uint8 NHWC): an iteration as
+        ``iter_batches`` is (the position moves with its rows; a newer one supersedes it)."""
+        epoch = _epoch(epoch)
+        self._block_stream()  # Ray started (if needed) by the caller's first next()
+        mine = self._begin_iteration()
+        for block in self._epoch_blocks(epoch, tail=0):
+            self._still_current(mine)
+            self._cursor["delivered"] += len(block["id"])
+            self.account.delivered(len(block["id"]))
+            yield block
+        self._epoch_delivered(mine)
 
     def _epoch_blocks(self, epoch: int, *, tail: int,
                       counted: bool = True) -> Iterator[dict[str, np.ndarray]]:
@@ -602,6 +611,12 @@ class Pipeline:
         if self._iterations != mine:
             raise SupersededError(SUPERSEDED)
 
+    def _epoch_delivered(self, mine: int) -> None:
+        """Iteration ``mine`` delivered its whole epoch: ``state_dict()`` moves on to the next,
+        unless a newer iteration (or a loaded state) took over since, whose position it is."""
+        if self._iterations == mine and not self._closed:
+            self._cursor["complete"] = True
+
     def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
                      prefetch_batches: int | None = None,
                      drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
@@ -626,7 +641,7 @@ class Pipeline:
             self._cursor["delivered"] += len(batch["id"])
             self.account.delivered(len(batch["id"]))
             yield batch
-        self._cursor["complete"] = True  # the whole epoch delivered: state_dict() moves on
+        self._epoch_delivered(mine)
 
     def iter_torch_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
                            device: Any = "auto",
@@ -671,7 +686,7 @@ class Pipeline:
             self._cursor["delivered"] += n
             self.account.delivered(n)
             yield batch
-        self._cursor["complete"] = True  # the whole epoch delivered: state_dict() moves on
+        self._epoch_delivered(mine)
 
     def _first_batch(self, *, batch_size: int, epoch: int,
                      drop_last: bool) -> dict[str, Any] | None:
@@ -927,8 +942,11 @@ class Pipeline:
                            saved_augment.get("stages"), self._augment()["transform"],
                            self._augment()["stages"])
         self._resume = (epoch, unit, row, int(state.get("delivered", 0)))
+        # An iteration still running stops (SupersededError): its next rows would count in
+        # the loaded position, and its reads are of the plan it had.
+        self._begin_iteration()
         if self._stream is not None:
-            self._stream.cancel()
+            self._stream.cancel(supersede=True)
 
     def close(self, *, release_store: bool = True) -> None:
         """Cancel reads in flight, flush pending feedback and, with ``release_store``, stop the

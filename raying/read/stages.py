@@ -243,7 +243,7 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
     for key, dtype in _RESERVED_DTYPES.items():
         if key not in out:
             raise bad(f"dropped the {key!r} column; keep it as it came ({dtype})")
-        value = np.asarray(out[key])
+        value = _array(out[key], key, bad)
         if value.dtype.kind not in "biuf" or value.shape != (n,):
             raise bad(f"returned the {key!r} column as {value.dtype} {value.shape}; expected "
                       f"{dtype} ({n},): one number per row")
@@ -254,7 +254,7 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
         wrong = weight[~(np.isfinite(weight) & (weight >= 0))]
         raise bad(f"returned 'weight' values {wrong[:4].tolist()}; importance weights must be "
                   f"finite and >= 0 (0 leaves a row out of the loss)")
-    label = np.asarray(out["label"])
+    label = _array(out["label"], "label", bad)
     if label.dtype.kind not in "biuf":
         raise bad(f"returned the 'label' column as {label.dtype}; expected numbers (int64 "
                   f"class ids, or floats such as soft labels); put other values in a column "
@@ -276,6 +276,15 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
                   f"(the size is ImageTransform(size=...); convert to float on the device: "
                   f"iter_torch_batches(normalize=True), or add another column)")
     return out
+
+
+def _array(value: Any, key: str, bad: Callable[[str], UserFunctionError]) -> np.ndarray:
+    """A returned column as a numpy array, or the stage's error (a ragged list of rows)."""
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise bad(f"returned column {key!r} as {type(value).__name__}, which is not an array "
+                  f"({exc}); return numpy arrays") from None
 
 
 def check_stage(stage: UserStage) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 
@@ -325,3 +326,85 @@ def test_iterating_another_epoch_than_the_loaded_state_s_says_so(manifest, ray_l
         assert len(_ids(b.iter_batches(batch_size=8, epoch=3))) == 60
     assert "the loaded state resumes epoch 2 after 24 rows, but epoch 3 was asked" in caplog.text
     b.close()
+
+
+def test_an_older_iterator_that_runs_out_leaves_the_newer_position_alone(manifest, ray_local):
+    # Epoch 0 read by a loop of exactly its steps (the iterator never asked past its last
+    # batch), then epoch 1 begun: the old iterator's end, reached later, is not epoch 1's.
+    make = _make(manifest)
+    a = make()
+    old = a.iter_batches(batch_size=4, epoch=0)
+    assert sum(len(b["id"]) for b in itertools.islice(old, 15)) == 60
+    new = a.iter_batches(batch_size=4, epoch=1)
+    seen = np.concatenate([next(new)["id"] for _ in range(3)])
+    with contextlib.suppress(raying.SupersededError):  # or its end, had it read it first
+        assert next(old, None) is None
+    state = a.state_dict()
+    assert (state["epoch"], state["delivered"]) == (1, 12)
+    new.close()
+    b = make()
+    b.load_state_dict(state)
+    rest = np.concatenate([x["id"] for x in b.iter_batches(batch_size=4, epoch=1)])
+    assert sorted(np.concatenate([seen, rest]).tolist()) == list(range(60))
+    a.close()
+    b.close()
+
+
+def test_iter_blocks_is_an_iteration_whose_rows_move_the_position(manifest, ray_local):
+    make = _make(manifest)
+    a = make()
+    assert sum(len(b["id"]) for b in a.iter_blocks(0)) == 60
+    assert a.state_dict()["epoch"] == 1  # the whole epoch delivered
+    old = a.iter_batches(batch_size=4, epoch=1, prefetch_batches=8)
+    next(old)
+    import time
+
+    time.sleep(0.5)  # the old iterator's prefetch fills up
+    blocks = a.iter_blocks(1)
+    first = next(blocks)["id"]
+    with pytest.raises(raying.SupersededError, match="superseded"):
+        next(old)  # its prefetched batches count nowhere
+    state = a.state_dict()
+    assert (state["epoch"], state["delivered"]) == (1, len(first))
+    blocks.close()
+    b = make()
+    b.load_state_dict(state)
+    rest = np.concatenate([x["id"] for x in b.iter_batches(batch_size=4, epoch=1)])
+    assert sorted(np.concatenate([first, rest]).tolist()) == list(range(60))
+    a.close()
+    b.close()
+
+
+def test_a_state_loaded_under_a_running_iterator_supersedes_it(manifest, ray_local):
+    make = _make(manifest)
+    a = make()
+    it = a.iter_batches(batch_size=4, epoch=0, prefetch_batches=2)
+    seen = np.concatenate([next(it)["id"] for _ in range(2)])
+    a.load_state_dict(a.state_dict())
+    with pytest.raises(raying.SupersededError, match="superseded"):
+        next(it)
+    rest = np.concatenate([x["id"] for x in a.iter_batches(batch_size=4, epoch=0)])
+    assert sorted(np.concatenate([seen, rest]).tolist()) == list(range(60))
+    a.close()
+
+
+def test_a_loop_left_early_lets_its_reads_go(manifest, ray_local):
+    # A break leaves nothing of its epoch submitted (refs would pin blocks in the object
+    # store), and start() of the next epoch then starts its reads.
+    make = _make(manifest)
+    a = make()
+    for _ in a.iter_batches(batch_size=4, epoch=0):
+        break
+    stream = a._stream
+    import time
+
+    deadline = time.monotonic() + 10  # the prefetch thread stops at its next item
+    while ([k for k in (*stream._inflight, *stream._reading) if k[0] == 0]
+           and time.monotonic() < deadline):
+        time.sleep(0.05)
+    assert not [k for k in (*stream._inflight, *stream._reading) if k[0] == 0]
+    a.start(1)
+    assert [k for k in stream._inflight if k[0] == 1]
+    ids = np.concatenate([b["id"] for b in a.iter_batches(batch_size=4, epoch=1)])
+    assert sorted(ids.tolist()) == list(range(60))
+    a.close()

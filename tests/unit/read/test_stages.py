@@ -601,6 +601,11 @@ def test_a_raising_stage_names_itself_epoch_ids_and_traceback_even_under_skip(pa
     (lambda b: {**b, "weight": np.where(b["id"] % 2 == 1, np.nan, 1.0)},
      r"returned 'weight' values \[nan.*must be finite and >= 0"),
     (lambda b: {**b, "weight": -b["weight"]}, r"returned 'weight' values \[-1.0"),
+    # Ragged rows, which numpy cannot make an array of, in the columns checked by name.
+    (lambda b: {**b, "label": [[0] * (k % 3 + 1) for k in range(len(b["id"]))]},
+     r"returned column 'label' as list, which is not an array"),
+    (lambda b: {**b, "weight": [[1.0] * (k % 3 + 1) for k in range(len(b["id"]))]},
+     r"returned column 'weight' as list, which is not an array"),
     # A column whose dtype or row shape depends on the call (a chunk of 16 rows, then the
     # unit's short rest): numpy would merge int64 into float64, or fail in its own words.
     (lambda b: {**b, "v": b["id"].astype(np.float32 if len(b["id"]) == 16 else np.int64)},

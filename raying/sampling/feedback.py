@@ -232,6 +232,29 @@ class Reporter:
             self.sends += 1
 
 
+    def set_aside(self, ids: np.ndarray) -> None:
+        """Give ``ids`` priority 0 outright: after the reports buffered before them (sent
+        first, in order), and not folded by the store's coalesce mode (an ``"ema"`` store
+        would move a bad sample's priority only part of the way to 0, and draw it again)."""
+        import ray
+
+        from raying.sampling.store import update_async
+
+        self.flush()
+        with self._send_lock:
+            if not ray.is_initialized():
+                self._drop(ids.size)
+                return
+            try:
+                update_async(self.handle, ids, np.zeros(ids.size), exact=True)
+            except Exception as exc:
+                if "different cluster" not in str(exc) and "Can't find actor" not in str(exc):
+                    raise
+                self._drop(ids.size)
+                return
+            self.sent += ids.size
+            self.sends += 1
+
     def _drop(self, n: int) -> None:
         if not self.dropped:
             logger.warning("raying.report: %d reports to priority store %s were dropped: its "

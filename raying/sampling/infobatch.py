@@ -158,12 +158,14 @@ class InfoBatchSampler:
                  window_row_groups: int | None = None,
                  store: Mapping[str, Any] | Any = None, prior: Any = None,
                  samples_per_epoch: int | None = None) -> None:
-        if isinstance(prune_ratio, bool) or not isinstance(prune_ratio, (int, float)) \
+        if isinstance(prune_ratio, bool) or not isinstance(prune_ratio, (int, float, np.integer,
+                                                              np.floating)) \
                 or not 0.0 <= prune_ratio < 1.0:
             msg = (f"InfoBatchSampler(prune_ratio=...) must be in [0, 1), got {prune_ratio!r}; "
                    f"pass the share of well-learned samples to drop, e.g. 0.5")
             raise ConfigError(msg)
-        if isinstance(anneal, bool) or not isinstance(anneal, (int, float)) \
+        if isinstance(anneal, bool) or not isinstance(anneal, (int, float, np.integer,
+                                                              np.floating)) \
                 or not 0.0 < anneal <= 1.0:
             msg = (f"InfoBatchSampler(anneal=...) must be in (0, 1], got {anneal!r}; pass the "
                    f"share of epochs after which every sample is read, e.g. 0.875")

@@ -169,7 +169,13 @@ class PrioritizedSampler:
         elif extra.get("guard_after") is None:
             extra["guard_after"] = DEFAULT_GUARD_AFTER
         self.guard = bool(guard)
-        self.table_config = TableConfig(**extra)
+        try:
+            self.table_config = TableConfig(**extra)
+        except TypeError as exc:  # a key TableConfig does not have
+            known = sorted(f.name for f in dataclasses.fields(TableConfig)
+                           if f.name not in ("alpha", "uniform_mix", "seed", "beta"))
+            msg = f"PrioritizedSampler(table=...): {exc}; its keys are {known}"
+            raise ConfigError(msg) from None
         self.alpha, self.beta, self.uniform_mix, self.seed = alpha, beta, uniform_mix, seed
         self.systematic = systematic
         self.samples_per_epoch = samples_per_epoch
@@ -404,6 +410,9 @@ class PrioritizedSampler:
                 elif self._live_chunk:  # served to its end: plans grow back
                     self._live_chunk = min(2 * self._live_chunk, settings().plan_chunk_ids)
                 ids, probs, weights = self._draw(unit.draw)
+                # The draw sent the reports it found buffered first (the plan holds them):
+                # the plan is stale after the sends that come later, not after those.
+                sends = self._reporter.sends if self._reporter is not None else 0
                 buf = self._bufs[unit.epoch] = _Plan(ids, probs, weights, sends, now, len(ids))
                 for old in sorted(self._bufs)[:-_PLAN_EPOCHS]:
                     if old != unit.epoch:
@@ -508,8 +517,7 @@ class PrioritizedSampler:
         moves their priority back toward the mean; they are reported in the pipeline's stats
         and skipped at each read."""
         if self._reporter is not None:
-            ids = np.asarray(ids, dtype=np.int64)
-            self._reporter.add(ids, np.zeros(ids.size))
+            self._reporter.set_aside(np.asarray(ids, dtype=np.int64).reshape(-1))
 
     def forget_store(self) -> None:
         """Let go of the store of a Ray session that has ended (the store went with it):

@@ -242,22 +242,25 @@ def get_store(name: str, *, namespace: str | None = None) -> StoreHandle:
     return StoreHandle(name, namespace, bounds[-1], bounds, tuple(actors), layout["uniform_mix"])
 
 
-def update_async(handle: StoreHandle, ids: Any, priorities: Any) -> None:
+def update_async(handle: StoreHandle, ids: Any, priorities: Any, *,
+                 exact: bool = False) -> None:
     """Send priority updates without waiting (no ``ray.get``): the training step never blocks.
 
     Invalid entries (NaN, inf, negative, out-of-range or non-integral ids, length mismatch)
-    are dropped here and counted in the store's ``rejected`` stats.
+    are dropped here and counted in the store's ``rejected`` stats. ``exact``: the store
+    writes the values as given, not folded by its coalesce mode (see ``StoreActor.update``).
     """
     ids, values, rejected = check_updates(ids, priorities, handle.n)
     if len(handle.actors) == 1:
-        handle.actors[0].update.remote(ids, values, rejected or None)
+        handle.actors[0].update.remote(ids, values, rejected or None, exact)
         return
     shard = np.searchsorted(handle.bounds, ids, side="right") - 1
     for s, actor in enumerate(handle.actors):
         mine = shard == s
         extra = rejected if s == 0 else None
         if mine.any() or extra:
-            actor.update.remote(ids[mine] - handle.bounds[s], values[mine], extra or None)
+            actor.update.remote(ids[mine] - handle.bounds[s], values[mine], extra or None,
+                                exact)
 
 
 def sample_plan(handle: StoreHandle, k: int, *, systematic: bool = False) -> Plan:

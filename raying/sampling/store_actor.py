@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from raying.errors import ConfigError
 from raying.sampling.table import PriorityTable
 
 logger = logging.getLogger(__name__)
@@ -144,7 +145,17 @@ class StoreActor:
             self._snapshot = (fs, path)
             if (options.get("restore", True) or restarted) and storage.exists(fs, path):
                 state, counters = decode_snapshot(storage.read_bytes(fs, path))
-                self.table.load_state_dict(state)
+                try:
+                    self.table.load_state_dict(state)
+                except ConfigError as exc:
+                    # What differs, without the table's own fix (strict=False), which is
+                    # not among a store user's options.
+                    what = str(exc).split("; build the table")[0]
+                    msg = (f"priority store {name}: the snapshot at {snapshot_path} does not "
+                           f"fit this store ({what}); build the sampler with the settings the "
+                           f"snapshot was saved with, or start afresh: another snapshot_uri, "
+                           f"or store={{'restore': False}} (its snapshot is then overwritten)")
+                    raise ConfigError(msg) from None
                 self.counters.update(counters)
                 self.counters["restores"] += 1
                 self.counters["restored_updates"] = self.table.counters["updates_applied"]
@@ -173,10 +184,16 @@ class StoreActor:
     # --- writes -------------------------------------------------------------------------------
 
     def update(self, ids: np.ndarray, values: np.ndarray,
-               rejected: dict[str, int] | None = None) -> None:
-        """Queue validated local ids and priorities; count entries the caller rejected."""
+               rejected: dict[str, int] | None = None, exact: bool = False) -> None:
+        """Queue validated local ids and priorities; count entries the caller rejected.
+        ``exact``: write the values as they are, after the updates queued before them, not
+        folded by the coalesce mode (a sample set aside gets 0, not an EMA step toward it)."""
         with self._lock:
-            if ids.size:
+            if ids.size and exact:
+                self._apply_pending()
+                self.table.update(ids, values)
+                self.counters["received"] += int(ids.size)
+            elif ids.size:
                 self._pending.append((ids, values))
                 self.counters["received"] += int(ids.size)
             for reason, count in (rejected or {}).items():

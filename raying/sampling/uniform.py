@@ -48,7 +48,8 @@ class UniformSampler:
     store_name: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+        if (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
+                or self.seed < 0):
             msg = f"UniformSampler(seed=...) must be a non-negative int, got {self.seed!r}"
             raise ConfigError(msg)
         if self.window_row_groups < 1:

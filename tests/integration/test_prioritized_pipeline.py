@@ -464,3 +464,50 @@ def test_close_stops_a_store_that_no_longer_answers(manifest, ray_local, monkeyp
     for shard in range(len(handle.actors)):
         with pytest.raises(ValueError):
             ray.get_actor(st._shard_name(handle.name, shard), namespace=handle.namespace)
+
+
+@pytest.mark.parametrize("coalesce", ["last", "max", "ema"])
+def test_a_sample_set_aside_gets_priority_zero_whatever_the_coalesce_mode(tmp_path, ray_local,
+                                                                         coalesce):
+    """A bad sample's priority is 0 outright: an "ema" store moved it only part of the way
+    (to half of it), and drew it again every other epoch."""
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "images", n=40, classes=2, size=(24, 24), seed=3)
+    bad = sorted(p for p in root.rglob("*") if p.is_file())[7]
+    bad.write_bytes(b"not a jpeg")
+    m = raying.Manifest.scan(str(root))
+    bad_id = int(np.flatnonzero(m.column("path") == str(bad.relative_to(root)))[0])
+    sampler = raying.PrioritizedSampler(alpha=1.0, uniform_mix=0.0, seed=1,
+                                        store={"coalesce": coalesce})
+    # keep_warm off: the next epoch's first plans are drawn after this epoch's set-asides.
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16), sampler=sampler,
+                           config=raying.PipelineConfig(block_rows=8, keep_warm=False))
+    first = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=8, epoch=0)])
+    assert bad_id not in first and len(first) == 39  # read once (flat), set aside
+    deadline = time.monotonic() + 10
+    while pipe.priorities()[bad_id] != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the store's tick applies what reached it
+    assert pipe.priorities()[bad_id] == 0.0
+    for epoch in (1, 2, 3):  # never drawn again: 40 draws, all of good samples
+        ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=8, epoch=epoch)])
+        assert len(ids) == 40 and bad_id not in ids, epoch
+    pipe.close()
+
+
+def test_a_report_before_the_first_epoch_keeps_its_plan_current(manifest, ray_local,
+                                                                monkeypatch):
+    """Losses reported before the first epoch (a scoring pass) are in its first plan: that
+    plan is not taken as stale for them, and under flat losses the epoch reads each id once
+    (the draw that sent them marked its own plan stale: ~40 of 60 ids repeated)."""
+    import raying.sampling.prioritized as prioritized
+
+    monkeypatch.setattr(prioritized, "DEFAULT_PLAN_MAX_AGE_S", 3600.0)
+    pipe = raying.Pipeline(manifest, transform=raying.ImageTransform(size=16),
+                           sampler=raying.PrioritizedSampler(seed=4, uniform_mix=0.1),
+                           config=raying.PipelineConfig(block_rows=16, keep_warm=False))
+    pipe.report(np.arange(60), np.ones(60))
+    for epoch in range(2):
+        ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=16, epoch=epoch)])
+        assert sorted(ids.tolist()) == list(range(60)), epoch
+    pipe.close()

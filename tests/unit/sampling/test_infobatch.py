@@ -397,3 +397,19 @@ def test_a_class_balanced_prior_keeps_equal_class_shares_once_samples_are_set_as
     counts = np.bincount(labels[ids], minlength=2)
     stat = float(((counts - ids.size / 2) ** 2 / (ids.size / 2)).sum())
     assert chi2_sf(stat, 1) > 0.01, counts
+
+
+def test_numpy_numbers_are_settings_as_python_numbers_are():
+    s = raying.InfoBatchSampler(prune_ratio=np.float32(0.5), anneal=np.float64(0.75))
+    assert (s.prune_ratio, s.anneal) == (0.5, 0.75)
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda: raying.UniformSampler(seed=True), r"UniformSampler\(seed=...\) must be a "
+                                               r"non-negative int, got True"),
+    (lambda: raying.PrioritizedSampler(table={"nope": 1}),
+     r"PrioritizedSampler\(table=...\): .*'nope'.*; its keys are \[.*'cap_quantile'"),
+])
+def test_other_samplers_refuse_bad_settings_by_name(make, match):
+    with pytest.raises(raying.ConfigError, match=match):
+        make()

@@ -106,3 +106,20 @@ def test_a_storage_that_refuses_snapshots_is_asked_again_at_most_once_a_retry_wa
     a._stop.set()
     assert 2 <= len(calls) <= 5, len(calls)
     assert all(b - a_ >= 0.25 for a_, b in zip(calls, calls[1:], strict=False))
+
+
+def test_a_snapshot_of_other_settings_is_refused_in_the_store_user_s_words(monkeypatch,
+                                                                          tmp_path):
+    from raying.errors import ConfigError
+
+    monkeypatch.setattr(sa, "_restarted", lambda: False)
+    path = str(tmp_path / "snap.npz")
+    a = sa.StoreActor("s", 0, 10, {"alpha": 1.0, "uniform_mix": 0.1}, OPTIONS, path, {})
+    a.update(np.arange(3), np.ones(3))
+    a.snapshot_now()
+    a._stop.set()
+    with pytest.raises(ConfigError, match=r"priority store s: the snapshot at .*snap.npz does "
+                                          r"not fit this store \(.*'alpha': 1.0.*\); build the "
+                                          r"sampler with the settings .*'restore': False") as e:
+        sa.StoreActor("s", 0, 10, {"alpha": 0.5, "uniform_mix": 0.1}, OPTIONS, path, {})
+    assert "strict=False" not in str(e.value)

@@ -164,16 +164,17 @@ def _classes() -> tuple[type, type]:
                 inputs = inputs[self._keys["x"]]
             return self.inner(inputs, training=training)
 
-        def compile(self, *args: Any, loss: Any = None, jit_compile: Any = False,
-                    **kwargs: Any) -> None:
-            """``keras.Model.compile``; XLA stays off (the hand-over is a host function)."""
+        def compile(self, optimizer: Any = "rmsprop", loss: Any = None, *args: Any,
+                    jit_compile: Any = False, **kwargs: Any) -> None:
+            """``keras.Model.compile`` (its arguments, by position or name); XLA stays off
+            (the hand-over is a host function)."""
             if jit_compile is True:
                 msg = ("FeedbackModel.compile(jit_compile=True) is not supported: the loss "
                        "hand-over runs on the host, which XLA cannot compile; leave it False")
                 raise ConfigError(msg)
             if self._per_sample is None:
                 self._per_sample = _unreduced(keras, loss)
-            super().compile(*args, loss=loss, jit_compile=False, **kwargs)
+            super().compile(optimizer, loss, *args, jit_compile=False, **kwargs)
 
         def _unpack(self, data: Any) -> tuple[Any, Any, Any, Any]:
             if isinstance(data, dict):

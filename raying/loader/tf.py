@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,8 @@ import numpy as np
 from raying.errors import ConfigError, require
 from raying.loader.batches import BatchAssembler, _channel_stats
 from raying.options import DEFAULT_MEAN, DEFAULT_STD
+
+logger = logging.getLogger(__name__)
 
 
 def _tf():
@@ -51,7 +54,18 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     size = pipe.transform.size
     if epoch is None:  # where a loaded state_dict resumes, else the first epoch
         epoch = pipe._resume[0] if pipe._resume is not None else 0
+        if pipe._resume is not None and any(pipe._resume[1:]):
+            logger.warning(
+                "to_tf: the first pass over this dataset is the rest of epoch %d (resumed "
+                "after %d rows). Keras fit without steps_per_epoch takes the first pass's "
+                "length for every epoch's and cuts the later epochs to it, without an error: "
+                "finish epoch %d in a fit of its own (model.fit(ds, epochs=1)), then fit "
+                "pipe.to_tf(epoch=%d) for the epochs after it (docs/guide-tf.md)",
+                int(epoch), int(pipe._resume[3]), int(epoch), int(epoch) + 1)
     counter = itertools.count(int(epoch))
+    # The pass in progress (its epoch), None between passes: a pass that starts while the one
+    # before stopped inside its epoch means the rest of that epoch was dropped.
+    open_pass: dict[str, Any] = {"epoch": None, "warned": False}
 
     n = None if not drop_last else batch_size
     signature = {
@@ -72,14 +86,20 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
         # read once here, for every column but the image (whose contract the stages keep).
         first = pipe._first_batch(batch_size=batch_size,
                                   epoch=int(epoch), drop_last=drop_last)
-        if first is not None:
-            signature = {"image": signature["image"]}
-            ragged = {}
-            for name, value in first.items():
-                if name != "image":
-                    signature[name], dtype = _batch_spec(tf, name, value, n)
-                    if dtype is not None:
-                        ragged[name] = dtype
+        if first is None:
+            why = (f"fewer rows than batch_size={batch_size} (drop_last=True)" if drop_last
+                   else "no rows")
+            msg = (f"to_tf: epoch {int(epoch)} has {why}, so it gives no batch, and the "
+                   f"dataset's signature is what the map_batches functions return for its "
+                   f"first batch; lower batch_size or pass drop_last=False")
+            raise ConfigError(msg)
+        signature = {"image": signature["image"]}
+        ragged = {}
+        for name, value in first.items():
+            if name != "image":
+                signature[name], dtype = _batch_spec(tf, name, value, n)
+                if dtype is not None:
+                    ragged[name] = dtype
 
     # Columns of strings (numpy object arrays may hold a None a tf.string cannot).
     strings = [name for name, spec in signature.items()
@@ -87,6 +107,17 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
 
     def gen():
         e = next(counter)
+        left = open_pass["epoch"]
+        if (left is not None and not open_pass["warned"]
+                and pipe.state_dict()["epoch"] == left):
+            open_pass["warned"] = True
+            logger.warning(
+                "to_tf: epoch %d was left before its end (its position: %s rows delivered) "
+                "and a pass over epoch %d began: the rest of epoch %d is not read. Keras fit "
+                "without steps_per_epoch does so when an epoch is longer than the dataset's "
+                "first pass (a resumed epoch's rest, or a first epoch that set samples aside): "
+                "see docs/guide-tf.md", left, pipe.state_dict()["delivered"], e, left)
+        open_pass["epoch"] = e
         for batch in pipe.iter_batches(batch_size=batch_size, epoch=e,
                                        prefetch_batches=prefetch_batches, drop_last=drop_last):
             if set(batch) != set(signature):
@@ -108,7 +139,10 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
                 # (an empty row, np.array([]) for "no boxes", is float64 whatever the others)
                 kinds = [r.dtype for r in rows if len(r)]
                 got = np.result_type(*kinds) if kinds else np.dtype(dtype)
-                if not np.can_cast(got, dtype, casting="same_kind"):
+                # Integers only where they fit (int64 rows into an int32 signature would
+                # wrap); floats and ints into floats as numpy casts them.
+                safe = "safe" if np.dtype(dtype).kind in "iu" else "same_kind"
+                if not np.can_cast(got, dtype, casting=safe):
                     msg = (f"to_tf: column {name!r} has rows of {got} in a batch of "
                            f"epoch {e}, but the dataset's signature holds {np.dtype(dtype)} "
                            f"(its first batch's rows); return the same dtype in every row, "
@@ -117,6 +151,7 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
                 batch = {**batch, name: tf.RaggedTensor.from_row_lengths(
                     flat.astype(dtype, copy=False), lengths)}
             yield batch
+        open_pass["epoch"] = None
     ds = tf.data.Dataset.from_generator(gen, output_signature=signature)
     if normalize:
         shift = tf.constant([m * 255.0 for m in mean], tf.float32)

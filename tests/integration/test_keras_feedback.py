@@ -109,3 +109,78 @@ def test_jit_compile_is_refused():
     with pytest.raises(raying.ConfigError, match="jit_compile=True"):
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
                       jit_compile=True)
+
+
+def test_compile_takes_the_optimizer_and_loss_by_position():
+    import raying.loader.keras as rk
+
+    model = rk.FeedbackModel(_model(3, 8), lambda ids, losses: None)
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert model._per_sample is not None  # the per-sample loss, from the positional loss
+
+
+def _steps_per_epoch():
+    steps: list[int] = []
+    spy = keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: steps.append(0),
+                                         on_train_batch_end=lambda b, logs: steps.__setitem__(
+                                             -1, steps[-1] + 1))
+    return steps, spy
+
+
+def test_a_mid_epoch_resume_under_fit_is_said_and_the_guide_s_recipe_trains_whole_epochs(
+        image_folder, ray_local, caplog):
+    """Keras takes an epoch's length from the dataset's first pass: a resumed epoch's rest
+    would cut every later epoch to it. to_tf says so, and the guide's recipe (the rest of
+    the epoch in a fit of its own, then the next epochs) trains every epoch whole."""
+    import logging
+
+    m = raying.Manifest.scan(str(image_folder))  # 60 images: 8 batches of 8 per epoch
+
+    def make():
+        return raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               sampler=raying.UniformSampler(seed=2),
+                               config=raying.PipelineConfig(block_rows=16))
+
+    a = make()
+    it = a.iter_batches(batch_size=8, epoch=0, prefetch_batches=0)
+    for _ in range(5):
+        next(it)
+    state = a.state_dict()
+    it.close()
+    a.close()
+    pipe = make()
+    pipe.load_state_dict(state)
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        rest = pipe.to_tf(batch_size=8, epoch=None, as_supervised=True)
+    said = [r.getMessage() for r in caplog.records if "rest of epoch 0" in r.getMessage()]
+    assert len(said) == 1 and "pipe.to_tf(epoch=1)" in said[0]
+    net = _model(len(m.classes), 16)
+    net.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    steps, spy = _steps_per_epoch()
+    net.fit(rest, epochs=1, verbose=0, callbacks=[spy])
+    assert steps == [3]  # 20 rows left of epoch 0
+    steps, spy = _steps_per_epoch()
+    net.fit(pipe.to_tf(batch_size=8, epoch=pipe.state_dict()["epoch"], as_supervised=True),
+            epochs=3, verbose=0, callbacks=[spy])
+    assert steps == [8, 8, 8]
+    assert pipe.stats()["rows_delivered"] == 20 + 3 * 60
+    pipe.close()
+
+
+def test_a_pass_left_inside_its_epoch_is_said_when_the_next_begins(image_folder, ray_local,
+                                                                   caplog):
+    import logging
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=16))
+    ds = pipe.to_tf(batch_size=1, epoch=0)
+    for _ in ds.take(2):  # 2 of epoch 0's 60 batches (and what tf.data prefetched)
+        pass
+    inside = pipe.state_dict()["epoch"] == 0
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        assert sum(1 for _ in ds) == 60  # epoch 1, whole
+    said = [r.getMessage() for r in caplog.records if "left before its end" in r.getMessage()]
+    assert len(said) == (1 if inside else 0), (inside, said)
+    assert inside, "tf.data prefetched all of epoch 0: the case is not exercised"
+    pipe.close()

@@ -237,7 +237,15 @@ def test_to_tf_refuses_by_name_rows_it_would_truncate_and_strings_that_are_none(
                                     dtype=object)
         return batch
 
+    def later_wider(batch):  # int32 rows in the first batch, then int64 ones past int32
+        rows = np.empty(len(batch["id"]), dtype=object)
+        rows[:] = [np.array([i], np.int32) if i < 7 else np.array([2**40 + i], np.int64)
+                   for i in batch["id"]]
+        batch["boxes"] = rows
+        return batch
+
     for fn, match in ((later_floats, r"column 'boxes' has rows of float64 .* holds int64"),
+                      (later_wider, r"column 'boxes' has rows of int64 .* holds int32"),
                       (later_none, r"column 'caption' holds None")):
         m = raying.Manifest.scan(str(parquet_set), columns=COLUMNS)
         pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
@@ -551,3 +559,22 @@ def test_a_stopped_epochs_slow_tasks_are_read_not_printed_as_unhandled(tmp_path)
     assert held >= 1 and "still held: 0" in out.stdout, out.stdout
     text = out.stdout + out.stderr
     assert "Unhandled error" not in text, text[-3000:]
+
+
+def test_to_tf_refuses_an_epoch_of_no_batch_when_stages_give_its_signature(parquet_set,
+                                                                           ray_local):
+    """With drop_last and fewer rows than a batch the stages' signature has no batch to come
+    from: refused by name (the built-in signature it fell back to made Keras fail on a soft
+    label's rank)."""
+    pytest.importorskip("tensorflow")
+
+    def soft(batch):
+        batch["label"] = np.eye(3, dtype=np.float32)[batch["label"] % 3]
+        return batch
+
+    m = raying.Manifest.scan(str(parquet_set), columns=COLUMNS)
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE)).map_batches(soft)
+    with pytest.raises(raying.ConfigError, match=r"to_tf: epoch 0 has fewer rows than "
+                                                 r"batch_size=64 \(drop_last=True\)"):
+        pipe.to_tf(batch_size=64, epoch=0, drop_last=True)
+    pipe.close()

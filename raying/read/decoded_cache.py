@@ -163,9 +163,14 @@ class DecodedCache:
 
         self.directory = directory
         self.admit = float(admit)
+        # A directory made again since this process opened it (a closed pipeline's name,
+        # built again: its tombstone gone, see decoded_dirs.claim) is opened anew: the old
+        # handles' index is the removed one, and their writes would go past the new budget.
+        # (A pipeline's directory removed at its close is not reached here: ``of`` returns
+        # None for it.)
         self._tier = open_cache(CacheConfig(memory_bytes=int(budget_bytes),
                                             memory_dir=directory, policy="lru"),
-                                namespace=namespace)
+                                namespace=namespace, reopen_removed=True)
 
     @classmethod
     def of(cls, spec: Any) -> DecodedCache | None:

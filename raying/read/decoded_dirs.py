@@ -12,6 +12,7 @@ one's.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import threading
@@ -20,6 +21,8 @@ from typing import Any
 
 from raying.errors import ConfigError
 from raying.read.cache.pids import alive as pid_alive
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_DECODED_CACHE_DIR = "/dev/shm/raying-decoded"
 # The environment variable that moves a node's decoded-cache root (read on that node).
@@ -73,7 +76,18 @@ def release(pipeline_name: str) -> None:
             pass
     except OSError:
         pass
-    shutil.rmtree(cache_dir(pipeline_name), ignore_errors=True)
+    # A read task's write already past its tombstone check may put a file into a folder the
+    # removal has listed (and make its fan-out folder again): the removal is tried again
+    # until the folder is gone, for as long as such a write takes.
+    path = cache_dir(pipeline_name)
+    for wait_s in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8):
+        time.sleep(wait_s)
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return
+    logger.warning("raying: the decoded cache folder %s of closed pipeline %s could not be "
+                   "removed; a later pipeline start on this node sweeps it", path,
+                   pipeline_name)
 
 
 def released(directory: str) -> bool:
@@ -202,6 +216,8 @@ def sweep(dead_jobs: frozenset[str] = frozenset(), gcs: str | None = None) -> li
         if entry == _RELEASED:
             _sweep_tombstones(path)
             continue
+        if not _ours(path):  # the root may be a folder others use too (/dev/shm itself)
+            continue
         try:
             with open(os.path.join(path, _OWNER)) as fh:
                 stale = _owner_dead(fh.read(), dead_jobs, gcs)
@@ -214,6 +230,28 @@ def sweep(dead_jobs: frozenset[str] = frozenset(), gcs: str | None = None) -> li
             shutil.rmtree(path, ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+def _ours(path: str) -> bool:
+    """Whether ``path`` is a pipeline's decoded-cache folder: it has an owner file, or the
+    tier's layout (its index, or fan-out folders of two hex digits under ``data``) that a
+    late write of a closed pipeline leaves."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return False
+    if os.path.exists(os.path.join(path, _OWNER)):
+        return True
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    if any(n.startswith("index.sqlite") for n in names):
+        return True
+    try:
+        fanout = os.listdir(os.path.join(path, "data")) if "data" in names else []
+    except OSError:
+        return False
+    return bool(fanout) and all(len(n) == 2 and all(c in "0123456789abcdef" for c in n)
+                                for n in fanout)
 
 
 def claim(pipeline_name: str, owner: str) -> None:

@@ -163,7 +163,7 @@ def fetch_missing(cache: Any, keys: list[str], miss: list[int], got: list[Any],
     theirs: list[int] = []
     if cache is not None and share and cache.config.share_reads:
         owner = f"{os.getpid()}.{threading.get_ident()}.{next(_OWNERS)}"
-        ours = cache.claim([keys[i] for i in miss], owner)
+        ours = cache.claim([keys[i] for i in miss], owner, stats=stats)
         theirs = [i for i, mine in zip(miss, ours, strict=True) if not mine]
         miss = [i for i, mine in zip(miss, ours, strict=True) if mine]
     try:
@@ -171,11 +171,13 @@ def fetch_missing(cache: Any, keys: list[str], miss: list[int], got: list[Any],
     finally:
         if owner is not None:  # claims not handed to the writer (failed reads) go now
             cache.release([keys[i] for i in miss
-                           if got[i] is None or isinstance(got[i], BaseException)], owner)
+                           if got[i] is None or isinstance(got[i], BaseException)], owner,
+                          stats=stats)
     if not theirs:
         return 0
     waited = cache.wait_shared([keys[i] for i in theirs],
-                               [scores[i] for i in theirs] if scores is not None else None)
+                               [scores[i] for i in theirs] if scores is not None else None,
+                               stats=stats)
     for i, payload in zip(theirs, waited, strict=True):
         got[i] = payload
     _fetch_into(cache, keys, [i for i in theirs if got[i] is None], got, scores, fetch, stats,

@@ -146,7 +146,7 @@ class TieredCache:
         for name, root, capacity in wanted:
             try:
                 self.tiers.append((name, _tier(root, capacity, config, name)))
-            except OSError as exc:
+            except _TIER_ERRORS as exc:
                 # The driver checked the folder on its own node; this node's may be read-only,
                 # full or a file. The cache is an optimisation: reads go around the tier.
                 _warn_unusable(name, root, exc)
@@ -180,7 +180,8 @@ class TieredCache:
                     if k in self._pending}
 
     # -- single flight -------------------------------------------------------------------------
-    def claim(self, keys: Sequence[str], owner: str) -> list[bool]:
+    def claim(self, keys: Sequence[str], owner: str, *,
+              stats: CacheStats | None = None) -> list[bool]:
         """Claim the fetch of each key (True: ours to fetch; False: another read has it).
 
         Claims live in the first tier's index, so every process of the node sees them.
@@ -189,19 +190,43 @@ class TieredCache:
         """
         if self._flight is None:
             return [True] * len(keys)
-        return self._flight.claim(self._keys(keys), owner)
+        try:
+            return self._flight.claim(self._keys(keys), owner)
+        except _TIER_ERRORS as exc:  # a full or read-only index: every read fetches its own
+            self._flight_failed("claim", exc, stats)
+            return [True] * len(keys)
 
-    def release(self, keys: Sequence[str], owner: str) -> None:
+    def release(self, keys: Sequence[str], owner: str, *,
+                stats: CacheStats | None = None) -> None:
         """Drop ``owner``'s claims on ``keys``."""
         if self._flight is not None and keys:
-            self._flight.release(self._keys(keys), owner)
+            try:
+                self._flight.release(self._keys(keys), owner)
+            except _TIER_ERRORS as exc:  # the claims go stale on their own
+                self._flight_failed("claim release", exc, stats)
+
+    def _flight_failed(self, what: str, exc: BaseException,
+                       stats: CacheStats | None) -> None:
+        """A claim operation failed on the first tier's index (full, read-only): said once,
+        counted (``stats``: the caller's counters too); the read goes on without it."""
+        name, tier = self.tiers[0]
+        _tier_failed(name, tier, what, exc)
+        with self._lock:
+            self.stats.failed += 1
+        if stats is not None:
+            stats.failed += 1
 
     def wait_shared(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
-                    timeout_s: float = DEFAULT_CACHE_INFLIGHT_S) -> list[memoryview | None]:
+                    timeout_s: float = DEFAULT_CACHE_INFLIGHT_S,
+                    stats: CacheStats | None = None) -> list[memoryview | None]:
         """Wait for the reads other owners claimed on ``keys``: see SingleFlight.wait_shared."""
         if self._flight is None:
             return [None] * len(keys)
-        return self._flight.wait_shared(self._keys(keys), scores, timeout_s=timeout_s)
+        try:
+            return self._flight.wait_shared(self._keys(keys), scores, timeout_s=timeout_s)
+        except _TIER_ERRORS as exc:  # the caller fetches what it did not get
+            self._flight_failed("shared read", exc, stats)
+            return [None] * len(keys)
 
     def get_many(self, keys: Sequence[str], scores: Sequence[float] | None = None, *,
                  stats: CacheStats | None = None) -> list[memoryview | None]:

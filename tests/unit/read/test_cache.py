@@ -498,3 +498,50 @@ def test_a_tier_folder_this_node_cannot_use_is_read_around(tmp_path, caplog):
     finally:
         cache.close()
         again.close()
+
+
+@pytest.mark.parametrize("error", [sqlite3.OperationalError("database or disk is full"),
+                                   OSError(28, "No space left on device")])
+def test_claims_on_a_full_index_fetch_everything_and_are_counted(tmp_path, error, caplog):
+    """Single flight's claims live in the first tier's index: on a full or read-only one,
+    a read of slow storage fetches every miss itself (it failed the read task before)."""
+    from raying.read.fetch import fetch_missing
+
+    cfg = CacheConfig(memory_bytes=10 * eb(1000), memory_dir=str(tmp_path / "m"),
+                      background_writes=False)
+    cache = TieredCache(cfg, namespace="claims")
+
+    def fail(*args, **kwargs):
+        raise error
+
+    cache._flight.claim = fail
+    cache._flight.release = fail
+    cache._flight.wait_shared = fail
+    keys = [f"f{i}" for i in range(4)]
+    got: list = [None] * 4
+    stats = CacheStats()
+    with caplog.at_level("WARNING"):
+        shared = fetch_missing(cache, keys, [0, 1, 2, 3], got, None,
+                               lambda idx: [payload_of(keys[i], 1000) for i in idx],
+                               stats=stats, share=True)
+    assert shared == 0 and [bytes(g) for g in got] == [payload_of(k, 1000) for k in keys]
+    assert stats.failed >= 1 and cache.stats.failed >= 1
+    assert any("failed a claim" in r.getMessage() for r in caplog.records)
+    assert cache.wait_shared(keys, stats=stats) == [None] * 4
+    cache.release(keys, "someone", stats=stats)  # said once, never raised
+
+
+def test_a_tier_whose_index_cannot_open_is_left_out(tmp_path, monkeypatch, caplog):
+    """A node whose tier folder is full when its index opens (sqlite cannot make its WAL
+    files) reads around that tier instead of failing every read."""
+    import raying.read.cache.tiered as tiered
+
+    def fail(*args, **kwargs):
+        raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(tiered, "_tier", fail)
+    with caplog.at_level("WARNING"):
+        cache = TieredCache(CacheConfig(memory_bytes=10 * eb(1000),
+                                        memory_dir=str(tmp_path / "m")), namespace="open")
+    assert cache.tiers == []
+    assert cache.get_many(["a"]) == [None]

@@ -439,3 +439,76 @@ def test_a_share_of_a_sharded_pipeline_gets_its_share_of_the_budget(tmp_path, mo
             assert p._ready_spec().decoded_cache_bytes == want
         finally:
             p.close()
+
+
+def test_the_sweep_removes_only_decoded_cache_folders(monkeypatch, tmp_path):
+    """With the root on a folder others use too (RAYING_DECODED_CACHE_DIR=/dev/shm), an old
+    folder without an owner is swept only when it has a decoded cache's layout."""
+    import time
+
+    monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(tmp_path))
+    other = tmp_path / "other-app"
+    other.mkdir()
+    (other / "segment").write_bytes(b"1")
+    photos = tmp_path / "photos"
+    (photos / "data" / "2024").mkdir(parents=True)
+    late = tmp_path / "closed-pipeline"  # what a late write of a closed pipeline leaves
+    (late / "data" / "3f").mkdir(parents=True)
+    (late / "data" / "3f" / "entry").write_bytes(b"pixels")
+    old = time.time() - 2 * decoded_dirs.DEFAULT_ORPHAN_AGE_S
+    for path in (other, photos, late):
+        os.utime(path, (old, old))
+    assert decoded_dirs.sweep() == ["closed-pipeline"]
+    assert other.exists() and photos.exists() and not late.exists()
+
+
+def test_a_write_racing_the_release_leaves_no_folder(monkeypatch, tmp_path):
+    """A read task's write already past its tombstone check when the pipeline is released
+    (it makes its fan-out folder again) does not leave the folder behind."""
+    import threading
+    import time
+
+    monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(tmp_path))
+    folder = decoded_dirs.cache_dir("racing")
+    os.makedirs(os.path.join(folder, "data", "00"))
+    stop = time.monotonic() + 0.3
+
+    def late_writes():
+        k = 0
+        while time.monotonic() < stop:
+            fan = os.path.join(folder, "data", f"{k % 256:02x}")
+            os.makedirs(fan, exist_ok=True)
+            with open(os.path.join(fan, f"e{k}"), "wb") as fh:
+                fh.write(b"x" * 1000)
+            k += 1
+
+    writer = threading.Thread(target=late_writes)
+    writer.start()
+    time.sleep(0.05)
+    decoded_dirs.release("racing")
+    writer.join()
+    assert not os.path.exists(folder)
+
+
+def test_a_name_built_again_gets_a_cache_of_its_own_in_a_process_that_had_the_old_one(
+        monkeypatch, tmp_path):
+    """A worker that read a closed pipeline's cache, reading for a new pipeline of the same
+    name (its folder made again), opens the new folder's index: the old handles counted
+    against the removed one and let the folder grow past its budget."""
+    monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(tmp_path))
+    folder = decoded_dirs.cache_dir("again")
+    pixels = [np.full((8, 8, 3), i, np.uint8) for i in range(10)]
+    first = decoded_cache.DecodedCache(folder, 1 << 20, "again")
+    first.put(list(range(10)), pixels)
+    first._tier.flush(10.0)
+    decoded_dirs.release("again")
+    decoded_dirs._sweep_node(frozenset(), None, "again")  # the name built again
+    os.makedirs(folder)
+    second = decoded_cache.DecodedCache(folder, 1 << 20, "again")
+    assert second._tier is not first._tier
+    assert all(g is None for g in second.get(np.arange(10)))  # nothing of the old one
+    second.put(list(range(10)), pixels)
+    second._tier.flush(10.0)
+    assert sum(second._tier.used_bytes().values()) > 0  # counted in the new index
+    got = second.get(np.arange(10))
+    assert all(np.array_equal(g, p) for g, p in zip(got, pixels, strict=True))

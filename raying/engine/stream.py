@@ -389,6 +389,13 @@ class BlockStream:
             # blocks in the store until then, and keep prefetch() from starting an epoch.
             self._drop_epoch(epoch, mine)
             raise
+        except ray.exceptions.RayError:
+            # A read lost with its worker or node past Ray's retries (a read's own error is
+            # handled above): the epoch stops, and its reads in flight go with it.
+            with self._lock:
+                if self._generation == mine:
+                    self._cancel()
+            raise
 
     def _drop_epoch(self, epoch: int, mine: int) -> None:
         """Drop what the stopped iteration ``mine`` of ``epoch`` left submitted or pending

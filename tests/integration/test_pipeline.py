@@ -1050,3 +1050,32 @@ def test_stats_count_read_units_not_their_blocks(tmp_path, ray_local):
     got = pipe.stats(sampling=False)["units"]
     pipe.close()
     assert rows == len(m) and units > 1 and got == units
+
+
+def _crash_on_id_30(batch):
+    if 30 in batch["id"]:
+        os._exit(1)  # the read's worker process dies
+    return batch
+
+
+def test_a_read_lost_with_its_worker_stops_the_epoch_and_drops_its_reads(image_folder,
+                                                                         ray_local):
+    import ray
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           sampler=raying.UniformSampler(seed=0, shuffle=False),
+                           config=raying.PipelineConfig(
+                               block_rows=8, window=4, ray_remote_args={"max_retries": 0}))
+    pipe = pipe.map_batches(_crash_on_id_30)
+    with pytest.raises(ray.exceptions.RayError):
+        for _ in pipe.iter_batches(batch_size=8, epoch=0):
+            pass
+    stream = pipe._stream
+    assert not stream._inflight and not stream._reading and not stream._pending
+    pipe.close()
+    again = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                            config=raying.PipelineConfig(block_rows=8))
+    ids = np.concatenate([b["id"] for b in again.iter_batches(batch_size=8, epoch=0)])
+    assert len(ids) == 60  # the node reads on
+    again.close()

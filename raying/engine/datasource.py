@@ -92,8 +92,10 @@ def _account_actor_cls():
 
                     from raying.sampling.store import flush, update_async
 
+                    # Priority 0 outright, not folded by the store's coalesce mode (as
+                    # PrioritizedSampler.set_aside does on the iterator path).
                     update_async(self.store, np.asarray(fresh, dtype=np.int64),
-                                 np.zeros(len(fresh)))
+                                 np.zeros(len(fresh)), exact=True)
                     flush(self.store)  # landed before the read task yields its block
 
         def _same_columns(self, epoch: int, template: dict[str, Any],

@@ -440,6 +440,8 @@ class Pipeline:
         starts and every ``WINDOW_REFIT_S`` within it."""
         import ray
 
+        if not ray.is_initialized():  # shut down under a running epoch: its next block says so
+            return
         resources = ray.cluster_resources()
         sizing = _sizing(resources)
         if sizing == self._sized_for:

@@ -54,18 +54,15 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
     size = pipe.transform.size
     if epoch is None:  # where a loaded state_dict resumes, else the first epoch
         epoch = pipe._resume[0] if pipe._resume is not None else 0
-        if pipe._resume is not None and any(pipe._resume[1:]):
-            logger.warning(
-                "to_tf: the first pass over this dataset is the rest of epoch %d (resumed "
-                "after %d rows). Keras fit without steps_per_epoch takes the first pass's "
-                "length for every epoch's and cuts the later epochs to it, without an error: "
-                "finish epoch %d in a fit of its own (model.fit(ds, epochs=1)), then fit "
-                "pipe.to_tf(epoch=%d) for the epochs after it (docs/guide-tf.md)",
-                int(epoch), int(pipe._resume[3]), int(epoch), int(epoch) + 1)
     counter = itertools.count(int(epoch))
     # The pass in progress (its epoch), None between passes: a pass that starts while the one
-    # before stopped inside its epoch means the rest of that epoch was dropped.
-    open_pass: dict[str, Any] = {"epoch": None, "warned": False}
+    # before stopped inside its epoch means the rest of that epoch was dropped. "resumed":
+    # the first pass is the rest of an epoch a loaded state resumes mid-way (its rows done).
+    resume = pipe._resume
+    open_pass: dict[str, Any] = {
+        "epoch": None, "warned": False, "first": True,
+        "resumed": (int(resume[3]) if resume is not None and resume[0] == int(epoch)
+                    and any(resume[1:]) else None)}
 
     n = None if not drop_last else batch_size
     signature = {
@@ -86,20 +83,21 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
         # read once here, for every column but the image (whose contract the stages keep).
         first = pipe._first_batch(batch_size=batch_size,
                                   epoch=int(epoch), drop_last=drop_last)
-        if first is None:
+        if first is None and pipe.config.shard is None:
             why = (f"fewer rows than batch_size={batch_size} (drop_last=True)" if drop_last
                    else "no rows")
             msg = (f"to_tf: epoch {int(epoch)} has {why}, so it gives no batch, and the "
                    f"dataset's signature is what the map_batches functions return for its "
                    f"first batch; lower batch_size or pass drop_last=False")
             raise ConfigError(msg)
-        signature = {"image": signature["image"]}
-        ragged = {}
-        for name, value in first.items():
-            if name != "image":
-                signature[name], dtype = _batch_spec(tf, name, value, n)
-                if dtype is not None:
-                    ragged[name] = dtype
+        if first is not None:  # (an empty share of a sharded epoch: the iteration says so)
+            signature = {"image": signature["image"]}
+            ragged = {}
+            for name, value in first.items():
+                if name != "image":
+                    signature[name], dtype = _batch_spec(tf, name, value, n)
+                    if dtype is not None:
+                        ragged[name] = dtype
 
     # Columns of strings (numpy object arrays may hold a None a tf.string cannot).
     strings = [name for name, spec in signature.items()
@@ -107,6 +105,16 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
 
     def gen():
         e = next(counter)
+        first, open_pass["first"] = open_pass["first"], False
+        if not first and open_pass["resumed"] is not None:
+            logger.warning(
+                "to_tf: a second pass over this dataset began (epoch %d), and its first pass "
+                "was the rest of epoch %d, resumed after %d rows: Keras fit without "
+                "steps_per_epoch takes the first pass's length for every epoch's and cuts "
+                "the later epochs to it, without an error. Finish the resumed epoch in a fit "
+                "of its own (model.fit(ds, epochs=1)), then fit pipe.to_tf(epoch=%d) for the "
+                "epochs after it (docs/guide-tf.md)", e, e - 1, open_pass["resumed"], e)
+            open_pass["resumed"] = None
         left = open_pass["epoch"]
         if (left is not None and not open_pass["warned"]
                 and pipe.state_dict()["epoch"] == left):

@@ -234,20 +234,14 @@ def sweep(dead_jobs: frozenset[str] = frozenset(), gcs: str | None = None) -> li
 
 def _ours(path: str) -> bool:
     """Whether ``path`` is a pipeline's decoded-cache folder: it has an owner file, or the
-    tier's layout (its index, or fan-out folders of two hex digits under ``data``) that a
-    late write of a closed pipeline leaves."""
+    tier's layout (fan-out folders of two hex digits under ``data``) that a late write of a
+    closed pipeline leaves."""
     if not os.path.isdir(path) or os.path.islink(path):
         return False
     if os.path.exists(os.path.join(path, _OWNER)):
         return True
     try:
-        names = os.listdir(path)
-    except OSError:
-        return False
-    if any(n.startswith("index.sqlite") for n in names):
-        return True
-    try:
-        fanout = os.listdir(os.path.join(path, "data")) if "data" in names else []
+        fanout = os.listdir(os.path.join(path, "data"))
     except OSError:
         return False
     return bool(fanout) and all(len(n) == 2 and all(c in "0123456789abcdef" for c in n)

@@ -196,8 +196,9 @@ class Reporter:
             timer.daemon = True
             timer.start()
 
-    def flush(self) -> None:
-        """Send what is buffered now (still without waiting for the store).
+    def flush(self) -> bool:
+        """Send what is buffered now (still without waiting for the store); True when this
+        call sent something.
 
         Reports still buffered when Ray was shut down are dropped: the store went with the
         session, and a call now (this flush also runs on a timer) would start a new local
@@ -214,22 +215,23 @@ class Reporter:
         with self._send_lock:
             with self._lock:
                 if not self._ids:
-                    return
+                    return False
                 ids = np.concatenate(self._ids)
                 values = np.concatenate(self._values)
                 self._ids, self._values, self._count, self._since = [], [], 0, None
             if not ray.is_initialized():
                 self._drop(ids.size)
-                return
+                return False
             try:
                 update_async(self.handle, ids, values)
             except Exception as exc:
                 if "different cluster" not in str(exc) and "Can't find actor" not in str(exc):
                     raise
                 self._drop(ids.size)  # a handle of a session that ended: its store is gone
-                return
+                return False
             self.sent += ids.size
             self.sends += 1
+            return True
 
 
     def set_aside(self, ids: np.ndarray) -> None:

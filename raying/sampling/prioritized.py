@@ -195,6 +195,7 @@ class PrioritizedSampler:
         # this one ends (keep_warm), must not take the rest of this epoch's plan.
         self._bufs: dict[int, _Plan] = {}
         self._live_chunk = 0
+        self._draw_sends = 0  # sends the draw being made did itself (see fill)
         self._lock = threading.Lock()
         self._n = 0
         self._created = False
@@ -319,7 +320,8 @@ class PrioritizedSampler:
         if self._reporter is not None and self._reporter.pending:
             # Losses reported and still buffered (e.g. a scoring pass just before the first
             # epoch) must shape these draws: sent now, the plan comes from the store.
-            self._reporter.flush()
+            if self._reporter.flush():
+                self._draw_sends += 1
         if (self._fresh and self._reporter is not None and self._reporter.sends == 0
                 and time.monotonic() < self._start_deadline
                 and not st.wait_ready(self.handle, self._starting, timeout_s=0)):
@@ -409,10 +411,12 @@ class PrioritizedSampler:
                     self._live_chunk = max(2 * (buf.length - len(buf.ids)), 1)
                 elif self._live_chunk:  # served to its end: plans grow back
                     self._live_chunk = min(2 * self._live_chunk, settings().plan_chunk_ids)
+                # The draw sends the reports it finds buffered first (the plan holds them):
+                # the plan is stale after the sends that come later, not after that one
+                # (a send by another thread meanwhile still makes it stale).
+                self._draw_sends = 0
                 ids, probs, weights = self._draw(unit.draw)
-                # The draw sent the reports it found buffered first (the plan holds them):
-                # the plan is stale after the sends that come later, not after those.
-                sends = self._reporter.sends if self._reporter is not None else 0
+                sends += self._draw_sends
                 buf = self._bufs[unit.epoch] = _Plan(ids, probs, weights, sends, now, len(ids))
                 for old in sorted(self._bufs)[:-_PLAN_EPOCHS]:
                     if old != unit.epoch:

@@ -251,8 +251,10 @@ def update_async(handle: StoreHandle, ids: Any, priorities: Any, *,
     writes the values as given, not folded by its coalesce mode (see ``StoreActor.update``).
     """
     ids, values, rejected = check_updates(ids, priorities, handle.n)
+    # ``exact`` only when set: a store of an older raying (found by name) takes 3 arguments.
+    more = (True,) if exact else ()
     if len(handle.actors) == 1:
-        handle.actors[0].update.remote(ids, values, rejected or None, exact)
+        handle.actors[0].update.remote(ids, values, rejected or None, *more)
         return
     shard = np.searchsorted(handle.bounds, ids, side="right") - 1
     for s, actor in enumerate(handle.actors):
@@ -260,7 +262,7 @@ def update_async(handle: StoreHandle, ids: Any, priorities: Any, *,
         extra = rejected if s == 0 else None
         if mine.any() or extra:
             actor.update.remote(ids[mine] - handle.bounds[s], values[mine], extra or None,
-                                exact)
+                                *more)
 
 
 def sample_plan(handle: StoreHandle, k: int, *, systematic: bool = False) -> Plan:

@@ -78,7 +78,8 @@ def list_files(fs: pafs.FileSystem, path: str, *, extensions: Iterable[str] | No
             the skipped names).
 
     Returns:
-        pyarrow FileInfo objects (``.path``, ``.size``, ``.mtime``) of regular files.
+        The regular files, as :class:`ListedFile` (``.path``, ``.size``, ``.mtime``,
+        ``.type``, and pyarrow's FileInfo as ``.info``).
 
     Raises:
         NotFoundError: nothing exists at ``path``. CredentialsError: access refused.

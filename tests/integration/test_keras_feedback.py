@@ -130,8 +130,9 @@ def _steps_per_epoch():
 def test_a_mid_epoch_resume_under_fit_is_said_and_the_guide_s_recipe_trains_whole_epochs(
         image_folder, ray_local, caplog):
     """Keras takes an epoch's length from the dataset's first pass: a resumed epoch's rest
-    would cut every later epoch to it. to_tf says so, and the guide's recipe (the rest of
-    the epoch in a fit of its own, then the next epochs) trains every epoch whole."""
+    would cut every later epoch to it. A second pass over such a dataset says so (whether
+    to_tf was given the epoch or took it from the state), and the guide's recipe (the rest
+    of the epoch in a fit of its own, then the next epochs) trains every epoch whole."""
     import logging
 
     m = raying.Manifest.scan(str(image_folder))  # 60 images: 8 batches of 8 per epoch
@@ -148,21 +149,35 @@ def test_a_mid_epoch_resume_under_fit_is_said_and_the_guide_s_recipe_trains_whol
     state = a.state_dict()
     it.close()
     a.close()
-    pipe = make()
-    pipe.load_state_dict(state)
-    with caplog.at_level(logging.WARNING, logger="raying"):
-        rest = pipe.to_tf(batch_size=8, epoch=None, as_supervised=True)
-    said = [r.getMessage() for r in caplog.records if "rest of epoch 0" in r.getMessage()]
-    assert len(said) == 1 and "pipe.to_tf(epoch=1)" in said[0]
+
+    def said():
+        return [r.getMessage() for r in caplog.records
+                if "its first pass was the rest of epoch 0" in r.getMessage()]
+
     net = _model(len(m.classes), 16)
     net.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    steps, spy = _steps_per_epoch()
-    net.fit(rest, epochs=1, verbose=0, callbacks=[spy])
-    assert steps == [3]  # 20 rows left of epoch 0
-    steps, spy = _steps_per_epoch()
-    net.fit(pipe.to_tf(batch_size=8, epoch=pipe.state_dict()["epoch"], as_supervised=True),
-            epochs=3, verbose=0, callbacks=[spy])
+    for epoch in (None, 0):  # the epoch the state resumes, or that epoch named
+        pipe = make()
+        pipe.load_state_dict(state)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="raying"):
+            net.fit(pipe.to_tf(batch_size=8, epoch=epoch, as_supervised=True), epochs=2,
+                    verbose=0)
+        assert len(said()) == 1 and "pipe.to_tf(epoch=1)" in said()[0], epoch
+        pipe.close()
+    pipe = make()
+    pipe.load_state_dict(state)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        steps, spy = _steps_per_epoch()
+        net.fit(pipe.to_tf(batch_size=8, epoch=None, as_supervised=True), epochs=1, verbose=0,
+                callbacks=[spy])
+        assert steps == [3]  # 20 rows left of epoch 0
+        steps, spy = _steps_per_epoch()
+        net.fit(pipe.to_tf(batch_size=8, epoch=pipe.state_dict()["epoch"],
+                           as_supervised=True), epochs=3, verbose=0, callbacks=[spy])
     assert steps == [8, 8, 8]
+    assert said() == []  # the recipe is not warned about
     assert pipe.stats()["rows_delivered"] == 20 + 3 * 60
     pipe.close()
 

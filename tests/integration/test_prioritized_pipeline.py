@@ -495,6 +495,28 @@ def test_a_sample_set_aside_gets_priority_zero_whatever_the_coalesce_mode(tmp_pa
     pipe.close()
 
 
+def test_a_sample_set_aside_by_dataset_reads_gets_priority_zero_under_ema(tmp_path, ray_local):
+    """The same through pipe.dataset(e), whose read tasks set samples aside themselves."""
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "images", n=40, classes=2, size=(24, 24), seed=3)
+    bad = sorted(p for p in root.rglob("*") if p.is_file())[7]
+    bad.write_bytes(b"not a jpeg")
+    m = raying.Manifest.scan(str(root))
+    bad_id = int(np.flatnonzero(m.column("path") == str(bad.relative_to(root)))[0])
+    sampler = raying.PrioritizedSampler(alpha=1.0, uniform_mix=0.0, seed=1,
+                                        samples_per_epoch=400, store={"coalesce": "ema"})
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16), sampler=sampler,
+                           config=raying.PipelineConfig(block_rows=8))
+    rows = sum(len(b["id"]) for b in pipe.dataset(0).iter_batches(batch_size=8))
+    assert 0 < rows < 400  # the bad id's draws set aside
+    deadline = time.monotonic() + 10
+    while pipe.priorities()[bad_id] != 0.0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pipe.priorities()[bad_id] == 0.0
+    pipe.close()
+
+
 def test_a_report_before_the_first_epoch_keeps_its_plan_current(manifest, ray_local,
                                                                 monkeypatch):
     """Losses reported before the first epoch (a scoring pass) are in its first plan: that

@@ -578,3 +578,26 @@ def test_to_tf_refuses_an_epoch_of_no_batch_when_stages_give_its_signature(parqu
                                                  r"batch_size=64 \(drop_last=True\)"):
         pipe.to_tf(batch_size=64, epoch=0, drop_last=True)
     pipe.close()
+
+
+def test_to_tf_of_an_empty_share_under_stages_is_an_empty_dataset(image_folder, ray_local,
+                                                                  caplog):
+    """A Train worker whose share of a sharded epoch is empty gets an empty dataset and the
+    empty share's warning, not the refusal of an epoch of no batch (its advice is not this
+    case's)."""
+    import dataclasses
+    import logging
+
+    pytest.importorskip("tensorflow")
+    m = raying.Manifest.scan(str(image_folder))  # 60 rows: 4 units of 16 for 8 shares
+    cfg = dataclasses.replace(raying.PipelineConfig(block_rows=16), shard=(6, 8))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=cfg).map_batches(_same)
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        assert sum(1 for _ in pipe.to_tf(batch_size=8, epoch=0)) == 0
+    assert any("worker 6 of 8 got no rows" in r.getMessage() for r in caplog.records)
+    pipe.close()
+
+
+def _same(batch):
+    return batch

@@ -482,8 +482,10 @@ def open_cache(config: CacheConfig, *, namespace: str = "",
 
     ``reopen_removed``: a tier whose directory was removed since (docs/io.md: free a tier by
     removing it when no run uses it) is opened again, made anew, instead of dropping every
-    entry for the rest of this process (a Ray worker outlives the runs); not for a decoded
-    cache, whose directory is removed when its pipeline closes and must stay removed."""
+    entry for the rest of this process (a Ray worker outlives the runs). A decoded cache uses
+    it too: its directory, removed when its pipeline closes, is not reached again once its
+    tombstone is there (``DecodedCache.of``), and one made again for a new pipeline of the
+    same name is that pipeline's."""
     key = (os.getpid(), config, namespace)
     stale: TieredCache | None = None
     with _REG_LOCK:

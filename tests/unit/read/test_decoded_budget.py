@@ -452,6 +452,7 @@ def test_the_sweep_removes_only_decoded_cache_folders(monkeypatch, tmp_path):
     (other / "segment").write_bytes(b"1")
     photos = tmp_path / "photos"
     (photos / "data" / "2024").mkdir(parents=True)
+    (photos / "index.sqlite").write_bytes(b"")  # another program's database
     late = tmp_path / "closed-pipeline"  # what a late write of a closed pipeline leaves
     (late / "data" / "3f").mkdir(parents=True)
     (late / "data" / "3f" / "entry").write_bytes(b"pixels")

@@ -271,13 +271,17 @@ class BlockStream:
                  and self._next_epoch_plan.epoch == epoch and start_unit == 0 and skip_rows == 0)
         keys = list(self._inflight)
         self._consuming = epoch
-        if reuse and keys and keys[0] == (epoch, 0, 0):  # warm: already running
-            # What a consumer that stopped inside an earlier epoch left being read goes, as
-            # a cancel would drop it (a kept ref pins its unread blocks in the store).
+        if reuse and (epoch, 0, 0) in keys:  # warm: already running
+            # What a consumer that stopped inside an earlier epoch left submitted or being
+            # read goes, as a cancel would drop it (a kept ref pins its unread blocks in the
+            # store), whether or not its iteration has let go of it yet.
+            for key in [k for k in keys if k[0] != epoch]:
+                self._pop(key)
             for key in [k for k in self._reading if k[0] != epoch]:
                 del self._reading[key]
             for part in [k for k in self._nparts if k[0] != epoch]:
                 del self._nparts[part]
+            self._parts = collections.deque(p for p in self._parts if p[0].epoch == epoch)
             return self._next_epoch_plan  # type: ignore[return-value]
         self.cancel()  # (keeps _consuming)
         plan = self._make_plan(epoch)

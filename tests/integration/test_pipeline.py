@@ -1079,3 +1079,36 @@ def test_a_read_lost_with_its_worker_stops_the_epoch_and_drops_its_reads(image_f
     ids = np.concatenate([b["id"] for b in again.iter_batches(batch_size=8, epoch=0)])
     assert len(ids) == 60  # the node reads on
     again.close()
+
+
+def test_the_next_epoch_takes_its_warm_reads_while_a_stopped_one_still_holds_some(
+        image_folder, ray_local, monkeypatch):
+    """A loop stopped inside epoch 0 whose iteration has not let go of its reads yet (its
+    thread still waiting on a block): epoch 1 takes the reads keep_warm started for it, and
+    epoch 0's go (they made epoch 1 drop its warm reads and read them again)."""
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           sampler=raying.UniformSampler(seed=5),
+                           config=raying.PipelineConfig(block_rows=8, window=6,
+                                                        decoded_cache="off"))
+    stream = pipe._block_stream()
+    monkeypatch.setattr(stream, "_drop_epoch", lambda epoch, mine: None)  # not let go yet
+    it = pipe.iter_batches(batch_size=8, epoch=0, prefetch_batches=0)
+    seen = 0
+    for b in it:
+        seen += len(b["id"])
+        if seen >= 48:  # inside unit 5 of 8: epoch 1's first units already submitted
+            break
+    it.close()
+    warm = {k: r for k, r in stream._inflight.items() if k[0] == 1}
+    assert warm and any(k[0] == 0 for k in (*stream._inflight, *stream._reading))
+    taken = []
+    orig = stream._take
+    monkeypatch.setattr(stream, "_take", lambda key: (
+        taken.append((key, stream._inflight.get(key))) or orig(key)))
+    ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=8, epoch=1)])
+    assert sorted(ids.tolist()) == list(range(60))
+    got = dict(taken)
+    assert all(got[key] is ref for key, ref in warm.items())  # the warm tasks, not new ones
+    assert not [k for k in (*stream._inflight, *stream._reading) if k[0] == 0]
+    pipe.close()

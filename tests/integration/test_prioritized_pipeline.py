@@ -466,18 +466,23 @@ def test_close_stops_a_store_that_no_longer_answers(manifest, ray_local, monkeyp
             ray.get_actor(st._shard_name(handle.name, shard), namespace=handle.namespace)
 
 
-@pytest.mark.parametrize("coalesce", ["last", "max", "ema"])
-def test_a_sample_set_aside_gets_priority_zero_whatever_the_coalesce_mode(tmp_path, ray_local,
-                                                                         coalesce):
-    """A bad sample's priority is 0 outright: an "ema" store moved it only part of the way
-    (to half of it), and drew it again every other epoch."""
+def _folder_with_a_bad_image(tmp_path):
+    """40 images, one of them not an image: (its manifest, the bad one's id)."""
     from raying.tools.datagen import make_image_folder
 
     root = make_image_folder(tmp_path / "images", n=40, classes=2, size=(24, 24), seed=3)
     bad = sorted(p for p in root.rglob("*") if p.is_file())[7]
     bad.write_bytes(b"not a jpeg")
     m = raying.Manifest.scan(str(root))
-    bad_id = int(np.flatnonzero(m.column("path") == str(bad.relative_to(root)))[0])
+    return m, int(np.flatnonzero(m.column("path") == str(bad.relative_to(root)))[0])
+
+
+@pytest.mark.parametrize("coalesce", ["last", "max", "ema"])
+def test_a_sample_set_aside_gets_priority_zero_whatever_the_coalesce_mode(tmp_path, ray_local,
+                                                                         coalesce):
+    """A bad sample's priority is 0 outright: an "ema" store moved it only part of the way
+    (to half of it), and drew it again every other epoch."""
+    m, bad_id = _folder_with_a_bad_image(tmp_path)
     sampler = raying.PrioritizedSampler(alpha=1.0, uniform_mix=0.0, seed=1,
                                         store={"coalesce": coalesce})
     # keep_warm off: the next epoch's first plans are drawn after this epoch's set-asides.
@@ -497,13 +502,7 @@ def test_a_sample_set_aside_gets_priority_zero_whatever_the_coalesce_mode(tmp_pa
 
 def test_a_sample_set_aside_by_dataset_reads_gets_priority_zero_under_ema(tmp_path, ray_local):
     """The same through pipe.dataset(e), whose read tasks set samples aside themselves."""
-    from raying.tools.datagen import make_image_folder
-
-    root = make_image_folder(tmp_path / "images", n=40, classes=2, size=(24, 24), seed=3)
-    bad = sorted(p for p in root.rglob("*") if p.is_file())[7]
-    bad.write_bytes(b"not a jpeg")
-    m = raying.Manifest.scan(str(root))
-    bad_id = int(np.flatnonzero(m.column("path") == str(bad.relative_to(root)))[0])
+    m, bad_id = _folder_with_a_bad_image(tmp_path)
     sampler = raying.PrioritizedSampler(alpha=1.0, uniform_mix=0.0, seed=1,
                                         samples_per_epoch=400, store={"coalesce": "ema"})
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16), sampler=sampler,

@@ -22,6 +22,10 @@ SHARD_NAME = "part-{:05d}.parquet"
 # Left in the destination by a pack that stopped part-way: its shard tasks still to write
 # write nothing (scans skip "_" names; the next pack into the folder removes it).
 STOP_MARKER = "_raying_pack_stopped"
+# A shard is written under this name (scans skip "_" names) and takes its own once every
+# shard of the pack is written: a pack killed part-way (SIGKILL, a lost SSH session, the OOM
+# killer) leaves nothing a scan reads as a whole, smaller dataset.
+PENDING_NAME = "_{}.pending"
 # Columns a packed shard has beside the image and label (the last three when pre-decoded).
 PACK_COLUMNS = ("id", "path", "height", "width", "channels")
 

@@ -11,7 +11,14 @@ from typing import Any
 import numpy as np
 
 from raying.dataset.manifest import PARQUET_EXTENSIONS, Manifest
-from raying.dataset.pack import PACK_COLUMNS, SHARD_NAME, STOP_MARKER, PackResult, pack_shard
+from raying.dataset.pack import (
+    PACK_COLUMNS,
+    PENDING_NAME,
+    SHARD_NAME,
+    STOP_MARKER,
+    PackResult,
+    pack_shard,
+)
 from raying.errors import ConfigError
 from raying.options import StorageOptions, settings
 from raying.storage import files as _storage
@@ -132,6 +139,7 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     stale = f"{out_root.rstrip('/')}/{STOP_MARKER}"  # from a pack here that stopped
     if _storage.exists(out_fs, stale):
         out_fs.delete_file(stale)
+    _remove_pending(out_fs, out_root)  # shards of a pack here that was killed
     task: Any = ray.remote(num_cpus=1, max_retries=3)(pack_shard)  # type: ignore[arg-type]
     shipped = copy.copy(manifest)
     shipped.storage = travelling_options(manifest.root, manifest.storage)
@@ -149,15 +157,24 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     refs = []
     for k, start in enumerate(range(0, n, shard_rows)):
         ids = order[start:start + shard_rows]
-        refs.append(task.remote(src_ref, ids, dst, out_opts, SHARD_NAME.format(k),
+        refs.append(task.remote(src_ref, ids, dst, out_opts,
+                                PENDING_NAME.format(SHARD_NAME.format(k)),
                                 decode_size=decode_size, row_group_rows=row_group_rows,
                                 on_error=on_error, verify=verify))
+    names = [SHARD_NAME.format(k) for k in range(len(refs))]
     try:
         results = _wait_all(refs, total=n, progress=progress)
+        for name in names:  # every shard written: each takes its name
+            _storage.move(out_fs, f"{out_root.rstrip('/')}/{PENDING_NAME.format(name)}",
+                          f"{out_root.rstrip('/')}/{name}")
     except BaseException:
         # A pack that stops part-way must not leave shards that scan as a whole dataset.
-        _remove_shards(refs, out_fs, out_root, [SHARD_NAME.format(k) for k in range(len(refs))])
+        _remove_shards(refs, out_fs, out_root,
+                       [*names, *(PENDING_NAME.format(name) for name in names)])
         raise
+    named = {PENDING_NAME.format(name): name for name in names}
+    for r in results:  # the shards by the names they took
+        r["shard"] = named[r["shard"]]
     results.sort(key=lambda r: r["shard"])
     skipped = [s for r in results for s in r["skipped"]]
     return PackResult(dst=dst, shards=[r["shard"] for r in results],
@@ -211,6 +228,11 @@ def _refuse_inside_source(src: str, storage: Any, out_fs: Any, out_root: str,
         msg = (f"{dst} lies inside the source {src}: the shards would join the dataset they "
                f"are packed from. Pack into a folder outside it")
         raise ConfigError(msg)
+    if a.startswith(b + "/"):
+        msg = (f"the source {src} lies inside {dst}: a scan of {dst} would read the source "
+               f"with the shards (and overwrite=True would delete a Parquet source before "
+               f"it is read). Pack into a folder that does not hold the source")
+        raise ConfigError(msg)
 
 
 def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None:
@@ -227,11 +249,37 @@ def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None
                f"would read their rows with the new shards'. Pack into an empty folder, or "
                f"pass overwrite=True to delete them first")
         raise ConfigError(msg)
+    top = root.rstrip("/")
+    nested = [i.path[len(top) + 1:] for i in old if i.path.rpartition("/")[0] != top]
+    if nested:
+        # Another dataset in a subfolder: overwrite=True replaces a pack, it does not delete
+        # whatever a folder holds.
+        msg = (f"{dst} holds Parquet files in its subfolders ({', '.join(nested[:3])}"
+               f"{', ...' if len(nested) > 3 else ''}), which a scan of it would read with "
+               f"the shards; overwrite=True deletes only the Parquet files at its top level. "
+               f"Pack into a folder of its own")
+        raise ConfigError(msg)
     for info in old:
         try:
             fs.delete_file(info.path)
         except Exception as exc:
             raise _storage.storage_error(exc, info.path, action="delete") from None
+
+
+def _remove_pending(fs: Any, root: str) -> None:
+    """Remove the shards a pack into ``root`` wrote and never named (it was killed)."""
+    import fnmatch
+
+    try:
+        infos = _storage.list_files(fs, root, recursive=False, skip_prefixes=".")
+    except _storage.NotFoundError:
+        return
+    for info in infos:
+        if fnmatch.fnmatch(info.path.rsplit("/", 1)[-1], PENDING_NAME.format("part-*.parquet")):
+            try:
+                fs.delete_file(info.path)
+            except Exception as exc:
+                raise _storage.storage_error(exc, info.path, action="delete") from None
 
 
 def _remove_shards(refs: list[Any], fs: Any, root: str, names: list[str]) -> None:

@@ -440,6 +440,19 @@ def write_bytes_atomic(fs: pafs.FileSystem, path: str, data: bytes) -> None:
         raise _errors.storage_error(exc, fs, path, action="write") from None
 
 
+def move(fs: pafs.FileSystem, src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` (replacing it): one rename locally and on HDFS, a copy then
+    a delete on S3.
+
+    Raises:
+        CredentialsError: access refused. StorageError: the storage failed.
+    """
+    try:
+        fs.move(src, dst)
+    except Exception as exc:
+        raise _errors.storage_error(exc, fs, src, action="write") from None
+
+
 def exists(fs: pafs.FileSystem, path: str) -> bool:
     """Whether a file or directory exists at ``path`` (transient failures are retried).
 

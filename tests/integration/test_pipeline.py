@@ -52,6 +52,62 @@ def test_pack_refuses_a_destination_with_parquet_unless_overwrite(image_folder, 
     assert len(back) == 60, "old shards must not be read with the new one"
 
 
+def test_pack_refuses_a_destination_that_holds_the_source(image_folder, packed, tmp_path,
+                                                          ray_local):
+    """A destination above the source: a scan of it would read the source with the shards,
+    and overwrite=True deleted a Parquet source before its rows were read."""
+    import shutil
+
+    dst = tmp_path / "store"
+    src = dst / "train"
+    shutil.copytree(packed, src)  # a Parquet dataset inside the destination
+    for overwrite in (False, True):
+        with pytest.raises(raying.ConfigError, match=r"the source .*train lies inside .*store"):
+            raying.pack(str(src), str(dst), shard_rows=100, progress=False,
+                        overwrite=overwrite)
+    assert len(list(src.glob("*.parquet"))) == 3  # nothing deleted
+
+
+def test_pack_overwrite_deletes_only_the_top_level_shards(image_folder, packed, tmp_path,
+                                                         ray_local):
+    """Another dataset in a subfolder of the destination is not deleted by overwrite=True
+    (it was, without a word): refused, naming it."""
+    import shutil
+
+    dst = tmp_path / "out"
+    shutil.copytree(packed, dst)
+    shutil.copytree(packed, dst / "other_dataset")
+    with pytest.raises(raying.ConfigError, match=r"holds Parquet files in its subfolders "
+                                                 r"\(other_dataset/part-0000"):
+        raying.pack(str(image_folder), str(dst), shard_rows=100, progress=False,
+                    overwrite=True)
+    assert len(list(dst.rglob("*.parquet"))) == 6  # nothing deleted
+
+
+def test_shards_of_a_killed_pack_are_never_scanned_and_go_at_the_next_pack(image_folder,
+                                                                           tmp_path,
+                                                                           ray_local):
+    """A pack killed part-way (SIGKILL, a lost SSH session) leaves only shards under names
+    scans skip: its destination never reads as a whole, smaller dataset (a scan found 40 of
+    300 samples), and the next pack there removes them."""
+    from raying.dataset.pack import PENDING_NAME, SHARD_NAME, pack_shard
+    from raying.options import StorageOptions
+
+    dst = tmp_path / "out"
+    m = raying.Manifest.scan(str(image_folder))
+    for k in range(2):  # what the shard tasks wrote before the driver was killed
+        pack_shard(m, np.arange(10 * k, 10 * k + 10), str(dst), StorageOptions(),
+                   PENDING_NAME.format(SHARD_NAME.format(k)), decode_size=None,
+                   row_group_rows=8, on_error="skip", verify=False)
+    assert len(list(dst.iterdir())) == 2
+    with pytest.raises(raying.DataError, match="no Parquet files"):
+        raying.Manifest.scan(str(dst), format="parquet")
+    res = raying.pack(str(image_folder), str(dst), shard_rows=25, progress=False)
+    assert sorted(p.name for p in dst.iterdir()) == res.shards == [
+        SHARD_NAME.format(k) for k in range(3)]
+    assert len(raying.Manifest.scan(str(dst), format="parquet", label="label")) == 60
+
+
 def test_a_pack_that_stops_part_way_leaves_no_shard(image_folder, tmp_path, ray_local):
     """One bad image under on_error="raise": the pack raises, and none of the shards written
     before stays to be scanned as a whole dataset (a later scan read 190 of 200 rows)."""

@@ -44,7 +44,7 @@ class ImageSample:
 
 
 def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
-                    image_column: str | None = None) -> dict[str, Any]:
+                    image_column: str | None = None, format: str = "auto") -> dict[str, Any]:
     """Format, sample count, bytes and file-size spread from one listing (and one footer).
     The image column of Parquet is found as :meth:`raying.Manifest.scan` finds it (a
     ``DataError`` where it cannot tell: pass ``image_column``)."""
@@ -57,6 +57,17 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
     infos = _storage.list_files(fs, path, skip_prefixes=".")
     parquet = parquet_members(path, infos, PARQUET_EXTENSIONS)
     images = [i for i in infos if i.path.lower().endswith(IMAGE_EXTENSIONS)]
+    if format == "auto" and parquet and images:  # as Manifest.scan refuses it
+        from raying.errors import ConfigError
+
+        msg = (f"{uri} holds both Parquet files ({len(parquet)}) and image files "
+               f"({len(images)}); say which it is: format='images' or format='parquet' "
+               f"(raying advise --format images|parquet)")
+        raise ConfigError(msg)
+    if format == "images":
+        parquet = []
+    elif format == "parquet":
+        images = []
     chosen = parquet or images
     if not chosen:
         from raying.errors import DataError
@@ -165,22 +176,39 @@ def measure_storage(fs: pafs.FileSystem, data: dict[str, Any], *, seed: int = 0
     rng = np.random.default_rng(seed)
     paths, sizes = data["paths"], np.asarray(data["sizes"])
     order = rng.permutation(len(paths))
+    # Files a probe read could not read (no permission, removed since the listing, an object
+    # refused): named in the report, left out of the figures.
+    unreadable: dict[int, str] = {}
+
+    def timed(i: int, nbytes: int) -> float | None:
+        t0 = time.perf_counter()
+        try:
+            with fs.open_input_file(paths[i]) as f:
+                f.read_at(nbytes, 0)
+        except Exception as exc:  # noqa: BLE001 - any storage error: the file is named
+            unreadable[i] = f"{paths[i]}: {_first_line(exc)}"
+            return None
+        return time.perf_counter() - t0
+
     pick = [int(i) for i in order[:PROBE_SERIAL_READS]]
+    first = [t for t in (timed(i, 1) for i in pick) if t is not None]
+    if not first:
+        from raying.errors import StorageError
+
+        msg = (f"none of the {len(pick)} files the storage probe read could be read, e.g. "
+               f"{next(iter(unreadable.values()))}; check the folder's permissions and the "
+               f"storage")
+        raise StorageError(msg)
+    pick = [i for i in pick if i not in unreadable]
     small = [i for i in pick if sizes[i] <= 4 * 1024**2] or pick[:2]
-    first, whole = [], []
-    for i in pick:
-        t0 = time.perf_counter()
-        with fs.open_input_file(paths[i]) as f:
-            f.read_at(1, 0)
-        first.append(time.perf_counter() - t0)
-    for i in small:
-        t0 = time.perf_counter()
-        with fs.open_input_file(paths[i]) as f:
-            f.read_at(int(sizes[i]), 0)
-        whole.append(time.perf_counter() - t0)
+    whole = [t for t in (timed(i, int(sizes[i])) for i in small) if t is not None]
+    small = [i for i in small if i not in unreadable]
+    if not whole:
+        whole, small = first, pick
     latency = statistics.median(first)
     whole_s = statistics.median(whole)
-    par = [int(i) for i in order[:PROBE_PARALLEL_READS] if sizes[int(i)] <= 4 * 1024**2]
+    par = [int(i) for i in order[:PROBE_PARALLEL_READS]
+           if sizes[int(i)] <= 4 * 1024**2 and int(i) not in unreadable]
     if par and len(par) < PROBE_PARALLEL_THREADS:
         # Few small files: read them again, so that 16 reads are in flight (one read on 16
         # threads would measure no gain, as of a device serving one request at a time).
@@ -191,7 +219,8 @@ def measure_storage(fs: pafs.FileSystem, data: dict[str, Any], *, seed: int = 0
         # it would dominate, and the reads would look slower in parallel than serially).
         list(pool.map(time.sleep, [0.01] * PROBE_PARALLEL_THREADS))
         t0 = time.perf_counter()
-        got = list(pool.map(lambda i: _read_whole(fs, paths[i], int(sizes[i])), par))
+        got = list(pool.map(lambda i: _read_whole(fs, paths[i], int(sizes[i]), unreadable, i),
+                            par))
         par_s = time.perf_counter() - t0
     par_rate = len(par) / par_s
     serial_rate = 1.0 / whole_s
@@ -201,11 +230,8 @@ def measure_storage(fs: pafs.FileSystem, data: dict[str, Any], *, seed: int = 0
     serial_bw = float(np.median(sizes[small])) / whole_s if whole_s > 0 else 0.0
     if serial_bw > bandwidth:  # threads can cost more than tiny reads from the page cache
         bandwidth, how = serial_bw, "serial small reads (a lower bound)"
-    if long_bytes >= 256 * 1024:
-        t0 = time.perf_counter()
-        with fs.open_input_file(paths[big]) as f:
-            f.read_at(long_bytes, 0)
-        took = time.perf_counter() - t0
+    took = timed(big, long_bytes) if long_bytes >= 256 * 1024 else None
+    if took is not None:
         # Take the first byte's latency off only when the read is well above it: a read
         # about as fast as the latency (one small file, cached) would leave noise, and a
         # near-zero time an absurd rate (740 GB/s of a 0.7 MiB Parquet file).
@@ -224,12 +250,20 @@ def measure_storage(fs: pafs.FileSystem, data: dict[str, Any], *, seed: int = 0
             # Fewer than 16 reads in flight (every file over 4 MiB: a one-file dataset) say
             # nothing about how the storage serves parallel requests.
             "parallel_reads": len(par),
-            "probe_reads": len(pick) + len(small) + len(par) + 1}
+            "probe_reads": len(pick) + len(small) + len(par) + 1,
+            "probe_unreadable": sorted(unreadable.values())}
 
 
-def _read_whole(fs: pafs.FileSystem, path: str, size: int) -> int:
-    with fs.open_input_file(path) as f:
-        return len(f.read_at(size, 0))
+def _read_whole(fs: pafs.FileSystem, path: str, size: int, unreadable: dict[int, str],
+                i: int) -> int:
+    """Bytes read of the whole file (0, and the file named in ``unreadable``, when it
+    cannot be read)."""
+    try:
+        with fs.open_input_file(path) as f:
+            return len(f.read_at(size, 0))
+    except Exception as exc:  # noqa: BLE001 - any storage error: the file is named
+        unreadable[i] = f"{path}: {_first_line(exc)}"
+        return 0
 
 
 def _kind(fs: pafs.FileSystem) -> str:

@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("uri", help="dataset URI")
     a.add_argument("--json", action="store_true", help="print JSON")
     a.add_argument("--image-column", default=None, metavar="NAME", help=IMAGE_COLUMN_HELP)
+    a.add_argument("--format", choices=["auto", "images", "parquet"], default="auto",
+                   help="what the folder holds (default: auto, as scan)")
     _storage_args(a)
     a.set_defaults(func=_lazy("raying.tools.advise", "main"))
 

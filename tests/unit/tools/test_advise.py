@@ -371,3 +371,70 @@ def test_parquet_of_tiny_row_groups_on_slow_storage_is_advised_to_be_packed_agai
     a, _ = _advice(data, fast, _machine())
     assert a["pack"]["value"] == "already Parquet" and "small ones cost little" in \
         a["pack"]["reason"]
+
+
+def test_pre_decoded_pixels_of_a_size_fast_storage_serves_are_not_prefetched_deepest():
+    """Pixels of 224 px on a fast disk: a batch arrives in a few ms and nothing is decoded.
+    The ratio against a decode of 0 was infinite (16 batches, ~600 MB, "I/O-bound")."""
+    data = _data(format="parquet", files=1, samples=300, bytes=45 * 2**20, pre_decoded=True,
+                 rows_per_row_group=64, row_group_bytes=9 * 2**20, sample_bytes=150528)
+    store = _store(kind="local", latency_s=2e-5, whole_file_s=1e-3, latency_share=0.02,
+                   bandwidth_bytes_per_s=26e9, bandwidth_from="one 8.0 MiB read",
+                   parallel_speedup=1.0)
+    a, _ = _advice(data, store, _machine(cores=2, decode_ms_per_image=0.0))
+    assert a["prefetch_batches"]["value"] <= 3
+    assert "stored decoded" in a["prefetch_batches"]["reason"]
+    # Pixels from slow storage keep the deep prefetch of an I/O-bound loader.
+    slow = _store(kind="s3", bandwidth_bytes_per_s=50e6)
+    a, _ = _advice(data, slow, _machine(cores=2, decode_ms_per_image=0.0))
+    assert a["prefetch_batches"]["value"] > 2 and "I/O-bound" in a["prefetch_batches"]["reason"]
+
+
+def test_the_storage_probe_names_files_it_cannot_read_and_measures_the_others(tmp_path):
+    """A file the probe cannot read (removed since the listing; no permission) is named and
+    left out of the figures: it raised a bare error before. None readable: a StorageError."""
+    from pathlib import Path
+
+    import pyarrow.fs as pafs
+
+    from raying.tools import advise_measure as m
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path, n=8, classes=2, size=(40, 32), seed=1, formats=("jpg",))
+    fs = pafs.LocalFileSystem()
+    data = m.measure_dataset(fs, str(root), str(root))
+    gone = sorted(data["paths"])[3]
+    Path(gone).unlink()
+    store = m.measure_storage(fs, data)
+    assert [u.split(":")[0] for u in store["probe_unreadable"]] == [gone]
+    assert store["latency_s"] > 0 and store["bandwidth_bytes_per_s"] > 0
+    report = {"uri": str(root), "measured": {"dataset": _data(), "storage": store,
+                                             "machine": _machine()},
+              "advice": [], "config": {"block_rows": 64, "window": 4, "prefetch_batches": 2,
+                                       "io": {"concurrency": 8, "cache": None}}}
+    assert f"1 of the files the storage probe read could not be read (left out of its " \
+           f"figures): {gone}" in format_report(report)
+    for p in data["paths"]:
+        Path(p).unlink(missing_ok=True)
+    with pytest.raises(raying.StorageError, match="none of the .* files the storage probe "
+                                                  "read could be read"):
+        m.measure_storage(fs, data)
+
+
+def test_a_folder_of_images_and_parquet_is_refused_unless_the_format_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    from raying.tools import advise_measure as m
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "ds", n=8, classes=2, size=(40, 32), seed=1,
+                             formats=("jpg",))
+    pq.write_table(pa.table({"image": [b"x"], "label": [0]}), root / "extra.parquet")
+    fs = pafs.LocalFileSystem()
+    with pytest.raises(raying.ConfigError, match=r"holds both Parquet files \(1\) and image "
+                                                 r"files \(8\).*--format images\|parquet"):
+        m.measure_dataset(fs, str(root), str(root))
+    assert m.measure_dataset(fs, str(root), str(root), format="images")["files"] == 8
+    assert m.measure_dataset(fs, str(root), str(root), format="parquet")["format"] == "parquet"

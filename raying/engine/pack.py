@@ -42,7 +42,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
          overwrite: bool = False, shuffle: bool = True, seed: int = 0,
          columns: list[str] | tuple[str, ...] | dict[str, str] | None = None,
          format: str = "auto",  # noqa: A002 - Manifest.scan's name
-         image_column: str | None = None) -> PackResult:
+         image_column: str | None = None,
+         classes: list[str] | None = None) -> PackResult:
     """Write an image dataset (an image folder, or Parquet of encoded images) as Parquet
     shards, one Ray task per shard.
 
@@ -71,7 +72,9 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     ``id`` column holds each row's number in the source (files, row groups, rows in order)
     and ``path`` its location there (``file#rgG/rowR``); a scan of the packed set numbers its
     rows afresh, so a batch's ``id`` is the packed row's. Pixels already stored pre-decoded
-    are refused: there is nothing to decode.
+    are refused: there is nothing to decode. ``classes=[...]`` labels by those class names,
+    in that order, as :meth:`Manifest.scan` does (a validation split packed with the
+    training split's classes).
 
     ``shuffle=True`` (the default) writes the rows in a random order drawn from ``seed``:
     readers of Parquet read whole row groups and shuffle rows within a window of a few of
@@ -113,10 +116,14 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
             msg = ("pack(image_column=...) is for a folder it scans; a Manifest carries the "
                    "image column it was scanned with: Manifest.scan(src, image_column=...)")
             raise ConfigError(msg)
+        if classes is not None:
+            msg = ("pack(classes=...) is for a folder it scans; a Manifest carries the "
+                   "classes it was scanned with: Manifest.scan(src, classes=[...])")
+            raise ConfigError(msg)
         manifest = src
     else:
         manifest = Manifest.scan(src, format=format, label=label, storage=storage,
-                                 columns=columns, image_column=image_column)
+                                 columns=columns, image_column=image_column, classes=classes)
     taken = [c for c in (manifest.meta.get("columns") or {}) if c in PACK_COLUMNS]
     if taken:
         msg = (f"columns {taken} would overwrite columns pack writes itself {PACK_COLUMNS}; "

@@ -66,7 +66,7 @@ def cmd_scan(ns: argparse.Namespace) -> int:
     from raying.dataset.manifest import Manifest
 
     label = None if ns.label == "none" else ns.label
-    classes = [c.strip() for c in ns.classes.split(",") if c.strip()] if ns.classes else None
+    classes = _classes_flag(ns.classes)
     m = Manifest.scan(ns.uri, format=ns.format, label=label, storage=_storage(ns),
                       classes=classes, image_column=ns.image_column)
     if ns.save:
@@ -118,6 +118,11 @@ def _columns_flag(text: str | None) -> list[str] | dict[str, str] | None:
     return dict(pairs)
 
 
+def _classes_flag(value: str | None) -> list[str] | None:
+    """``--classes a,b,c`` as a list (None when not given)."""
+    return [c.strip() for c in value.split(",") if c.strip()] if value else None
+
+
 def cmd_pack(ns: argparse.Namespace) -> int:
     from raying.engine.pack import pack
 
@@ -127,7 +132,7 @@ def cmd_pack(ns: argparse.Namespace) -> int:
                label=None if ns.label == "none" else ns.label, overwrite=ns.overwrite,
                shuffle=not ns.no_shuffle, seed=ns.seed,
                columns=_columns_flag(ns.columns), format=ns.format,
-               image_column=ns.image_column)
+               image_column=ns.image_column, classes=_classes_flag(ns.classes))
     out = res.summary()
     _print(out, ns.json)
     for s in res.skipped[:20]:
@@ -187,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per row group (default: RAYING_PACK_ROW_GROUP_ROWS, 256)")
     k.add_argument("--on-error", default="skip", choices=["skip", "raise"])
     k.add_argument("--image-column", default=None, metavar="NAME", help=IMAGE_COLUMN_HELP)
+    k.add_argument("--classes", metavar="NAMES",
+                   help="comma-separated class names in label order (e.g. the training "
+                        "split's), instead of the class folders found")
     k.add_argument("--verify", action="store_true", help="fully decode every image first")
     k.add_argument("--label", default="folder",
                    help="'folder' (class subfolders; for Parquet the 'label' column), a "

@@ -1168,3 +1168,28 @@ def test_the_next_epoch_takes_its_warm_reads_while_a_stopped_one_still_holds_som
     assert all(got[key] is ref for key, ref in warm.items())  # the warm tasks, not new ones
     assert not [k for k in (*stream._inflight, *stream._reading) if k[0] == 0]
     pipe.close()
+
+
+def test_raying_pack_takes_the_class_names_of_another_split(image_folder, tmp_path,
+                                                           ray_local):
+    """A validation split missing a class packs with the training split's names (the pack's
+    own warning pointed at a --classes it did not have)."""
+    import shutil
+
+    from raying.tools import cli
+
+    train = raying.Manifest.scan(str(image_folder))
+    val = tmp_path / "val"
+    shutil.copytree(image_folder, val)
+    shutil.rmtree(val / train.classes[0])  # the first class has no image here
+    out = tmp_path / "out"
+    assert cli.main(["pack", str(val), str(out), "--json",
+                     "--classes", ",".join(train.classes)]) == 0
+    import pyarrow.parquet as pq
+
+    packed = raying.Manifest.scan(str(out), format="parquet", label="label")
+    assert packed.classes == train.classes
+    rows = pq.read_table(str(out), columns=["path", "label"]).to_pylist()
+    assert len(rows) == len(packed) and {r["label"] for r in rows} == set(
+        range(1, len(train.classes)))
+    assert all(r["label"] == train.classes.index(r["path"].split("/")[0]) for r in rows)

@@ -140,8 +140,9 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     out_fs, out_root = _storage.resolve(dst, out_opts)
     _refuse_inside_source(src if isinstance(src, str) else manifest.root, manifest.storage,
                           out_fs, out_root, dst)
+    old = _check_destination(out_fs, out_root, dst, overwrite=overwrite)  # before Ray starts
     ensure_ray()  # before the destination is cleared or made: a Ray not reached leaves it
-    _clear_destination(out_fs, out_root, dst, overwrite=overwrite)
+    _clear_destination(out_fs, old)
     _storage.make_dirs(out_fs, out_root)
     stale = f"{out_root.rstrip('/')}/{STOP_MARKER}"  # from a pack here that stopped
     if _storage.exists(out_fs, stale):
@@ -242,14 +243,15 @@ def _refuse_inside_source(src: str, storage: Any, out_fs: Any, out_root: str,
         raise ConfigError(msg)
 
 
-def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None:
-    """Refuse (or, with ``overwrite``, delete) Parquet files already under the destination."""
+def _check_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> list[Any]:
+    """The Parquet files already at the destination's top level, for ``overwrite`` to delete;
+    refused when there are any without it, and when its subfolders hold any."""
     try:
         old = _storage.list_files(fs, root, extensions=PARQUET_EXTENSIONS)  # what a scan reads
     except _storage.NotFoundError:
-        return
+        return []
     if not old:
-        return
+        return []
     if not overwrite:
         name = old[0].path.rsplit("/", 1)[-1]
         msg = (f"{dst} already holds {len(old)} Parquet file(s) ({name}, ...): a scan of it "
@@ -266,6 +268,11 @@ def _clear_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> None
                f"the shards; overwrite=True deletes only the Parquet files at its top level. "
                f"Pack into a folder of its own")
         raise ConfigError(msg)
+    return old
+
+
+def _clear_destination(fs: Any, old: list[Any]) -> None:
+    """Delete the Parquet files :func:`_check_destination` found."""
     for info in old:
         try:
             fs.delete_file(info.path)

@@ -7,6 +7,7 @@ import glob
 import logging
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import weakref
@@ -22,6 +23,7 @@ from raying.train.feed import FEED_DATASET, Feed
 STEPS_LEFT_OUT_WARN = 0.1
 
 # Files of a checkpoint: every worker writes its own position; rank 0 the user's state.
+# Those of a feed other than the default one carry its name (see _files).
 _POSITION = "raying-position-rank{}.pkl"
 _STATE = "raying-state.pkl"
 # The local folder of a checkpoint: this prefix, the process id, a random part.
@@ -50,7 +52,17 @@ def loader(*, name: str = FEED_DATASET) -> Loader:
     feed: Feed = pickle.loads(_feed_bytes(shard, name))
     ctx = ray.train.get_context()
     return Loader(feed, rank=ctx.get_world_rank(), world_size=ctx.get_world_size(),
-                  checkpoint=ray.train.get_checkpoint())
+                  checkpoint=ray.train.get_checkpoint(), dataset=name)
+
+
+def _files(dataset: str) -> tuple[str, str]:
+    """(position file pattern, state file) of a feed's checkpoint: the default feed's as they
+    always were, another's (a validation pipeline beside the training one) with its name, so
+    that each loader restores its own position and never the other feed's."""
+    if dataset == FEED_DATASET:
+        return _POSITION, _STATE
+    tag = re.sub(r"[^A-Za-z0-9._-]+", "_", dataset)
+    return f"raying-position@{tag}-rank{{}}.pkl", f"raying-state@{tag}.pkl"
 
 
 def _feed_bytes(shard: Any, name: str) -> bytes:
@@ -78,11 +90,16 @@ class Loader:
         feed: the driver pipeline's description.
         rank: this worker's rank; world_size: the number of workers.
         checkpoint: a ``ray.train.Checkpoint`` made by :meth:`checkpoint`, or None.
+        dataset: the feed's name among the trainer's datasets (its checkpoint files').
     """
 
     def __init__(self, feed: Feed, *, rank: int, world_size: int,
-                 checkpoint: Any = None) -> None:
+                 checkpoint: Any = None, dataset: str = FEED_DATASET) -> None:
         self.feed, self.rank, self.world_size = feed, int(rank), int(world_size)
+        self._position_file, self._state_file = _files(dataset)
+        # (epoch, rows) of the last steps_per_epoch(): a loop of that many steps delivers
+        # those rows and stops, and its epoch is then done (see _track).
+        self._steps_rows: tuple[int, int] | None = None
         self._warned_steps = False
         config = dataclasses.replace(feed.config, name=feed.name,
                                      shard=(self.rank, self.world_size))
@@ -200,10 +217,19 @@ class Loader:
                 "train on %d of epoch %d's %d rows; %d are read by no step (a smaller batch "
                 "or fewer workers train on more)", batch, steps, self.world_size, steps, batch,
                 total - left_out, self.epoch, total, left_out)
+        self._steps_rows = (self.epoch, steps * batch)
         return steps
 
     def _track(self, batches: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-        yield from batches
+        rows = 0
+        steps = self._steps_rows
+        for batch in batches:
+            rows += len(batch["id"])
+            if steps is not None and steps[0] == self.epoch and rows >= steps[1]:
+                # The last of steps_per_epoch's steps: a loop of that many steps (islice)
+                # never asks for more, and a checkpoint after it resumes at the next epoch.
+                self._complete = True
+            yield batch
         self._complete = True  # the whole share of this epoch was delivered
 
     # -- feedback ------------------------------------------------------------------------------
@@ -247,11 +273,11 @@ class Loader:
         _sweep_checkpoint_folders()
         folder = tempfile.mkdtemp(prefix=f"{_CHECKPOINT_PREFIX}{os.getpid()}-")
         self._checkpoint_folders.append(folder)
-        with open(os.path.join(folder, _POSITION.format(self.rank)), "wb") as fh:
+        with open(os.path.join(folder, self._position_file.format(self.rank)), "wb") as fh:
             pickle.dump({"epoch": self.epoch, "complete": complete,
                          "world_size": self.world_size, "position": position}, fh)
         if self.rank == 0:
-            with open(os.path.join(folder, _STATE), "wb") as fh:
+            with open(os.path.join(folder, self._state_file), "wb") as fh:
                 pickle.dump(state, fh)
         return Checkpoint.from_directory(folder)
 
@@ -259,13 +285,13 @@ class Loader:
         """Take up the checkpoint's state and position; returns the priorities it holds
         (rank 0's), or None."""
         with checkpoint.as_directory() as folder:
-            state_path = os.path.join(folder, _STATE)
+            state_path = os.path.join(folder, self._state_file)
             if os.path.exists(state_path):
                 with open(state_path, "rb") as fh:
                     self.restored = pickle.load(fh)
-            path = os.path.join(folder, _POSITION.format(self.rank))
+            path = os.path.join(folder, self._position_file.format(self.rank))
             if not os.path.exists(path):
-                held = sorted(glob.glob(os.path.join(folder, _POSITION.format("*"))))
+                held = sorted(glob.glob(os.path.join(folder, self._position_file.format("*"))))
                 if held:
                     # Other workers' positions without this one's: it would start the epochs
                     # over while they go on, out of step (collectives hang).
@@ -281,7 +307,7 @@ class Loader:
             with open(path, "rb") as fh:
                 saved = pickle.load(fh)
             others = []
-            for other in sorted(glob.glob(os.path.join(folder, _POSITION.format("*")))):
+            for other in sorted(glob.glob(os.path.join(folder, self._position_file.format("*")))):
                 if other != path:
                     with open(other, "rb") as fh:
                         others.append(pickle.load(fh))

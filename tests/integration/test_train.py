@@ -608,3 +608,66 @@ def test_steps_per_epoch_refuses_a_batch_over_a_share_and_warns_when_steps_leave
         for ld in loaders:
             ld.pipe.close()
         pipe.close()
+
+
+def test_a_torch_loop_of_steps_checkpointed_at_its_epoch_end_resumes_at_the_next_epoch(
+        image_folder, ray_local):
+    """islice over iter_batches for steps_per_epoch steps never asks past its last step: the
+    epoch-end checkpoint counts the epoch done (it resumed the rest of it as another epoch,
+    with other step counts on each worker)."""
+    import itertools
+
+    from raying.train.feed import Feed
+    from raying.train.loader import Loader
+
+    m = raying.Manifest.scan(str(image_folder))  # 60 samples: 7 whole batches of 8
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16))
+    loader = Loader(Feed.of(pipe, 3), rank=0, world_size=1)
+    for _ in loader.epochs():
+        steps = loader.steps_per_epoch(8)
+        rows = sum(len(b["id"]) for b in itertools.islice(loader.iter_batches(batch_size=8),
+                                                          steps))
+        assert (steps, rows) == (7, 56)
+        ck = loader.checkpoint(model="m")
+        break
+    resumed = Loader(Feed.of(pipe, 3), rank=0, world_size=1, checkpoint=ck)
+    assert list(resumed.epochs()) == [1, 2]
+    resumed.close()
+    loader.close()
+    pipe.close()
+
+
+def test_each_feed_restores_its_own_position_from_a_checkpoint(image_folder, tmp_path,
+                                                               ray_local):
+    """A validation feed beside the training one (datasets(val, name="val")) given the
+    training loader's checkpoint starts afresh: it loaded the training feed's position
+    (another manifest: refused, and the restarted run failed)."""
+    import itertools
+
+    from raying.tools.datagen import make_image_folder
+    from raying.train.feed import Feed
+    from raying.train.loader import Loader
+
+    train = raying.Pipeline(raying.Manifest.scan(str(image_folder)),
+                            transform=raying.ImageTransform(size=16))
+    other = make_image_folder(tmp_path / "val", n=20, classes=2, size=(24, 24), seed=4)
+    val = raying.Pipeline(raying.Manifest.scan(str(other)),
+                          transform=raying.ImageTransform(size=16))
+    loader = Loader(Feed.of(train, 2), rank=0, world_size=1)
+    for _ in loader.epochs():
+        list(itertools.islice(loader.iter_batches(batch_size=8), 3))  # mid-epoch
+        ck = loader.checkpoint(model="m")
+        break
+    checker = Loader(Feed.of(val, 1), rank=0, world_size=1, checkpoint=ck, dataset="val")
+    assert checker.restored is None and list(checker.epochs()) == [0]
+    ids = np.concatenate([b["id"] for b in checker.iter_batches(batch_size=8)])
+    assert sorted(ids.tolist()) == list(range(20))  # its whole epoch, not the train's rest
+    own = checker.checkpoint(step=1)
+    again = Loader(Feed.of(val, 2), rank=0, world_size=1, checkpoint=own, dataset="val")
+    assert again.restored == {"step": 1} and list(again.epochs()) == [1]
+    resumed = Loader(Feed.of(train, 2), rank=0, world_size=1, checkpoint=ck)
+    assert resumed.restored == {"model": "m"} and list(resumed.epochs()) == [0, 1]
+    for x in (loader, checker, again, resumed):
+        x.close()
+    train.close()
+    val.close()

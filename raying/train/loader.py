@@ -100,6 +100,8 @@ class Loader:
         # (epoch, rows) of the last steps_per_epoch(): a loop of that many steps delivers
         # those rows and stops, and its epoch is then done (see _track).
         self._steps_rows: tuple[int, int] | None = None
+        # (epoch, {rank: rows delivered}) of a checkpoint resumed mid-epoch.
+        self._resumed: tuple[int, dict[int, int]] | None = None
         self._warned_steps = False
         config = dataclasses.replace(feed.config, name=feed.name,
                                      shard=(self.rank, self.world_size))
@@ -193,6 +195,9 @@ class Loader:
                                       block_rows=self.pipe.block_rows())
         rows = [sum(u.num_rows for u in plan.units[r::self.world_size])
                 for r in range(self.world_size)]
+        if self._resumed is not None and self._resumed[0] == self.epoch:
+            # An epoch resumed mid-way: each share's rows not delivered before the checkpoint.
+            rows = [max(0, n - self._resumed[1].get(r, 0)) for r, n in enumerate(rows)]
         batch = int(batch_size)
         steps = min(rows) // batch
         total = sum(rows)
@@ -307,10 +312,15 @@ class Loader:
             with open(path, "rb") as fh:
                 saved = pickle.load(fh)
             others = []
+            delivered: dict[int, int] = {}  # rank -> rows of its share it had delivered
+            head, tail = self._position_file.split("{}")
             for other in sorted(glob.glob(os.path.join(folder, self._position_file.format("*")))):
                 if other != path:
                     with open(other, "rb") as fh:
                         others.append(pickle.load(fh))
+                    rank = os.path.basename(other)[len(head):-len(tail)]
+                    if rank.isdigit():
+                        delivered[int(rank)] = int(others[-1]["position"].get("delivered", 0))
         if saved["world_size"] != self.world_size:
             msg = (f"the checkpoint was made by {saved['world_size']} Train workers, this run "
                    f"has {self.world_size}; each worker's position is in its share, so resume "
@@ -325,6 +335,9 @@ class Loader:
             self._first = saved["epoch"] + 1
             return tables
         self._first = saved["epoch"]
+        # What each worker's share of the resumed epoch has left, for steps_per_epoch.
+        delivered[self.rank] = int(saved["position"].get("delivered", 0))
+        self._resumed = (saved["epoch"], delivered)
         # The position only: the priorities are the store's business (_restore_priorities).
         position = saved["position"]
         position = {**position, "sampler": _without_tables(position["sampler"])}

@@ -671,3 +671,35 @@ def test_each_feed_restores_its_own_position_from_a_checkpoint(image_folder, tmp
         x.close()
     train.close()
     val.close()
+
+
+def test_steps_per_epoch_of_an_epoch_resumed_mid_way_counts_the_rows_left(image_folder,
+                                                                         ray_local):
+    """After a checkpoint 24 rows into a 60-row epoch, a loop of steps_per_epoch steps takes
+    the 36 rows left (4 steps of 8), not the whole epoch's 7 steps, and its checkpoint then
+    resumes at the next epoch."""
+    import itertools
+
+    from raying.train.feed import Feed
+    from raying.train.loader import Loader
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16))
+    loader = Loader(Feed.of(pipe, 3), rank=0, world_size=1)
+    for _ in loader.epochs():
+        seen = [b["id"] for b in itertools.islice(loader.iter_batches(batch_size=8), 3)]
+        ck = loader.checkpoint()
+        break
+    resumed = Loader(Feed.of(pipe, 3), rank=0, world_size=1, checkpoint=ck)
+    epochs = resumed.epochs()
+    assert next(epochs) == 0
+    steps = resumed.steps_per_epoch(8)
+    assert steps == 4
+    rest = [b["id"] for b in itertools.islice(resumed.iter_batches(batch_size=8), steps)]
+    got = np.concatenate(seen + rest)
+    assert len(got) == 56 and len(set(got.tolist())) == 56
+    again = Loader(Feed.of(pipe, 3), rank=0, world_size=1, checkpoint=resumed.checkpoint())
+    assert list(again.epochs()) == [1, 2]
+    for x in (loader, resumed, again):
+        x.close()
+    pipe.close()

@@ -218,13 +218,13 @@ def _refuse_inside_source(src: str, storage: Any, out_fs: Any, out_root: str,
                           dst: str) -> None:
     """Refuse a destination at or under the source folder: the shards would become part of
     the source (a later scan of an image folder then finds Parquet files beside its images
-    and refuses it; one of Parquet would read the shards' rows twice)."""
+    and refuses it; one of Parquet would read the shards' rows twice); and one that holds the
+    source (a folder, or one file), whose scan would read the source with the shards."""
     import pyarrow.fs as pafs
 
     try:
         src_fs, src_root = _storage.resolve(src, StorageOptions.coerce(storage))
-        if src_fs.get_file_info(src_root).type == pafs.FileType.File:
-            return  # one file: nothing written beside it joins it
+        one_file = src_fs.get_file_info(src_root).type == pafs.FileType.File
     except Exception:  # noqa: BLE001 - a source this cannot place: the scan already read it
         return
     if type(src_fs) is not type(out_fs):
@@ -232,7 +232,7 @@ def _refuse_inside_source(src: str, storage: Any, out_fs: Any, out_root: str,
     a, b = src_root.rstrip("/"), out_root.rstrip("/")
     if isinstance(src_fs, pafs.LocalFileSystem):  # through symbolic links
         a, b = os.path.realpath(a), os.path.realpath(b)
-    if b == a or b.startswith(a + "/"):
+    if not one_file and (b == a or b.startswith(a + "/")):
         msg = (f"{dst} lies inside the source {src}: the shards would join the dataset they "
                f"are packed from. Pack into a folder outside it")
         raise ConfigError(msg)

@@ -66,6 +66,11 @@ def test_pack_refuses_a_destination_that_holds_the_source(image_folder, packed, 
             raying.pack(str(src), str(dst), shard_rows=100, progress=False,
                         overwrite=overwrite)
     assert len(list(src.glob("*.parquet"))) == 3  # nothing deleted
+    one = sorted(src.glob("*.parquet"))[0]  # one file of the destination's own top level
+    with pytest.raises(raying.ConfigError, match=r"the source .*part-00000.parquet lies "
+                                                 r"inside .*train"):
+        raying.pack(str(one), str(src), shard_rows=100, progress=False, overwrite=True)
+    assert one.exists()
 
 
 def test_pack_overwrite_deletes_only_the_top_level_shards(image_folder, packed, tmp_path,

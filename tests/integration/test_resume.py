@@ -59,6 +59,16 @@ def _loaded_mid_epoch(make, prefetch_batches=None):
     return first, b
 
 
+def _rest_completes_the_epoch(make, state, seen, *, epoch):
+    """A new pipeline loaded with ``state`` reads the rest of ``epoch``: with the ids
+    ``seen`` before it, each of the 60 once."""
+    b = make()
+    b.load_state_dict(state)
+    rest = np.concatenate([x["id"] for x in b.iter_batches(batch_size=4, epoch=epoch)])
+    assert sorted(np.concatenate([seen, rest]).tolist()) == list(range(60))
+    b.close()
+
+
 def test_resume_delivers_each_id_exactly_once(manifest, ray_local):
     make = _make(manifest)
     first, b = _loaded_mid_epoch(make)
@@ -191,12 +201,8 @@ def test_a_superseded_iterator_yields_nothing_more_and_leaves_the_new_position_a
     state = a.state_dict()
     assert (state["epoch"], state["delivered"]) == (5, 12)
     new.close()
-    b = make()
-    b.load_state_dict(state)
-    rest = np.concatenate([x["id"] for x in b.iter_batches(batch_size=4, epoch=5)])
-    assert sorted(np.concatenate([seen, rest]).tolist()) == list(range(60))
+    _rest_completes_the_epoch(make, state, seen, epoch=5)
     a.close()
-    b.close()
 
 
 @pytest.mark.parametrize("depth", [0, 4])
@@ -342,12 +348,8 @@ def test_an_older_iterator_that_runs_out_leaves_the_newer_position_alone(manifes
     state = a.state_dict()
     assert (state["epoch"], state["delivered"]) == (1, 12)
     new.close()
-    b = make()
-    b.load_state_dict(state)
-    rest = np.concatenate([x["id"] for x in b.iter_batches(batch_size=4, epoch=1)])
-    assert sorted(np.concatenate([seen, rest]).tolist()) == list(range(60))
+    _rest_completes_the_epoch(make, state, seen, epoch=1)
     a.close()
-    b.close()
 
 
 def test_iter_blocks_is_an_iteration_whose_rows_move_the_position(manifest, ray_local):
@@ -367,12 +369,8 @@ def test_iter_blocks_is_an_iteration_whose_rows_move_the_position(manifest, ray_
     state = a.state_dict()
     assert (state["epoch"], state["delivered"]) == (1, len(first))
     blocks.close()
-    b = make()
-    b.load_state_dict(state)
-    rest = np.concatenate([x["id"] for x in b.iter_batches(batch_size=4, epoch=1)])
-    assert sorted(np.concatenate([first, rest]).tolist()) == list(range(60))
+    _rest_completes_the_epoch(make, state, first, epoch=1)
     a.close()
-    b.close()
 
 
 def test_a_state_loaded_under_a_running_iterator_supersedes_it(manifest, ray_local):

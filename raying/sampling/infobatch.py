@@ -73,6 +73,16 @@ def _mean(scores: np.ndarray, weights: np.ndarray | None = None) -> float:
     return float(w @ x / w.sum()) * top if w.sum() > 0 else 0.0
 
 
+def _kish(weights: np.ndarray) -> float | None:
+    """Kish's effective sample size of an epoch's importance weights, (sum w)^2 / sum w^2:
+    the number of equally weighted samples whose weighted sum varies as the plan's does
+    (the kept count when nothing is up-weighted; fewer the more the weights spread)."""
+    if not weights.size:
+        return None
+    w = weights.astype(np.float64) / float(np.max(weights))
+    return float(w.sum() ** 2 / (w @ w))
+
+
 def prune_plan(scores: np.ndarray, prune_ratio: float, rng: np.random.Generator, *,
                mean: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Which samples an epoch keeps, with their inclusion probabilities and weights.
@@ -333,7 +343,8 @@ class InfoBatchSampler:
             "pruned_share": 1.0 - kept / candidates.size if candidates.size else 0.0,
             "below_mean_share": below, "annealed": bool(annealed),
             "plan_weight_min": float(w_kept.min()) if kept else None,
-            "plan_weight_max": float(w_kept.max()) if kept else None}
+            "plan_weight_max": float(w_kept.max()) if kept else None,
+            "plan_ess": _kish(w_kept)}
         return EpochPlan(epoch=epoch, units=units, sampler=self.name)
 
     def _prior_plan(self, manifest: Any, epoch: int, scores: np.ndarray, q: np.ndarray,
@@ -372,7 +383,8 @@ class InfoBatchSampler:
             "below_mean_share": float(np.mean(low[draws])) if k else 0.0,
             "annealed": bool(annealed),
             "plan_weight_min": float(w_kept.min()) if kept.size else None,
-            "plan_weight_max": float(w_kept.max()) if kept.size else None}
+            "plan_weight_max": float(w_kept.max()) if kept.size else None,
+            "plan_ess": _kish(w_kept)}
         return EpochPlan(epoch=epoch, units=units, sampler=self.name)
 
     def _parquet_units(self, manifest: Any, epoch: int, keep: np.ndarray,
@@ -427,6 +439,11 @@ class InfoBatchSampler:
             self.flush()
             out.update(st.stats(self.handle))
             out["sampler"] = self.name
+            # The store's ESS and smallest probability describe a draw in proportion to its
+            # table, which this sampler never makes (it keeps or prunes each sample): an
+            # epoch's effective size is its plan's, ``plan_ess`` in ``per_epoch``.
+            for key in ("ess", "ess_fraction", "min_prob"):
+                out.pop(key, None)
         out["per_epoch"] = [self._per_epoch[e] for e in sorted(self._per_epoch)]
         return out
 

@@ -74,6 +74,10 @@ def test_infobatch_prunes_the_well_learned_and_reweights_them(manifest, ray_loca
         assert (per_epoch[1]["weight_min"], per_epoch[1]["weight_max"]) == (1.0, 2.0)
         assert per_epoch[3]["annealed"] and per_epoch[3]["pruned_share"] == 0.0
         assert "persistent_top_share" in pipe.stats()["sampling"]["guard"]
+        # Its epochs' sizes, not the store table's ESS of a draw it never makes.
+        assert "ess" not in pipe.stats()["sampling"]
+        assert per_epoch[3]["plan_ess"] == pytest.approx(200.0)
+        assert per_epoch[1]["plan_ess"] < len(ids)
     finally:
         pipe.close()
 

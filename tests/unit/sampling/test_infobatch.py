@@ -90,6 +90,10 @@ def test_plans_follow_the_scores_weights_and_probabilities():
     assert stats[-1]["epoch"] == 3 and stats[-1]["annealed"] is False
     assert stats[0]["planned"] == len(ids)
     assert stats[0]["pruned_share"] == pytest.approx(1 - len(ids) / scores.size)
+    # The plan's effective size: kept ids weigh 1 (above the mean) or 2 (below it).
+    n1, n2 = int((~low[ids]).sum()), int(low[ids].sum())
+    assert stats[0]["plan_ess"] == pytest.approx((n1 + 2 * n2) ** 2 / (n1 + 4 * n2))
+    assert stats[0]["plan_ess"] < len(ids)
 
 
 def test_annealed_epochs_and_equal_scores_read_every_id_once_with_weight_one():

@@ -189,7 +189,15 @@ class DecodedCache:
         share = spec.decoded_cache_admit
         if budget < spec.decoded_cache_bytes:  # this node allows less: a smaller subset
             share *= budget / spec.decoded_cache_bytes
-        return cls(directory, budget, spec.cache_namespace, share)
+        cache = cls(directory, budget, spec.cache_namespace, share)
+        if released(directory):
+            # Released between the check above and here: the folder and index this made
+            # after the release removed its folder would outlive the pipeline. Let go of
+            # them and remove them.
+            close_released()
+            shutil.rmtree(directory, ignore_errors=True)
+            return None
+        return cache
 
     def get(self, ids: np.ndarray) -> list[np.ndarray | None]:
         """The cached pixels of each id, None for a miss (ids outside the admitted subset

@@ -513,3 +513,25 @@ def test_a_name_built_again_gets_a_cache_of_its_own_in_a_process_that_had_the_ol
     assert sum(second._tier.used_bytes().values()) > 0  # counted in the new index
     got = second.get(np.arange(10))
     assert all(np.array_equal(g, p) for g, p in zip(got, pixels, strict=True))
+
+
+def test_a_read_opening_the_cache_as_the_pipeline_closes_leaves_no_folder(monkeypatch,
+                                                                          tmp_path):
+    """A read task past its released-check when the pipeline is closed (a dataset read, or
+    one of the window in flight) makes the folder and its index after the release removed
+    them: it gets no cache, and what it made is removed."""
+    from raying.read.spec import ReadSpec
+
+    monkeypatch.setenv(decoded_dirs.DECODED_CACHE_DIR_ENV, str(tmp_path))
+    mark = decoded_cache.mark_owner
+
+    def closed_meanwhile(directory, owner):
+        decoded_dirs.release("late")  # the driver's close() runs to its end here
+        mark(directory, owner)
+
+    monkeypatch.setattr(decoded_cache, "mark_owner", closed_meanwhile)
+    spec = ReadSpec(root="/x", storage=None, fmt="images", files=(), image_column=None,
+                    decoded=None, transform=None, seed=0, decoded_cache_bytes=1 << 20,
+                    decoded_cache_name="late", decoded_cache_owner="h 1")
+    assert decoded_cache.DecodedCache.of(spec) is None
+    assert not os.path.exists(decoded_dirs.cache_dir("late"))

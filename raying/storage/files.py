@@ -8,9 +8,11 @@ dict). Errors name the URI and the fix; credentials never appear in messages, re
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
+import stat
 import threading
 import uuid
 import warnings
@@ -202,13 +204,15 @@ def check_links(root: str, uri: str) -> None:
     ``b/to_a -> ../a``) is refused, as the listing would follow it again and again (each
     image listed some 40 times over, or for hours where loops cross); links that lead
     nowhere are named in a warning, as the listing leaves them out without a word (a split
-    made of links into a store would lose those samples unseen).
+    made of links into a store would lose those samples unseen), and so are entries that
+    are not regular files (a named pipe, a link to a device), which it leaves out too.
 
     A depth-first walk of the folders by their real paths, each walked once (os.scandir:
     only links cost a ``stat``): a link to a folder still being walked closes a loop. A
     dataset is checked so before it is scanned; :func:`list_files` itself, for other
     callers, lists a loop and leaves its repeats out (:func:`_drop_symlink_loops`)."""
     broken: list[str] = []
+    special: list[str] = []
     walking, done = set(), set()
     top = os.path.realpath(root)
     stack: list[tuple[str, str, Any]] = []
@@ -236,6 +240,8 @@ def check_links(root: str, uri: str) -> None:
             broken.append(e.path)
             continue
         if not e.is_dir():
+            if not e.is_file():  # a named pipe, a device, a socket (or a link to one)
+                special.append(e.path)
             continue
         real = os.path.realpath(e.path)
         if real in walking or (e.is_symlink()
@@ -252,6 +258,12 @@ def check_links(root: str, uri: str) -> None:
         warnings.warn(f"{uri}: {len(broken)} symbolic links lead to nothing and are left out "
                       f"of the scan (e.g. {shown}); restore their targets or remove them",
                       UserWarning, stacklevel=4)  # the caller of Manifest.scan
+    if special:
+        special.sort()
+        warnings.warn(f"{uri}: {len(special)} entries are not regular files (named pipes, "
+                      f"devices, sockets, or links to them) and are left out of the scan "
+                      f"(e.g. {', '.join(special[:3])}); a sample must be a regular file or "
+                      f"a link to one", UserWarning, stacklevel=4)
 
 
 def _drop_symlink_loops(infos: list[pafs.FileInfo], base: str) -> list[pafs.FileInfo]:
@@ -508,9 +520,43 @@ def is_credentials_error(exc: BaseException) -> bool:
     return _errors.classify(exc) == "credentials"
 
 
+# The largest local file read whole (an encoded image): a file replaced after the scan by one
+# of many gigabytes would take a read worker's memory, and with it the node's.
+MAX_LOCAL_READ_BYTES = 2 << 30
+
+
 def _read_local(path: str) -> bytes:
-    with open(path, "rb") as f:
+    # O_NONBLOCK: the open of a named pipe put where a file was (after the scan) returns at
+    # once instead of waiting for a writer; it changes nothing for a regular file's reads.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(st.st_mode):
+            # A named pipe would block the read (the epoch with it), a device (a link to
+            # /dev/zero) would never end it.
+            msg = (f"{path} is not a regular file but {_kind_of(st.st_mode)}: it is set "
+                   f"aside; replace it with the image file, or remove it from the dataset")
+            raise DataError(msg)
+        if st.st_size > MAX_LOCAL_READ_BYTES:
+            msg = (f"{path} holds {st.st_size:,} bytes, more than the "
+                   f"{MAX_LOCAL_READ_BYTES:,} a sample's file may hold (read whole into a "
+                   f"read worker's memory): it is set aside; is it the file the dataset "
+                   f"meant? Replace or remove it")
+            raise DataError(msg)
         return f.read()
+
+
+def _kind_of(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a special file"
 
 
 def _read_fs(fs: pafs.FileSystem, path: str) -> bytes:

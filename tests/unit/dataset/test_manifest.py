@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -69,6 +71,20 @@ def test_hive_labels_negative_or_spelled_twice_are_refused(tmp_path):
             _parquet(root / name / "part-0.parquet", 4)
         with pytest.raises(raying.DataError, match=pattern):
             raying.Manifest.scan(str(root), label="label")
+
+
+def test_pipes_and_devices_are_named_in_a_warning(tmp_path):
+    """Entries that are not regular files (a named pipe, a link to a device) are left out of
+    a listing, as links that lead nowhere are: said, not silently. (A folder of its own: a
+    copy of the module's folder would copy /dev/zero without end.)"""
+    own = make_image_folder(tmp_path / "imgs", n=6, classes=2, size=(16, 20))
+    os.mkfifo(own / "class_00" / "pipe.jpg")
+    os.symlink("/dev/zero", own / "class_01" / "zero.jpg")
+    with pytest.warns(UserWarning, match=r"2 entries are not regular files .* left out of "
+                                         r"the scan \(e\.g\. .*pipe\.jpg, .*zero\.jpg\)"):
+        m = raying.Manifest.scan(str(own))
+    paths = list(m.path_of(np.arange(len(m))))
+    assert len(paths) == 6 and not any(p.endswith(("pipe.jpg", "zero.jpg")) for p in paths)
 
 
 def test_links_that_lead_nowhere_are_named_in_a_warning(folder, tmp_path):

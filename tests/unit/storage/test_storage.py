@@ -297,6 +297,35 @@ def test_read_many_keeps_order_and_failures_in_their_slots(tree):
     assert storage.read_many(fs, infos) == [storage.read_bytes(fs, i.path) for i in infos]
 
 
+def test_a_file_that_became_a_pipe_or_a_device_is_refused_at_once(tree, monkeypatch):
+    """A named pipe where a file was blocked the read (and its epoch) until a writer came; a
+    link to /dev/zero filled the read worker's memory: each is refused in its slot, naming
+    the file, and the others are read."""
+    from raying.errors import DataError
+
+    fs, root = storage.resolve(str(tree))
+    os.remove(f"{root}/cats/1.jpg")
+    os.mkfifo(f"{root}/cats/1.jpg")
+    os.symlink("/dev/zero", f"{root}/cats/zero.jpg")
+    paths = [f"{root}/cats/1.jpg", f"{root}/cats/zero.jpg", f"{root}/cats/2.jpg"]
+    out: list = []
+    reader = threading.Thread(target=lambda: out.extend(storage.read_many(fs, paths)),
+                              daemon=True)
+    reader.start()
+    reader.join(10.0)
+    assert not reader.is_alive(), "the read waits on the pipe"
+    assert isinstance(out[0], DataError) and "1.jpg is not a regular file but a named pipe" \
+        in str(out[0])
+    assert isinstance(out[1], DataError) and "zero.jpg is not a regular file but a device" \
+        in str(out[1])
+    assert out[2] == b"b" * 20
+    monkeypatch.setattr(storage, "MAX_LOCAL_READ_BYTES", 19)  # a file grown past the limit
+    with pytest.raises(DataError, match=r"2\.jpg holds 20 bytes, more than the 19"):
+        storage.read_bytes(fs, f"{root}/cats/2.jpg")
+    with pytest.raises(StorageError):  # a folder stays the storage's error, as before
+        storage.read_bytes(fs, f"{root}/cats")
+
+
 def test_write_bytes_atomic_local(tmp_path):
     fs, root = storage.resolve(str(tmp_path))
     target = f"{root}/deep/er/file.bin"

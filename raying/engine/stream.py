@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_READ_OUT_S = 5.0
 # Task retries when a worker process or node dies under a read task.
 DEFAULT_TASK_MAX_RETRIES = 8
+# Seconds an iteration waits on one block before it says so (and again each as long after):
+# a read of storage that neither answers nor fails (an HDFS DataNode that hangs: Hadoop's
+# client waits out its socket timeout, 60 s by default, replica after replica) would
+# otherwise hold the epoch without a word.
+STALL_WARN_S = 60.0
 # Rows of the first block of an epoch's first window of units: the trainer's first batch
 # waits for this many decodes, not a whole unit's (256 rows: ~0.2 s on one core at 256 px).
 DEFAULT_FIRST_BLOCK_ROWS = 64
@@ -350,7 +355,7 @@ class BlockStream:
                         ref = self._take(key)
                         self._reading[key] = ref
                         last_part = k + 1 >= self._nparts.get((epoch, index), 1)
-                    for part in _parts(ref):
+                    for part in _parts(ref, (epoch, index)):
                         try:
                             block, account = ray.get(part)
                         except ray.exceptions.RayTaskError as exc:
@@ -509,17 +514,34 @@ class BlockStream:
         return len(ready) == len(done)
 
 
-def _parts(ref: Any) -> Iterator[Any]:
+def _parts(ref: Any, waited: tuple[int, int] | None = None) -> Iterator[Any]:
     """The parts of a read task's generator, each asked for only while Ray is up: a call on
     it after ``ray.shutdown()`` (this runs on a reader thread, the training thread may shut
     Ray down meanwhile) would start a new Ray from this thread (Ray's auto-init), which
-    later aborts the process."""
+    later aborts the process. With ``waited`` (the epoch and unit), a part waited on for
+    ``STALL_WARN_S`` is said in a warning, and again each ``STALL_WARN_S`` after."""
+    import time
+
     import ray
 
     it = iter(ref)
     while True:
         if not ray.is_initialized():
             raise ConfigError("Ray was shut down while this epoch's blocks were read")
+        if waited is not None:
+            # Ready once the next part is stored, or the task ended (its end or its error).
+            began = time.monotonic()
+            while not ray.wait([ref], timeout=STALL_WARN_S, fetch_local=False)[0]:
+                logger.warning(
+                    "raying: epoch %d has waited %.0f s for a block of its read unit %d, whose "
+                    "read task has not finished; it goes on waiting. A read of storage that "
+                    "neither answers nor fails holds a read this long (an HDFS DataNode that "
+                    "hangs: Hadoop's client waits out dfs.client.socket-timeout, 60 s by "
+                    "default, per replica); so do a user stage that blocks, or a cluster with "
+                    "no CPU free for the read tasks", waited[0], time.monotonic() - began,
+                    waited[1])
+                if not ray.is_initialized():
+                    raise ConfigError("Ray was shut down while this epoch's blocks were read")
         try:
             part = next(it)
         except StopIteration:

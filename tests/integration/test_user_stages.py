@@ -601,3 +601,34 @@ def test_to_tf_of_an_empty_share_under_stages_is_an_empty_dataset(image_folder, 
 
 def _same(batch):
     return batch
+
+
+def _slow(batch):
+    import time
+
+    time.sleep(1.0)
+    return batch
+
+
+def test_a_block_waited_on_long_is_said_and_still_delivered(image_folder, ray_local, caplog,
+                                                            monkeypatch):
+    """A read task that neither finishes nor fails (a storage read that hangs; here a stage
+    that blocks) is said in a warning while the iteration waits, naming the epoch and unit;
+    the iteration still delivers every row once it comes."""
+    import logging
+
+    import raying.engine.stream as stream
+
+    monkeypatch.setattr(stream, "STALL_WARN_S", 0.3)
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=32)).map_batches(_slow)
+    try:
+        with caplog.at_level(logging.WARNING, logger="raying"):
+            ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=16, epoch=0)])
+        assert sorted(ids.tolist()) == list(range(len(m)))
+        said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+        assert said and all(w.startswith("raying: epoch 0 has waited") for w in said)
+        assert "read unit" in said[0] and "goes on waiting" in said[0]
+    finally:
+        pipe.close()

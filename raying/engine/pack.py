@@ -140,7 +140,8 @@ def pack(src: str | Manifest, dst: str, *, decode_size: int | None = None,
     out_fs, out_root = _storage.resolve(dst, out_opts)
     _refuse_inside_source(src if isinstance(src, str) else manifest.root, manifest.storage,
                           out_fs, out_root, dst)
-    old = _check_destination(out_fs, out_root, dst, overwrite=overwrite)  # before Ray starts
+    old = _check_destination(out_fs, out_root, dst, overwrite=overwrite,  # before Ray starts
+                             options=out_opts)
     ensure_ray()  # before the destination is cleared or made: a Ray not reached leaves it
     _clear_destination(out_fs, old)
     _storage.make_dirs(out_fs, out_root)
@@ -243,12 +244,15 @@ def _refuse_inside_source(src: str, storage: Any, out_fs: Any, out_root: str,
         raise ConfigError(msg)
 
 
-def _check_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> list[Any]:
+def _check_destination(fs: Any, root: str, dst: str, *, overwrite: bool,
+                       options: Any = None) -> list[Any]:
     """The Parquet files already at the destination's top level, for ``overwrite`` to delete;
-    refused when there are any without it, and when its subfolders hold any."""
+    refused when there are any without it, and when its subfolders hold any, and on S3 when
+    its bucket does not exist (pack makes folders, not buckets)."""
     try:
         old = _storage.list_files(fs, root, extensions=PARQUET_EXTENSIONS)  # what a scan reads
     except _storage.NotFoundError:
+        _refuse_missing_bucket(fs, root, dst, options)
         return []
     if not old:
         return []
@@ -269,6 +273,26 @@ def _check_destination(fs: Any, root: str, dst: str, *, overwrite: bool) -> list
                f"Pack into a folder of its own")
         raise ConfigError(msg)
     return old
+
+
+def _refuse_missing_bucket(fs: Any, root: str, dst: str, options: Any) -> None:
+    """On S3, refuse a destination whose bucket does not exist, before any work: the shards'
+    writes would each fail on it after the whole source was read."""
+    import pyarrow.fs as pafs
+
+    from raying.storage.errors import missing_error
+
+    if not isinstance(fs, pafs.S3FileSystem):
+        return
+    bucket = root.split("/", 1)[0]
+    try:
+        missing = fs.get_file_info(bucket).type == pafs.FileType.NotFound
+    except Exception:  # noqa: BLE001 - unknown here: the writes say what goes wrong
+        return
+    if missing:
+        err = missing_error(fs, root, dst, options)
+        raise type(err)(f"{err}; pack writes into a bucket that exists: create it first, "
+                        f"or pack into another") from None
 
 
 def _clear_destination(fs: Any, old: list[Any]) -> None:
@@ -306,12 +330,17 @@ def _remove_shards(refs: list[Any], fs: Any, root: str, names: list[str]) -> Non
     marker = f"{root.rstrip('/')}/{STOP_MARKER}"
     try:
         _storage.write_bytes_atomic(fs, marker, b"")
+        fenced = True
+    except Exception as exc:  # noqa: BLE001 - said below; the tasks are still waited for
+        logger.debug("pack: could not write %s (%s)", marker, exc)
+        fenced = False
+    try:
         _, running = ray.wait(refs, num_returns=len(refs), timeout=60)
     except Exception as exc:  # noqa: BLE001 - Ray itself gone: the pack's own error goes on
         logger.warning("pack: could not wait for the shard tasks of this stopped pack (%s)",
                        exc)
         running = refs
-    for name in [*names, *([] if running else [STOP_MARKER])]:
+    for name in [*names, *([STOP_MARKER] if fenced and not running else [])]:
         path = f"{root.rstrip('/')}/{name}"
         try:
             if fs.get_file_info(path).type != pafs.FileType.NotFound:
@@ -319,10 +348,15 @@ def _remove_shards(refs: list[Any], fs: Any, root: str, names: list[str]) -> Non
         except Exception as exc:  # noqa: BLE001 - said, and the pack's own error goes on
             logger.warning("pack: could not remove %s of this stopped pack (%s); remove it "
                            "before scanning the destination", path, exc)
-    if running:
+    if running and fenced:
         logger.warning("pack: %d shard tasks of this stopped pack still run; %s in the "
                        "destination keeps them from writing (the next pack there removes it)",
                        len(running), STOP_MARKER)
+    elif running:
+        logger.warning("pack: %d shard tasks of this stopped pack still run, and the marker "
+                       "that would keep them from writing (%s) could not be written: they "
+                       "may still write shards to %s; remove its Parquet files before "
+                       "scanning it", len(running), STOP_MARKER, root)
 
 
 def _wait_all(refs: list[Any], *, total: int, progress: bool) -> list[dict[str, Any]]:

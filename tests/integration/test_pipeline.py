@@ -134,6 +134,32 @@ def test_a_pack_that_stops_part_way_leaves_no_shard(image_folder, tmp_path, ray_
     assert res.rows == 60 and len(list(dst.glob("*.parquet"))) == 3  # every shard written
 
 
+def test_a_stopped_pack_that_cannot_write_its_marker_still_waits_for_its_tasks(
+        tmp_path, ray_local, caplog):
+    """Where the stop marker cannot be written (a destination gone, a bucket missing), the
+    shard tasks are still waited for, and no warning claims the marker holds them back."""
+    import logging
+
+    import pyarrow.fs as pafs
+    import ray
+
+    from raying.engine.pack import _remove_shards
+
+    @ray.remote(num_cpus=0)
+    def shard():
+        time.sleep(0.5)
+        return 1
+
+    blocked = tmp_path / "a-file"  # a destination under a file: nothing can be written there
+    blocked.write_bytes(b"")
+    refs = [shard.remote() for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        _remove_shards(refs, pafs.LocalFileSystem(), str(blocked / "out"), ["_part-0.parquet"])
+    assert ray.wait(refs, num_returns=2, timeout=0)[1] == []
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "keeps them from writing" not in said and "could not wait" not in said
+
+
 def test_raying_pack_fails_when_every_sample_was_set_aside(tmp_path, ray_local, capsys):
     from raying.tools import cli
 

@@ -67,6 +67,23 @@ def test_s3_missing_prefix_is_a_clear_error(s3_images, s3_endpoint, ray_local):
         raying.Manifest.scan("s3://raying-images/nope", storage={"endpoint_url": s3_endpoint})
 
 
+def test_pack_into_a_missing_bucket_is_refused_before_any_work(s3_endpoint, image_folder,
+                                                              monkeypatch):
+    """The bucket is checked before Ray starts: the shards' writes each failed on it after
+    the whole source was read, and a warning claimed a stop marker it could not write."""
+    import raying.engine.ray_setup as ray_setup
+
+    def no_ray(*a, **k):
+        raise AssertionError("pack started Ray for a destination it cannot write")
+
+    monkeypatch.setattr(ray_setup, "ensure_ray", no_ray)
+    with pytest.raises(raying.StorageError,
+                       match=r"bucket 'raying-no-such-bucket' does not exist at "
+                             r"http://127\.0\.0\.1:\d+.*create it first"):
+        raying.pack(str(image_folder), "s3://raying-no-such-bucket/packed",
+                    dst_storage={"endpoint_url": s3_endpoint}, progress=False)
+
+
 def test_s3_parquet_through_the_cache_matches_local(s3_server, s3_endpoint, image_folder,
                                                     tmp_path_factory, ray_local):
     from raying.options import CacheConfig, IOConfig

@@ -56,7 +56,8 @@ def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
 
     Returns:
         ``(datas, account)``: bytes (or a memoryview) or the StorageError per path; the
-        ``io_*``/``cache_*`` counters (just ``io_retries``, if any, when ``spec.io`` is None).
+        ``io_*``/``cache_*`` counters (when ``spec.io`` is None: ``io_requests``, one per path
+        and per retry, and ``io_retries`` if any).
     """
     io = IOConfig.coerce(getattr(spec, "io", None))
     if io is None:
@@ -66,7 +67,10 @@ def read_samples(spec: Any, fs: pafs.FileSystem, paths: Sequence[str], unit: Any
             retried[0] += 1
 
         datas = _storage.read_many(fs, paths, on_retry=count)
-        account = {"io_retries": retried[0]} if retried[0] else {}
+        # One request per path read (a whole-file read), and one per retry.
+        account = {"io_requests": len(paths) + retried[0]}
+        if retried[0]:
+            account["io_retries"] = retried[0]
     else:
         probs = getattr(unit, "probs", None) if scores is None else scores
         datas, account = fetch_files(fs, paths, io=io, scores=probs, namespace=spec.dataset_key)
@@ -215,9 +219,14 @@ def summarize(totals: dict[str, Any]) -> dict[str, Any]:
     Returns:
         ``read_amplification`` (bytes fetched from storage per byte delivered),
         ``cache_hit_ratio`` (all tiers) and ``cache_hit_ratio_<tier>`` (share of lookups
-        each tier served), and the raw counters.
+        each tier served), and the raw counters (``io_requests`` None where bytes were
+        read by requests no one counted: pyarrow's own reads of Parquet without ``io``).
     """
     out: dict[str, Any] = {k: int(totals.get(k, 0)) for k in ACCOUNT_KEYS}
+    if out["io_bytes_fetched"] and not out["io_requests"]:
+        # Bytes came from reads no one counted: pyarrow's own, of Parquet without ``io``
+        # (it coalesces ranges as it sees fit). Unknown, not none.
+        out["io_requests"] = None
     out["read_amplification"] = read_amplification(out["io_bytes_fetched"],
                                                    out["io_bytes_delivered"])
     lookups = out["cache_lookups"]

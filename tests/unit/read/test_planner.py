@@ -140,17 +140,22 @@ def test_read_samples_without_io_is_read_many(files):
         io = None
         root = "/"
 
-    datas, account = fetch.read_samples(Spec(), pafs.LocalFileSystem(), [files["a/1.bin"]],
-                                        None)
-    assert account == {} and bytes(datas[0]) == open(files["a/1.bin"], "rb").read()
+    paths = [files["a/1.bin"], files["a/1.bin"]]  # a repeat is read again: two requests
+    datas, account = fetch.read_samples(Spec(), pafs.LocalFileSystem(), paths, None)
+    assert account == {"io_requests": 2}
+    assert bytes(datas[0]) == bytes(datas[1]) == open(files["a/1.bin"], "rb").read()
 
 
 def test_summarize_gives_ratios():
-    s = fetch.summarize({"io_bytes_fetched": 50, "io_bytes_delivered": 100,
+    s = fetch.summarize({"io_bytes_fetched": 50, "io_bytes_delivered": 100, "io_requests": 4,
                          "cache_lookups": 10, "cache_hits_memory": 3, "cache_hits_disk": 2})
-    assert s["read_amplification"] == 0.5
+    assert s["read_amplification"] == 0.5 and s["io_requests"] == 4
     assert s["cache_hit_ratio"] == 0.5 and s["cache_hit_ratio_memory"] == 0.3
     assert set(fetch.ACCOUNT_KEYS) <= set(s)
+    # Bytes read by requests no one counted (pyarrow's reads of Parquet without io): the
+    # count is unknown, not 0; nothing read at all is 0.
+    assert fetch.summarize({"io_bytes_fetched": 50})["io_requests"] is None
+    assert fetch.summarize({})["io_requests"] == 0
 
 
 # --- Parquet ------------------------------------------------------------------------------------

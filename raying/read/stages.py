@@ -66,6 +66,59 @@ class UserStage:
         module = getattr(fn, "__module__", None)
         return f"{module}.{qual}" if module and module not in ("__main__", "builtins") else qual
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The function and its keywords travel as bytes of their own, loaded where they
+        # arrive by _shipped_stage: a function whose module a worker cannot import then
+        # fails its calls, by name, instead of the read task's arguments (which Ray Data
+        # retries without end, and the iterator reports with no function named).
+        return (_shipped_stage, (self.name, self.with_rng, _dumps((self.fn, self.fn_kwargs))))
+
+
+class StageLoadError(ImportError):
+    """A stage's function could not be loaded in the process that was to call it."""
+
+    def __init__(self, message: str, traceback_text: str) -> None:
+        super().__init__(message)
+        self.traceback_text = traceback_text
+
+
+class _Unloadable:
+    """Stands in for a function that could not be loaded: each call raises why."""
+
+    def __init__(self, name: str, message: str, traceback_text: str) -> None:
+        self.__qualname__ = name  # UserStage.name reads these
+        self.__module__ = "__main__"
+        self.message, self.traceback_text = message, traceback_text
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise StageLoadError(self.message, self.traceback_text)
+
+
+def _dumps(obj: Any) -> bytes:
+    try:
+        from ray import cloudpickle
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        import pickle as cloudpickle  # type: ignore[no-redef]
+    return cloudpickle.dumps(obj)
+
+
+def _shipped_stage(name: str, with_rng: bool, payload: bytes) -> UserStage:
+    """A :class:`UserStage` from its pickled form; one whose function cannot be loaded
+    here gets a stand-in that says so, by name, when it is called."""
+    import pickle
+
+    try:
+        fn, fn_kwargs = pickle.loads(payload)  # noqa: S301 - the pipeline's own stage
+    except Exception as exc:  # noqa: BLE001 - said at the call, which names the epoch and ids
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        message = (f"cannot be loaded in the read worker ({type(exc).__name__}: {exc}): the "
+                   f"module that defines it, and what it uses, must be importable on every "
+                   f"node. Install it there, or ship it with Ray's runtime environment "
+                   f"(ray.init(runtime_env={{'py_modules': [module]}}) or "
+                   f"{{'working_dir': ...}}), or define the function in the driver's script")
+        return UserStage(_Unloadable(name, message, text), with_rng)
+    return UserStage(fn, with_rng, fn_kwargs)
+
 
 def stage_call_rows(size: int) -> int:
     """Rows per call of the stages for ``size`` px images: the largest power of two up to
@@ -204,6 +257,9 @@ def run_chunk(stages: tuple[UserStage, ...], block: dict[str, np.ndarray], *, se
             kwargs["rng"] = rngs[index]  # type: ignore[index]
         try:
             out = stage.fn(block, **kwargs)
+        except StageLoadError as exc:
+            raise UserFunctionError(stage.name, epoch, ids, str(exc),
+                                    exc.traceback_text) from None
         except Exception as exc:
             text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
             err = UserFunctionError(stage.name, epoch, ids,
@@ -326,7 +382,6 @@ def _check_call(fn: Callable[..., Any], with_rng: bool, kwargs: dict[str, Any]) 
 
 def _check_pickles(stage: UserStage) -> None:
     """Refuse, now and by name, a stage Ray could not ship to the read workers."""
-    import pickle
 
     try:
         from ray import cloudpickle
@@ -334,7 +389,7 @@ def _check_pickles(stage: UserStage) -> None:
         import pickle as cloudpickle  # type: ignore[no-redef]
     try:
         cloudpickle.dumps(stage)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever pickling raises (ctypes: ValueError)
         msg = (f"map_batches function {stage.name} (or its fn_kwargs) cannot be pickled "
                f"({type(exc).__name__}: {exc}); Ray ships it to the read workers: keep what "
                f"it closes over picklable (no open files, locks or clients; create those "

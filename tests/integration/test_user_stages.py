@@ -310,6 +310,35 @@ def test_a_raising_stage_stops_both_paths_naming_itself_epoch_and_ids(parquet_se
     pipe.close()
 
 
+def test_a_stage_whose_module_the_workers_cannot_import_stops_both_paths_by_name(
+        parquet_set, ray_local, tmp_path, monkeypatch):
+    """A function from a module only the driver can import (a local module a cluster's
+    nodes lack: here its folder joins sys.path after the workers started). The dataset
+    path retried its read tasks without end; the iterator's error named no function."""
+    import sys
+
+    (tmp_path / "driver_only_stages.py").write_text("def keep(batch):\n    return batch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "driver_only_stages", raising=False)
+    import driver_only_stages
+
+    m = raying.Manifest.scan(str(parquet_set), columns=COLUMNS)
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE),
+                           config=raying.PipelineConfig(block_rows=8))
+    pipe = pipe.map_batches(driver_only_stages.keep)
+    pattern = (r"map_batches function driver_only_stages\.keep cannot be loaded in the read "
+               r"worker \(ModuleNotFoundError: No module named 'driver_only_stages'\).*"
+               r"runtime_env.*\(epoch 1, ids \[")
+    try:
+        with pytest.raises(raying.UserFunctionError, match=pattern):
+            list(pipe.iter_batches(batch_size=8, epoch=1))
+        with pytest.raises(raying.UserFunctionError, match=pattern):
+            list(pipe.dataset(1).iter_batches(batch_size=8))
+    finally:
+        pipe.close()
+        sys.modules.pop("driver_only_stages", None)
+
+
 def test_read_tasks_whose_rows_were_all_set_aside_keep_the_stage_columns(tmp_path, ray_local):
     """On the dataset path, a read task with no good row yields no block (a stage's columns
     are unknown without rows): every batch carries the column the stage adds, and every good

@@ -678,6 +678,33 @@ def test_a_partial_is_named_by_the_function_it_wraps():
     assert name.startswith("functools.partial(") and "invert" in name
 
 
+def test_a_stage_that_cannot_be_loaded_where_it_arrives_says_so_when_called():
+    """A stage travels as bytes of its own: one whose function cannot be loaded where it is
+    unpickled (its module missing there) still unpickles, and its calls fail by name."""
+    import pickle
+
+    from raying.read import stages as st
+
+    stage = st.UserStage(invert, fn_kwargs=())
+    back = pickle.loads(pickle.dumps(stage))
+    assert back.fn is invert and back.name == stage.name  # a module the process has
+    # The pickled function's module renamed to one no process has (same length: the
+    # pickle stays valid), as a node without the user's module sees it.
+    missing = pickle.dumps((invert, ()), protocol=4).replace(
+        invert.__module__.encode(), b"no_such_module_here"[:len(invert.__module__)].ljust(
+            len(invert.__module__), b"_"))
+    broken = st._shipped_stage(stage.name, False, missing)
+    assert broken.name == stage.name
+    block = {"id": np.arange(2), "label": np.zeros(2, np.int64),
+             "image": np.zeros((2, 4, 4, 3), np.uint8)}
+    with pytest.raises(raying.UserFunctionError,
+                       match=r"function .*invert cannot be loaded in the read worker "
+                             r"\(ModuleNotFoundError: No module named 'no_such_module_h.*"
+                             r"\(epoch 2, ids \[0, 1\]") as info:
+        st.run_chunk((broken,), block, seed=0, epoch=2, size=4)
+    assert "ModuleNotFoundError" in info.value.traceback_text
+
+
 def test_map_batches_refuses_what_it_cannot_run(parquet_set):
     m = raying.Manifest.scan(str(parquet_set))
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=SIZE))
@@ -686,6 +713,11 @@ def test_map_batches_refuses_what_it_cannot_run(parquet_set):
     lock = threading.Lock()
     with pytest.raises(raying.ConfigError, match=r"cannot be pickled"):
         pipe.map_batches(lambda b: b if lock else b)
+    import ctypes  # pickling a pointer raises ValueError, not a PicklingError
+
+    pointer = ctypes.pointer(ctypes.c_int(1))
+    with pytest.raises(raying.ConfigError, match=r"cannot be pickled \(ValueError: ctypes"):
+        pipe.map_batches(lambda b: b if pointer else b)
     with pytest.raises(raying.ConfigError, match=r"fn_kwargs has 'rng'"):
         pipe.map_batches(jitter, with_rng=True, fn_kwargs={"rng": 1})
     # A call the read tasks would make and the function does not take fails here, before

@@ -131,11 +131,12 @@ class BlockStream:
         import ray
 
         self._spec_ref = ray.put(spec)
-        # A stage that draws random numbers keys its generator by a chunk's ids; chunks start
-        # at multiples of DEFAULT_STAGE_ROWS of the unit, so a short first block gives the
-        # same chunks as dataset(e)'s whole blocks when every block edge is such a multiple.
-        rng_stages = any(getattr(s, "with_rng", False) for s in spec.stages)
-        self._short_first = not rng_stages or int(block_rows) % DEFAULT_STAGE_ROWS == 0
+        # A stage sees a chunk's rows together (it may look across them, and one that draws
+        # random numbers keys its generator by the chunk's ids); chunks start at multiples
+        # of DEFAULT_STAGE_ROWS of the unit and end at block edges too, so a short first
+        # block gives the same chunks as dataset(e)'s whole blocks only when every block
+        # edge is such a multiple.
+        self._short_first = not spec.stages or int(block_rows) % DEFAULT_STAGE_ROWS == 0
         # Any stage sees the rows of its calls together (a stage may look across them), so
         # a first block cut at whole batches still ends at a multiple of the chunk.
         self._aligned = bool(spec.stages)

@@ -512,6 +512,52 @@ def test_a_stage_sees_the_same_rows_together_whatever_the_batch_size(tmp_path, r
         pipe.close()
 
 
+def test_a_stage_sees_the_same_rows_together_in_parquet_units_of_several_blocks(tmp_path,
+                                                                                ray_local):
+    """Units of 200 Parquet rows read as blocks of 100 (not a multiple of the stages'
+    16-row chunks): a short first block moved every later block edge of the iterator's
+    first units, and with them the chunks a stage sees together (128 of 1,600 rows
+    differed from dataset(e)'s, at batches of 8)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raying.tools.datagen import encode
+
+    rng = np.random.default_rng(5)
+    images = [encode(rng.integers(0, 255, (24, 24, 3), dtype=np.uint8), "jpg")
+              for _ in range(1600)]
+    table = pa.table({"image": pa.array(images, pa.binary()),
+                      "label": pa.array(np.arange(1600) % 3, pa.int64())})
+    (tmp_path / "pq").mkdir()
+    pq.write_table(table, tmp_path / "pq" / "part-0.parquet", row_group_size=50)
+    m = raying.Manifest.scan(str(tmp_path / "pq"))
+
+    def pipeline():
+        return raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                               sampler=raying.UniformSampler(seed=0),
+                               config=raying.PipelineConfig(block_rows=100)
+                               ).map_batches(_call_mean)
+
+    pipe = pipeline()
+    try:
+        assert {u.num_rows for u in pipe.plan(0).units} == {200}
+        ref = {int(i): im.copy() for b in pipe.dataset(0).iter_batches(
+            batch_size=64, batch_format="numpy") for i, im in zip(b["id"], b["image"],
+                                                                  strict=True)}
+    finally:
+        pipe.close()
+    assert len(ref) == 1600
+    for batch_size in (8, 256):
+        pipe = pipeline()
+        try:
+            got = {int(i): im.copy() for b in pipe.iter_batches(batch_size=batch_size, epoch=0)
+                   for i, im in zip(b["id"], b["image"], strict=True)}
+        finally:
+            pipe.close()
+        differ = [i for i in ref if not np.array_equal(ref[i], got[i])]
+        assert not differ, (batch_size, len(differ))
+
+
 SLOW_FAILURES = """
 import os, sys, time
 import numpy as np

@@ -325,6 +325,10 @@ def _checked(stage: UserStage, out: Any, ids: np.ndarray, n: int, size: int,
         if value.ndim == 0 or len(value) != n:
             rows = "a scalar" if value.ndim == 0 else f"{len(value)} rows"
             raise bad(f"returned column {key!r} with {rows}; expected {n} rows, one per id")
+        if value.ndim == 1 and value.dtype.kind in "US":
+            # Fixed-width strings as Parquet's string columns come: objects (str, bytes),
+            # which is what the dataset path's Arrow strings give back too.
+            out[key] = value.astype(object)
     image = out.get("image")
     if image is None or image.dtype != np.uint8 or image.shape != (n, size, size, 3):
         got_image = "no 'image'" if image is None else f"{image.dtype} {image.shape}"

@@ -678,6 +678,23 @@ def test_a_partial_is_named_by_the_function_it_wraps():
     assert name.startswith("functools.partial(") and "invert" in name
 
 
+def test_fixed_width_strings_a_stage_adds_come_as_objects_as_on_the_dataset_path():
+    """numpy <U / |S columns leave the stages as object arrays of str / bytes: the dataset
+    path's Arrow strings come back so, and the iterator path kept the fixed width."""
+    from raying.read import stages as st
+
+    def add(batch):
+        batch["name"] = np.array([f"s{i}" for i in batch["id"]])
+        batch["key"] = np.array([b"k%d" % i for i in batch["id"]])
+        return batch
+
+    block = {"id": np.arange(3), "label": np.zeros(3, np.int64),
+             "image": np.zeros((3, 4, 4, 3), np.uint8)}
+    out = st.run_chunk((st.UserStage(add),), block, seed=0, epoch=0, size=4)
+    assert out["name"].dtype == object and list(out["name"]) == ["s0", "s1", "s2"]
+    assert out["key"].dtype == object and list(out["key"]) == [b"k0", b"k1", b"k2"]
+
+
 def test_a_stage_that_cannot_be_loaded_where_it_arrives_says_so_when_called():
     """A stage travels as bytes of its own: one whose function cannot be loaded where it is
     unpickled (its module missing there) still unpickles, and its calls fail by name."""

@@ -689,6 +689,7 @@ def test_fixed_width_strings_a_stage_adds_come_as_objects_as_on_the_dataset_path
         return batch
 
     block = {"id": np.arange(3), "label": np.zeros(3, np.int64),
+             "weight": np.ones(3, np.float32), "prob": np.ones(3),
              "image": np.zeros((3, 4, 4, 3), np.uint8)}
     out = st.run_chunk((st.UserStage(add),), block, seed=0, epoch=0, size=4)
     assert out["name"].dtype == object and list(out["name"]) == ["s0", "s1", "s2"]

@@ -386,7 +386,6 @@ def _check_call(fn: Callable[..., Any], with_rng: bool, kwargs: dict[str, Any]) 
 
 def _check_pickles(stage: UserStage) -> None:
     """Refuse, now and by name, a stage Ray could not ship to the read workers."""
-
     try:
         from ray import cloudpickle
     except ImportError:  # pragma: no cover - Ray is a dependency

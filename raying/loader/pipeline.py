@@ -16,6 +16,7 @@ import statistics
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -68,6 +69,16 @@ logger = logging.getLogger(__name__)
 # state_dict's format: 2 since uniform Parquet plans deal windows over ~1/8 of an epoch into
 # parts (a version-1 position inside such an epoch points into another plan).
 STATE_VERSION = 2
+
+
+class _DefaultEpoch(int):
+    """Epoch 0 as the iterators' default, told apart from an ``epoch=0`` passed."""
+
+    def __repr__(self) -> str:
+        return "0"
+
+
+FIRST_EPOCH = _DefaultEpoch(0)
 
 
 class Pipeline:
@@ -138,6 +149,8 @@ class Pipeline:
         self._cursor: dict[str, Any] = {"epoch": 0, "units": [], "delivered": 0, "base": 0}
         self._resume: tuple[int, int, int, int] | None = None
         self._iterations = 0  # consumers' iterations started (the latest streams)
+        self._default_passes = 0  # whole passes of an iterator called without epoch=
+        self._said_default = False
         # Prefetch threads of iterations stopped early, still waiting on a read in flight:
         # close() waits for them, since a thread inside Ray's core when Ray shuts down
         # aborts the process.
@@ -619,11 +632,13 @@ class Pipeline:
         if self._iterations == mine and not self._closed:
             self._cursor["complete"] = True
 
-    def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
+    def iter_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE,
+                     epoch: int = FIRST_EPOCH,
                      prefetch_batches: int | None = None,
                      drop_last: bool = False) -> Iterator[dict[str, np.ndarray]]:
         """numpy batches: ``id``, ``label``, ``image`` (uint8 NHWC), ``weight``, ``prob``, the
         manifest's extra columns and what ``map_batches`` stages added."""
+        default = self._note_default_epoch(epoch, "iter_batches")
         epoch = _epoch(epoch)  # here, not in the prefetch thread
         assembler = BatchAssembler(batch_size, drop_last=drop_last)
         depth = self._depth(prefetch_batches)
@@ -644,8 +659,10 @@ class Pipeline:
             self.account.delivered(len(batch["id"]))
             yield batch
         self._epoch_delivered(mine)
+        self._default_passes += default
 
-    def iter_torch_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE, epoch: int = 0,
+    def iter_torch_batches(self, *, batch_size: int = DEFAULT_BATCH_SIZE,
+                           epoch: int = FIRST_EPOCH,
                            device: Any = "auto",
                            prefetch_batches: int | None = None,
                            normalize: bool = True, drop_last: bool = False,
@@ -663,6 +680,7 @@ class Pipeline:
         """
         from raying.options import DEFAULT_MEAN, DEFAULT_STD
 
+        default = self._note_default_epoch(epoch, "iter_torch_batches")
         epoch = _epoch(epoch)  # here, not in the prefetch thread
         assembler = BatchAssembler(batch_size, drop_last=drop_last)
         depth = self._depth(prefetch_batches)
@@ -689,6 +707,22 @@ class Pipeline:
             self.account.delivered(n)
             yield batch
         self._epoch_delivered(mine)
+        self._default_passes += default
+
+    def _note_default_epoch(self, epoch: Any, method: str) -> bool:
+        """Whether ``epoch`` is the iterators' default (not passed); after a whole pass of
+        one, a second such pass says once that it reads epoch 0 again: a loop written for a
+        DataLoader (a new shuffle each pass) would train on the same order and the same
+        crops and flips every time."""
+        default = type(epoch) is _DefaultEpoch
+        if default and self._default_passes and not self._said_default:
+            self._said_default = True
+            warnings.warn(
+                f"{method}() without epoch= reads epoch 0 again: the same order and the same "
+                f"crops and flips as its pass before. Here the epoch number, not the pass, "
+                f"reshuffles: pass epoch=e (for e in range(epochs)), or epoch=0 to read "
+                f"epoch 0 again on purpose", UserWarning, stacklevel=3)
+        return default
 
     def _first_batch(self, *, batch_size: int, epoch: int,
                      drop_last: bool) -> dict[str, Any] | None:

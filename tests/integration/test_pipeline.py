@@ -1224,3 +1224,28 @@ def test_raying_pack_takes_the_class_names_of_another_split(image_folder, tmp_pa
     assert len(rows) == len(packed) and {r["label"] for r in rows} == set(
         range(1, len(train.classes)))
     assert all(r["label"] == train.classes.index(r["path"].split("/")[0]) for r in rows)
+
+
+def test_a_second_pass_without_epoch_says_it_reads_epoch_0_again(image_folder, ray_local):
+    """A loop written for a DataLoader (`for _ in range(E): for b in pipe.iter_batches()`)
+    trained on the same order and the same crops every pass, without a word."""
+    import warnings
+
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the first pass, and epoch=0 passed: nothing said
+            first = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=16)])
+            again = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=16,
+                                                                       epoch=0)])
+        assert np.array_equal(first, again)
+        with pytest.warns(UserWarning, match=r"iter_torch_batches\(\) without epoch= reads "
+                                             r"epoch 0 again.*pass epoch=e"):
+            for _ in pipe.iter_torch_batches(batch_size=16, normalize=False):
+                pass
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            list(pipe.iter_batches(batch_size=16))
+    finally:
+        pipe.close()

@@ -107,6 +107,12 @@ class Pipeline:
         if on_error not in _ON_ERROR:
             msg = f"on_error must be one of {_ON_ERROR}, got {on_error!r}"
             raise ConfigError(msg)
+        for arg, value in (("transform", transform), ("sampler", sampler),
+                           ("config", config), ("settings", settings)):
+            if isinstance(value, type):  # the class itself: it failed later, inside Ray
+                msg = (f"Pipeline({arg}=...) got the class {value.__name__}, not one of its "
+                       f"objects: pass {arg}={value.__name__}(...)")
+                raise ConfigError(msg)
         self.manifest = manifest
         self.transform = transform or ImageTransform()
         if sampler is not None and not isinstance(sampler, Sampler):

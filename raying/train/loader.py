@@ -167,6 +167,9 @@ class Loader:
               prefetch_batches: int | None = None, mean: Any = None, std: Any = None):
         """This worker's share of the current epoch as a ``tf.data.Dataset``.
 
+        ``image`` comes normalized (float32 ``(x/255 - mean)/std``) by default, as from
+        ``iter_torch_batches``, for the model it goes straight to; ``Pipeline.to_tf``'s
+        default is uint8 (``normalize=False``), for a model that scales its own inputs.
         Its auto-sharding is off (the share is this worker's already). Under
         ``MultiWorkerMirroredStrategy`` every worker must run the same number of steps:
         pass ``steps_per_epoch=loader.steps_per_epoch(batch_size)`` to ``fit``, one ``fit``

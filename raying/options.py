@@ -202,6 +202,21 @@ class Settings:
 _active: Settings | None = None
 
 
+# Smallest block a small epoch is cut into (below it, per-task costs dominate).
+MIN_BLOCK_ROWS = 32
+
+
+def epoch_block_rows(rows: int, wanted: int) -> int:
+    """Rows per read task of an epoch of ``rows`` for a ``block_rows`` of ``wanted``: the
+    wanted rows, or for a small epoch (under 8 blocks) a multiple of 32 that cuts it into
+    ~8 tasks, so that it still spreads over the cores (``Pipeline.block_rows`` and
+    ``raying advise`` both take it from here)."""
+    if rows >= 8 * wanted:
+        return wanted
+    small = -(-rows // 8)
+    return max(1, min(wanted, max(MIN_BLOCK_ROWS, -(-small // 32) * 32)))
+
+
 def settings() -> Settings:
     """This process's settings: those last given to :func:`use`, else its environment's
     (read once)."""

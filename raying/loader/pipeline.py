@@ -37,6 +37,7 @@ from raying.options import (
     DEFAULT_INFLIGHT_STORE_SHARE,
     PipelineConfig,
     Settings,
+    epoch_block_rows,
     use,
 )
 from raying.read.account import UnitAccount
@@ -54,8 +55,6 @@ from raying.sampling.protocol import Sampler
 from raying.sampling.uniform import UniformSampler
 
 _ON_ERROR = ("skip", "raise")
-# Smallest block a small epoch is cut into (below it, per-task costs dominate).
-MIN_BLOCK_ROWS = 32
 # How long close() waits for read tasks still running before it removes the decoded cache.
 DEFAULT_CLOSE_WAIT_S = 30.0
 # Seconds between two looks at the cluster's size within an epoch (one
@@ -355,11 +354,7 @@ class Pipeline:
         blocks and are copied. It depends only on the dataset, so a resumed run cuts its
         epochs the same way on any cluster."""
         rows = self.sampler.samples_per_epoch or len(self.manifest)
-        wanted = self.config.block_rows or self.settings.block_rows
-        if rows >= 8 * wanted:
-            return wanted
-        small = -(-rows // 8)
-        return max(1, min(wanted, max(MIN_BLOCK_ROWS, -(-small // 32) * 32)))
+        return epoch_block_rows(rows, self.config.block_rows or self.settings.block_rows)
 
     def _fill(self, unit: ReadUnit) -> tuple[ReadUnit, list[str] | None]:
         if self._lookup is None:

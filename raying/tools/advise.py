@@ -22,7 +22,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from raying.options import DEFAULT_MEMORY_CACHE_DIR, DEFAULT_PACK_ROW_GROUP_ROWS, StorageOptions
+from raying.options import (
+    DEFAULT_MEMORY_CACHE_DIR,
+    DEFAULT_PACK_ROW_GROUP_ROWS,
+    StorageOptions,
+    epoch_block_rows,
+)
 from raying.storage import files as _storage
 from raying.storage.tiers import fill_concurrency
 from raying.tools import advise_measure as _m
@@ -282,6 +287,11 @@ def recommend(data: dict[str, Any], store: dict[str, Any], mach: dict[str, Any],
         rows = max(MIN_SMALL_SET_BLOCK_ROWS, 2 ** int(math.log2(max(1, samples // window))))
         why_rows = (f"{samples:,} samples over the window's {window} read tasks: larger "
                     f"blocks would leave cores idle")
+    if samples and epoch_block_rows(samples, rows) != rows:
+        # What a pipeline reads with it: an epoch of under 8 such blocks is cut into ~8.
+        rows = epoch_block_rows(samples, rows)
+        why_rows = (f"{samples:,} samples: a pipeline cuts an epoch of fewer than 8 blocks "
+                    f"into ~8 read tasks, so a larger block_rows reads the same")
     line("block_rows", rows, why_rows,
          f"decode {d_ms:.2f} ms/image" if d_ms else "decode not measured")
     # 7. read tasks in flight

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import raying
+from raying.options import epoch_block_rows as raying_epoch_block_rows
 from raying.tools.advise import format_report, recommend
 
 GIB = 1024**3
@@ -97,6 +98,12 @@ def test_a_small_image_set_gets_blocks_that_give_every_read_task_of_the_window_r
     _, config = _advice(_data(files=10, samples=10, bytes=2**20), store,
                         _machine(cores=2, decode_ms_per_image=0.5))
     assert config["block_rows"] == 8
+    # 256 samples: blocks of 64 would give the window's 4 tasks rows, but a pipeline cuts
+    # an epoch of fewer than 8 blocks into ~8: advise says the 32 it reads with.
+    a, config = _advice(_data(files=256, samples=256, bytes=25 * 2**20), store,
+                        _machine(cores=2, decode_ms_per_image=0.5))
+    assert config["block_rows"] == 32 == raying_epoch_block_rows(256, 64)
+    assert "cuts an epoch of fewer than 8 blocks" in a["block_rows"]["reason"]
     # A large set keeps the per-task decode target.
     a, config = _advice(_data(), store, _machine(cores=2, decode_ms_per_image=0.5))
     assert config["block_rows"] >= 64 and "per-task cost" in a["block_rows"]["reason"]

@@ -44,6 +44,7 @@ from raying.read.account import UnitAccount
 from raying.read.memory import Footprint, dir_bytes, own_kib
 from raying.read.spec import ReadSpec, dataset_key
 from raying.read.stages import (
+    StageChain,
     UserStage,
     check_stage,
     column_template,
@@ -254,7 +255,7 @@ class Pipeline:
                        config=dataclasses.replace(self.config, name=self.name),
                        settings=self.settings)
         out._stages = (*self._stages, stage)
-        out._spec = dataclasses.replace(out._spec, stages=out._stages)
+        out._spec = dataclasses.replace(out._spec, stages=StageChain(out._stages))
         return out
 
     @property

@@ -12,6 +12,7 @@ from raying.options import (
     Settings,
     StorageOptions,
 )
+from raying.read.stages import StageChain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +91,7 @@ class ReadSpec:
                    file_sizes=tuple(int(x) for x in manifest.meta.get("file_sizes") or ()),
                    file_mtimes=tuple(int(x) for x in manifest.meta.get("file_mtimes") or ()),
                    scanned_on=str(manifest.meta.get("scanned_on") or ""),
-                   stages=tuple(stages))
+                   stages=StageChain(stages))
 
 
 def dataset_key(root: str, storage: StorageOptions | None) -> str:

@@ -66,12 +66,25 @@ class UserStage:
         module = getattr(fn, "__module__", None)
         return f"{module}.{qual}" if module and module not in ("__main__", "builtins") else qual
 
+
+class StageChain(tuple):
+    """A pipeline's stages, in order, as a read spec carries them.
+
+    Pickled, their functions travel together as bytes of their own (one payload, so that
+    functions of the driver's script share its globals in the worker, as they do in the
+    driver), loaded where they arrive by :func:`_shipped_chain`: functions a worker cannot
+    load (their module missing on its node) then fail their calls by name, instead of the
+    read task's arguments, which Ray Data retries without end and the iterator path
+    reports with no function named. Their ``fn_kwargs`` stay with the outer pickler (Ray's
+    ships arrays in them without a copy).
+    """
+
+    __slots__ = ()
+
     def __reduce__(self) -> tuple[Any, ...]:
-        # The function and its keywords travel as bytes of their own, loaded where they
-        # arrive by _shipped_stage: a function whose module a worker cannot import then
-        # fails its calls, by name, instead of the read task's arguments (which Ray Data
-        # retries without end, and the iterator reports with no function named).
-        return (_shipped_stage, (self.name, self.with_rng, _dumps((self.fn, self.fn_kwargs))))
+        return (_shipped_chain, (tuple(s.name for s in self), tuple(s.with_rng for s in self),
+                                 tuple(s.fn_kwargs for s in self),
+                                 _dumps([s.fn for s in self])))
 
 
 class StageLoadError(ImportError):
@@ -102,22 +115,25 @@ def _dumps(obj: Any) -> bytes:
     return cloudpickle.dumps(obj)
 
 
-def _shipped_stage(name: str, with_rng: bool, payload: bytes) -> UserStage:
-    """A :class:`UserStage` from its pickled form; one whose function cannot be loaded
-    here gets a stand-in that says so, by name, when it is called."""
+def _shipped_chain(names: tuple[str, ...], with_rng: tuple[bool, ...],
+                   fn_kwargs: tuple[Any, ...], payload: bytes) -> StageChain:
+    """A :class:`StageChain` from its pickled form; where its functions cannot be loaded
+    here, each stage gets a stand-in that says so, by name, when it is called."""
     import pickle
 
     try:
-        fn, fn_kwargs = pickle.loads(payload)  # noqa: S301 - the pipeline's own stage
+        fns = pickle.loads(payload)  # noqa: S301 - the pipeline's own stages
     except Exception as exc:  # noqa: BLE001 - said at the call, which names the epoch and ids
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        message = (f"cannot be loaded in the read worker ({type(exc).__name__}: {exc}): the "
-                   f"module that defines it, and what it uses, must be importable on every "
-                   f"node. Install it there, or ship it with Ray's runtime environment "
-                   f"(ray.init(runtime_env={{'py_modules': [module]}}) or "
+        others = " (with the pipeline's other map_batches functions)" if len(names) > 1 else ""
+        message = (f"cannot be loaded in the read worker{others} ({type(exc).__name__}: "
+                   f"{exc}): the module that defines it, and what it uses, must be "
+                   f"importable on every node. Install it there, or ship it with Ray's "
+                   f"runtime environment (ray.init(runtime_env={{'py_modules': [module]}}) or "
                    f"{{'working_dir': ...}}), or define the function in the driver's script")
-        return UserStage(_Unloadable(name, message, text), with_rng)
-    return UserStage(fn, with_rng, fn_kwargs)
+        fns = [_Unloadable(name, message, text) for name in names]
+    return StageChain(UserStage(fn, rng, kw)
+                      for fn, rng, kw in zip(fns, with_rng, fn_kwargs, strict=True))
 
 
 def stage_call_rows(size: int) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 from raying.errors import ConfigError
 from raying.loader.pipeline import Pipeline
 from raying.options import PipelineConfig, Settings
+from raying.read.stages import StageChain
 
 # The name under which Train hands the description to the workers.
 FEED_DATASET = "raying_feed"
@@ -35,7 +36,8 @@ class Feed:
     def of(cls, pipe: Pipeline, epochs: int) -> Feed:
         return cls(manifest=pipe.manifest, transform=pipe.transform, sampler=pipe.sampler,
                    on_error=pipe.on_error, config=pipe.config, settings=pipe.settings,
-                   name=pipe.name, epochs=int(epochs), stages=tuple(pipe.stages))
+                   name=pipe.name, epochs=int(epochs),
+                   stages=StageChain(pipe.stages))
 
     def encode(self) -> bytes:
         """The bytes a Train worker gets (``pickle.loads`` reads them back). cloudpickle:

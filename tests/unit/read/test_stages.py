@@ -696,31 +696,56 @@ def test_fixed_width_strings_a_stage_adds_come_as_objects_as_on_the_dataset_path
     assert out["key"].dtype == object and list(out["key"]) == [b"k0", b"k1", b"k2"]
 
 
-def test_a_stage_that_cannot_be_loaded_where_it_arrives_says_so_when_called():
-    """A stage travels as bytes of its own: one whose function cannot be loaded where it is
-    unpickled (its module missing there) still unpickles, and its calls fail by name."""
+def test_stages_that_cannot_be_loaded_where_they_arrive_say_so_when_called():
+    """A spec's stages travel with their functions as bytes of their own: where those cannot
+    be loaded (a module missing there), the stages still unpickle, and calls fail by name."""
     import pickle
 
     from raying.read import stages as st
 
-    stage = st.UserStage(invert, fn_kwargs=())
-    back = pickle.loads(pickle.dumps(stage))
-    assert back.fn is invert and back.name == stage.name  # a module the process has
-    # The pickled function's module renamed to one no process has (same length: the
-    # pickle stays valid), as a node without the user's module sees it.
-    missing = pickle.dumps((invert, ()), protocol=4).replace(
-        invert.__module__.encode(), b"no_such_module_here"[:len(invert.__module__)].ljust(
-            len(invert.__module__), b"_"))
-    broken = st._shipped_stage(stage.name, False, missing)
-    assert broken.name == stage.name
+    weights = np.arange(1000, dtype=np.float32)
+    chain = st.StageChain([st.UserStage(invert), st.UserStage(jitter, with_rng=True,
+                                                               fn_kwargs=(("w", weights),))])
+    back = pickle.loads(pickle.dumps(chain))
+    assert isinstance(back, st.StageChain) and [s.name for s in back] == [s.name for s in chain]
+    assert back[0].fn is invert and back[1].with_rng
+    np.testing.assert_array_equal(dict(back[1].fn_kwargs)["w"], weights)
+    # The functions' module renamed to one no process has (same length: the pickle stays
+    # valid), as a node without the user's module sees it.
+    module = invert.__module__
+    payload = st._dumps([invert, jitter]).replace(
+        module.encode(), b"no_such_module_here"[:len(module)].ljust(len(module), b"_"))
+    broken = st._shipped_chain(tuple(s.name for s in chain), (False, True),
+                               ((), (("w", weights),)), payload)
+    assert [s.name for s in broken] == [s.name for s in chain]
     block = {"id": np.arange(2), "label": np.zeros(2, np.int64),
+             "weight": np.ones(2, np.float32), "prob": np.ones(2),
              "image": np.zeros((2, 4, 4, 3), np.uint8)}
     with pytest.raises(raying.UserFunctionError,
-                       match=r"function .*invert cannot be loaded in the read worker "
+                       match=r"function .*invert cannot be loaded in the read worker \(with "
+                             r"the pipeline's other map_batches functions\) "
                              r"\(ModuleNotFoundError: No module named 'no_such_module_h.*"
                              r"\(epoch 2, ids \[0, 1\]") as info:
-        st.run_chunk((broken,), block, seed=0, epoch=2, size=4)
+        st.run_chunk(tuple(broken), block, seed=0, epoch=2, size=4)
     assert "ModuleNotFoundError" in info.value.traceback_text
+
+
+def test_a_chains_functions_from_the_drivers_script_share_its_globals():
+    """Two stages of the driver's script (module __main__), pickled together, share one
+    globals dict where they arrive, as in the driver: one may leave state for the next."""
+    import pickle
+
+    from raying.read import stages as st
+
+    namespace: dict = {"__name__": "__main__"}
+    exec("SEEN = []\n"
+         "def first(batch):\n    SEEN.append(1)\n    return batch\n"
+         "def second(batch):\n    batch['seen'] = np.full(len(batch['id']), len(SEEN))\n"
+         "    return batch\n", {**namespace, "np": np}, namespace)
+    chain = st.StageChain([st.UserStage(namespace["first"]), st.UserStage(namespace["second"])])
+    back = pickle.loads(pickle.dumps(chain))
+    assert back[0].fn.__globals__ is back[1].fn.__globals__
+    assert back[0].fn.__globals__ is not namespace
 
 
 def test_map_batches_refuses_what_it_cannot_run(parquet_set):

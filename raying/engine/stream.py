@@ -356,7 +356,7 @@ class BlockStream:
                         ref = self._take(key)
                         self._reading[key] = ref
                         last_part = k + 1 >= self._nparts.get((epoch, index), 1)
-                    for part in _parts(ref, (epoch, index)):
+                    for part in _parts(ref, (epoch, index), lambda: self._check(mine)):
                         try:
                             block, account = ray.get(part)
                         except ray.exceptions.RayTaskError as exc:
@@ -515,12 +515,15 @@ class BlockStream:
         return len(ready) == len(done)
 
 
-def _parts(ref: Any, waited: tuple[int, int] | None = None) -> Iterator[Any]:
+def _parts(ref: Any, waited: tuple[int, int] | None = None,
+           current: Callable[[], None] | None = None) -> Iterator[Any]:
     """The parts of a read task's generator, each asked for only while Ray is up: a call on
     it after ``ray.shutdown()`` (this runs on a reader thread, the training thread may shut
     Ray down meanwhile) would start a new Ray from this thread (Ray's auto-init), which
     later aborts the process. With ``waited`` (the epoch and unit), a part waited on for
-    ``STALL_WARN_S`` is said in a warning, and again each ``STALL_WARN_S`` after."""
+    ``STALL_WARN_S`` is said in a warning, and again each ``STALL_WARN_S`` after, while
+    ``current()`` does not raise (it does once the pipeline closed or a newer iteration
+    took over: this one's wait ends there, unsaid)."""
     import time
 
     import ray
@@ -533,6 +536,8 @@ def _parts(ref: Any, waited: tuple[int, int] | None = None) -> Iterator[Any]:
             # Ready once the next part is stored, or the task ended (its end or its error).
             began = time.monotonic()
             while not ray.wait([ref], timeout=STALL_WARN_S, fetch_local=False)[0]:
+                if current is not None:
+                    current()
                 logger.warning(
                     "raying: epoch %d has waited %.0f s for a block of its read unit %d, whose "
                     "read task has not finished; it goes on waiting. A read of storage that "

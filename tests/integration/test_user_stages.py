@@ -707,3 +707,38 @@ def test_a_block_waited_on_long_is_said_and_still_delivered(image_folder, ray_lo
         assert "read unit" in said[0] and "goes on waiting" in said[0]
     finally:
         pipe.close()
+
+
+def test_a_closed_pipelines_waits_are_not_said(image_folder, ray_local, caplog, monkeypatch):
+    """A loop left early, then the pipeline closed while its reader thread still waits on
+    a slow read: the thread stops there, and says nothing more (it went on saying it waited,
+    during close() and after)."""
+    import logging
+    import time
+
+    import raying.engine.stream as stream
+
+    monkeypatch.setattr(stream, "STALL_WARN_S", 0.3)
+    m = raying.Manifest.scan(str(image_folder))
+    cfg = raying.PipelineConfig(block_rows=16)
+    first = [int(i) for i in raying.Pipeline(m, config=cfg).plan(0).units[0].ids]
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16), config=cfg)
+    pipe = pipe.map_batches(_slower, fn_kwargs={"fast": first})
+    with caplog.at_level(logging.WARNING, logger="raying"):
+        it = pipe.iter_batches(batch_size=16, epoch=0, prefetch_batches=4)
+        next(it)  # the first unit is fast; the reader thread goes on to wait for the next
+        it.close()
+        time.sleep(0.5)
+        before = sum("has waited" in r.getMessage() for r in caplog.records)
+        pipe.close()  # waits for the read still running (~2.5 s more)
+        time.sleep(1.0)
+        # (one may be on its way as close() begins)
+        assert sum("has waited" in r.getMessage() for r in caplog.records) <= before + 1
+
+
+def _slower(batch, fast=()):
+    import time
+
+    if not set(batch["id"].tolist()) & set(fast):
+        time.sleep(3.0)
+    return batch

@@ -85,7 +85,13 @@ def pack_shard(src: Manifest, ids: np.ndarray, dst_uri: str, dst_storage: Storag
         datas = _storage.read_many(fs, [f"{root.rstrip('/')}/{p}" for p in paths])
     # A storage that is down or refuses access is no property of these samples (Parquet rows
     # share their file's read error): stop, as the read tasks do, instead of packing the
-    # shard without them.
+    # shard without them. Nor is a local dataset this node does not hold (a shard task on
+    # another node of a cluster).
+    if any(isinstance(d, _storage.NotFoundError) for d in datas):
+        _storage.check_local_root(
+            src.root, scanned_on=str(src.meta.get("scanned_on") or ""),
+            fix="pack on a machine (or a one-node Ray) that holds it: RAY_ADDRESS unset "
+                "packs with a local Ray")
     _storage.refuse_outage(datas, again="run pack again")
     skipped: list[dict[str, Any]] = []
     keep = np.ones(len(ids), dtype=bool)

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.fs as _pafs
 import pyarrow.parquet as pq
 
-from raying.errors import FileChangedError, StorageError
+from raying.errors import FileChangedError
 from raying.read.spec import ReadSpec
 from raying.sampling.plan import ReadUnit
 
@@ -34,42 +34,15 @@ def _changed(spec: ReadSpec, f: int, what: str) -> FileChangedError:
 
 def check_local_root(spec: ReadSpec, *, file: str | None = None) -> None:
     """Stop a read whose files were not found because this node does not hold the local
-    dataset: its folder is missing here, or empty (a mount point with nothing mounted). Read
-    tasks run on every node and read the dataset at the path it was scanned at; those files
-    are good samples (elsewhere), and set aside as unreadable they would be dropped from
-    every later plan (a weighted sampler would run out of them). Files missing from a folder
-    that holds others (removed on purpose) are left to the read's policy. ``file``: the
-    Parquet file not found, named in the error.
+    dataset (:func:`raying.storage.files.check_local_root`, for the spec's dataset).
+    ``file``: the Parquet file not found, named in the error.
 
     Raises:
         StorageError: naming the folder, this node and the fix (an outage, never skipped).
     """
-    import os
-    import socket
+    from raying.storage.files import check_local_root as check
 
-    root = spec.root
-    if "://" in root:
-        return
-    try:
-        with os.scandir(root) as entries:
-            if next(entries, None) is not None:
-                return
-        what = "is empty"
-    except FileNotFoundError:
-        what = "does not exist"
-    except OSError:  # not a folder, not readable: the read's own error says it
-        return
-    here = socket.gethostname()
-    scanned = (f" (the dataset was scanned on {spec.scanned_on})"
-               if spec.scanned_on and spec.scanned_on != here else "")
-    missing = f" ({file} not found)" if file else ""
-    err = StorageError(f"{root} {what} on this node ({here}){scanned}{missing}: read tasks run "
-                       f"on every node and read the dataset at the path it was scanned at. Put "
-                       f"it on storage every node reaches (S3, HDFS, a shared mount), copy it "
-                       f"to that path on every node, or keep the reads on the nodes that hold "
-                       f"it (PipelineConfig(ray_remote_args={{'resources': ...}}))")
-    err.outage = True
-    raise err
+    check(spec.root, scanned_on=spec.scanned_on, file=file)
 
 
 # Files found unchanged since the scan, in this process: the indices of the files, per

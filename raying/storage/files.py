@@ -596,6 +596,44 @@ def _retry(call, fs, path, retries=None, backoff=None,
                             s.read_retry_backoff_s if backoff is None else backoff, on_retry, uri)
 
 
+def check_local_root(root: str, *, scanned_on: str = "", file: str | None = None,
+                     fix: str = "keep the reads on the nodes that hold it "
+                                "(PipelineConfig(ray_remote_args={'resources': ...}))") -> None:
+    """Stop a read whose files were not found because this node does not hold the local
+    dataset at ``root``: its folder is missing here, or empty (a mount point with nothing
+    mounted). Tasks run on every node and read the dataset at the path it was scanned at;
+    those files are good samples (elsewhere), and set aside as unreadable they would be
+    dropped (from every later plan, or from a pack's shards). Files missing from a folder
+    that holds others (removed on purpose) are left to the read's policy.
+
+    Raises:
+        StorageError: naming the folder, this node and the fix (an outage, never skipped).
+    """
+    import socket
+
+    if "://" in root:
+        return
+    try:
+        with os.scandir(root) as entries:
+            if next(entries, None) is not None:
+                return
+        what = "is empty"
+    except FileNotFoundError:
+        what = "does not exist"
+    except OSError:  # not a folder, not readable: the read's own error says it
+        return
+    here = socket.gethostname()
+    scanned = (f" (the dataset was scanned on {scanned_on})"
+               if scanned_on and scanned_on != here else "")
+    missing = f" ({file} not found)" if file else ""
+    err = StorageError(f"{root} {what} on this node ({here}){scanned}{missing}: tasks run on "
+                       f"every node and read the dataset at the path it was scanned at. Put "
+                       f"it on storage every node reaches (S3, HDFS, a shared mount), copy it "
+                       f"to that path on every node, or {fix}")
+    err.outage = True
+    raise err
+
+
 def refuse_outage(datas: Sequence[Any], *, again: str = "run the epoch again") -> None:
     """Raise when a read of the unit failed on the storage itself, not on its file.
 

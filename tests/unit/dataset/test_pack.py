@@ -299,3 +299,23 @@ def test_a_uint64_extra_column_above_int64_stops_pack_naming_file_and_column(tmp
     m = raying.Manifest.scan(str(src), columns=["big"])
     with pytest.raises(raying.DataError, match=r"part-1\.parquet: extra column 'big' \(uint64\)"):
         _pack_all(m, tmp_path / "out")
+
+
+@pytest.mark.parametrize("state", ["missing", "empty"])
+def test_a_shard_on_a_node_without_the_local_dataset_stops_the_pack(tmp_path, state):
+    """A shard task on a node that lacks the local folder (a cluster's other node) set every
+    image aside as unreadable, and the pack succeeded with a part of the dataset."""
+    import shutil
+
+    root = str(make_image_folder(str(tmp_path / "src"), n=4, classes=1, size=(32, 32)))
+    m = raying.Manifest.scan(root)
+    shutil.rmtree(root)
+    if state == "empty":
+        (tmp_path / "src").mkdir()  # a mount point with nothing mounted
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(raying.StorageError, match=rf"{root} (does not exist|is empty) on this "
+                                                  rf"node .*pack on a machine"):
+        pack_shard(m, np.arange(4), str(out), StorageOptions(), "part-00000.parquet",
+                   decode_size=None, row_group_rows=8, on_error="skip", verify=False)
+    assert not list(out.iterdir())

@@ -34,6 +34,23 @@ SMOKE = {"seeds": 1, "max_steps": 30, "eval_every": 10, "common_per_class": 24,
          "rare_per_class": 4, "val_per_class": 6}
 
 
+def output_dirs(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The data and report folders: ``--data`` / ``--out``; a smoke test's scratch folder;
+    in a submitted job's copy of the working directory (gone with the cluster) the report
+    goes to the temp folder. None: the defaults, in the working directory."""
+    import os
+    import tempfile
+
+    data_dir = _common.kept_output(args.data, "--data")
+    out_dir = _common.kept_output(args.out, "--out")
+    if args.smoke_test:  # nothing left behind, and no full run's report replaced
+        scratch = Path(tempfile.gettempdir()) / f"raying-train-prioritized-smoke-{os.getuid()}"
+        return data_dir or scratch / "data", out_dir or scratch / "out"
+    if out_dir is None and _common.in_job_copy():  # not into Ray's copy
+        out_dir = Path(tempfile.gettempdir()) / DEFAULT_OUT
+    return data_dir, out_dir
+
+
 def _check_cache_folder(data_dir: str | Path | None) -> None:
     """--data is where this job generates its data: a folder that holds anything else (a
     user's own image folder, passed as the other jobs take --data) is refused, not written
@@ -162,19 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = {k: getattr(args, k) for k in ("common_per_class", "rare_per_class",
                                             "val_per_class") if getattr(args, k) is not None}
     spec = DemoDataSpec(**sizes)
-    data_dir = _common.kept_output(args.data, "--data")
-    out_dir = _common.kept_output(args.out, "--out")
-    if out_dir is None and _common.in_job_copy():  # not into Ray's copy, gone with the cluster
-        import tempfile
-
-        out_dir = Path(tempfile.gettempdir()) / DEFAULT_OUT
-    if args.smoke_test:  # nothing left behind in the working directory
-        import os
-        import tempfile
-
-        scratch = Path(tempfile.gettempdir()) / f"raying-train-prioritized-smoke-{os.getuid()}"
-        data_dir = data_dir or scratch / "data"
-        out_dir = out_dir or scratch / "out"
+    data_dir, out_dir = output_dirs(args)
     _check_cache_folder(data_dir)
     data = ensure_demo_data(data_dir, spec)
     out = Path(out_dir or DEFAULT_OUT)

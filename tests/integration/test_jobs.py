@@ -240,6 +240,22 @@ def test_a_job_run_in_ray_s_copy_of_its_working_dir_refuses_relative_outputs(tmp
     assert not _common.in_job_copy() and _common.kept_output("packed", "--dst") == "packed"
 
 
+def test_a_submitted_smoke_test_keeps_its_report_out_of_a_full_runs_folder(tmp_path,
+                                                                            monkeypatch):
+    """In Ray's copy of the working directory a full run's report goes to the temp folder's
+    raying-report/; a smoke test's went there too and replaced the last full run's."""
+    import train_prioritized
+
+    copy = tmp_path / "session_1" / "runtime_resources" / "working_dir_files" / "_ray_pkg_ab"
+    copy.mkdir(parents=True)
+    monkeypatch.chdir(copy)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    _, full = train_prioritized.output_dirs(train_prioritized.parse_args([]))
+    data, smoke = train_prioritized.output_dirs(train_prioritized.parse_args(["--smoke-test"]))
+    assert full == tmp_path / "tmp" / train_prioritized.DEFAULT_OUT
+    assert smoke != full and "smoke" in str(smoke) and "smoke" in str(data)
+
+
 def test_env_file_errors_never_echo_values(tmp_path):
     from raying.errors import ConfigError
 

@@ -57,7 +57,17 @@ def ensure_ray(*, dashboard: bool = False) -> None:
             ray.init(logging_level=logging.WARNING)
         except ConnectionError as exc:
             if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
-                raise RayConnectionError(str(exc)) from exc
+                # Something answers at the address (check_ray_address): a head that refused
+                # the token this process sent (Ray logs that only in its own warnings).
+                sent = (os.environ.get("RAY_AUTH_TOKEN_PATH") or
+                        ("RAY_AUTH_TOKEN" if os.environ.get("RAY_AUTH_TOKEN") else
+                         "~/.ray/auth_token, Ray's default"))
+                msg = (f"{exc} Something answers at {address}: if it is the head, it refused "
+                       f"the token this process sent (from {sent}). Check that it is the "
+                       f"cluster's token (`raying cluster start` keeps it in "
+                       f"~/.raying/cluster/auth_token, and a head started anew makes a new "
+                       f"one unless given its file)")
+                raise RayConnectionError(msg) from exc
             # A head started with token auth (raying cluster start does) answers on its port
             # but refuses a driver without the token, and Ray says only that it failed.
             msg = (f"{exc} If the cluster runs with token authentication (`raying cluster "

@@ -154,6 +154,24 @@ def test_submission_without_token_is_refused(head, tmp_path):
     assert len(head.job_client().list_jobs()) == before, "a refused submission created a job"
 
 
+def test_a_driver_with_the_wrong_token_is_told_the_token_was_refused(head, tmp_path):
+    """A stale token file: Ray said only that it failed to connect (to an address the user
+    did not give), as if the head were down; the cause was in its C++ warnings."""
+    wrong = tmp_path / "stale_token"
+    wrong.write_text("0" * 64)
+    env = {**_clean_env(tmp_path), "RAY_ADDRESS": head.address, "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN_PATH": str(wrong)}
+    code = ("from raying.engine.ray_setup import ensure_ray\n"
+            "try:\n    ensure_ray()\nexcept ConnectionError as exc:\n"
+            "    print('REFUSED', exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=240)
+    said = proc.stdout
+    assert "REFUSED" in said, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"Something answers at {head.address}" in said
+    assert f"refused the token this process sent (from {wrong})" in said
+
+
 def test_secret_in_runtime_env_shows_in_job_info(head):
     """Why docs/secrets.md forbids runtime_env env_vars: Ray stores and serves them."""
     leak = "leak-" + secrets.token_hex(8)

@@ -40,9 +40,12 @@ def test_run_unit_with_io_gives_the_same_block_and_accounts_for_the_cache(manife
     a0, a1, a2 = a0.io, a1.io, a2.io  # the io_*/cache_* counters of each unit's account
     for k in b0:
         assert np.array_equal(b0[k], b1[k]) and np.array_equal(b0[k], b2[k])
-    # The plain path reports only its read amplification; no cache counters.
+    # The plain path reports its requests (one per path read, repeats included: it has no
+    # dedupe) and its read amplification; no cache counters. (It counted no requests, and
+    # stats() showed io_requests 0 beside the bytes fetched.)
     assert {k for k in a0 if k.startswith(("io_", "cache_"))} == {
-        "io_bytes_fetched", "io_bytes_delivered"}
+        "io_requests", "io_bytes_fetched", "io_bytes_delivered"}
+    assert a0["io_requests"] == len(ids) == 7
     assert a0["io_bytes_fetched"] == a0["io_bytes_delivered"]
     assert set(fetch.ACCOUNT_KEYS) <= set(a1)
     assert a1["io_requests"] == 5 and a1["io_reads_deduped"] == 2

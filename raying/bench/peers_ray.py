@@ -61,14 +61,15 @@ def _start_ray(cores: int, object_store_bytes: int | None = None,
                resources: dict[str, float] | None = None,
                preload: bool = False) -> dict[str, Any]:
     """A local Ray as a user's ``ray.init`` starts it, or (``preload``) as raying's own
-    start does: its workers import raying's read path as they start."""
+    start does: its workers import raying's read path as they start, and its raylet deletes
+    objects out of scope at once."""
     import ray
 
     kwargs: dict[str, Any] = {}
     if preload:
-        from raying.engine.ray_setup import preload_kwargs
+        from raying.engine.ray_setup import local_ray_kwargs
 
-        kwargs = preload_kwargs()
+        kwargs = local_ray_kwargs()
     t0 = time.perf_counter()
     ray.init(address="local", num_cpus=cores, include_dashboard=False,
              object_store_memory=object_store_bytes, resources=resources, **kwargs)
@@ -84,7 +85,9 @@ def _start_ray(cores: int, object_store_bytes: int | None = None,
     time.sleep(RAY_SETTLE_S)
     return {"ray_start_s": started, "ray_settle_s": RAY_SETTLE_S, "ray_version": ray.__version__,
             "preload": sorted(kwargs.get("_system_config", {}).get(
-                "preload_python_modules", []))}
+                "preload_python_modules", [])),
+            "free_objects_period_ms": kwargs.get("_system_config", {}).get(
+                "free_objects_period_milliseconds")}
 
 
 # -- Ray Data ------------------------------------------------------------------------------------

@@ -19,6 +19,17 @@ DEFAULT_RAY_CONNECT_TIMEOUT_S = 10.0
 # modules every worker imports as it starts, and the module raying names in it.
 PRELOAD_ENV = "RAY_preload_python_modules"
 PRELOAD_MODULE = "raying.engine.preload"
+# Ray's raylet deletes the objects that went out of scope in batches, one batch every
+# free_objects_period_milliseconds (1,000 by default). A read stream lets go of a block
+# (~38 MB at 224 px) every ~0.1 s per core, so a second's worth lingered in the object store:
+# a few hundred MB more of it in use, and during the first epoch every worker wrote its blocks
+# into pages of it no block had used before, a page fault each (10,000 images at 224 px on
+# 2 cores: ~70,000 faults per worker, ~35,000 with prompt frees). A local Ray that raying
+# starts deletes each at once (its one node: a call to its own store); a cluster that raying
+# starts batches them for 100 ms, as each flush is a call to every node.
+FREE_PERIOD_ENV = "RAY_free_objects_period_milliseconds"
+LOCAL_FREE_PERIOD_MS = 0
+CLUSTER_FREE_PERIOD_MS = 100
 
 
 def default_object_store_bytes(num_cpus: int | None = None) -> int | None:
@@ -42,7 +53,8 @@ def ensure_ray(*, dashboard: bool = False) -> None:
     """Start a local Ray (or attach to RAY_ADDRESS) if this process has none yet.
 
     A local Ray started here gets :func:`default_object_store_bytes` of object store, and
-    its workers import raying's read path as they start (:func:`preload_kwargs`). Its
+    its workers import raying's read path as they start, and its raylet deletes blocks
+    that went out of scope at once (:func:`local_ray_kwargs`). Its
     dashboard (~200 MB and ~0.6 s of start-up here) runs only with ``dashboard=True``: Ray
     Train needs it (:func:`warn_without_state_api`), reading does not.
     """
@@ -77,7 +89,7 @@ def ensure_ray(*, dashboard: bool = False) -> None:
     else:
         ray.init(address="local", include_dashboard=dashboard, log_to_driver=True,
                  logging_level=logging.WARNING,
-                 object_store_memory=default_object_store_bytes(), **preload_kwargs())
+                 object_store_memory=default_object_store_bytes(), **local_ray_kwargs())
     warm_serializer()
 
 
@@ -185,11 +197,26 @@ def preload_env() -> dict[str, str]:
     return {PRELOAD_ENV: PRELOAD_MODULE}
 
 
-def preload_kwargs() -> dict[str, object]:
-    """``ray.init`` arguments for a local Ray with the read path preloaded in its workers."""
-    if not preload_env():
-        return {}
-    return {"_system_config": {"preload_python_modules": [PRELOAD_MODULE]}}
+def cluster_env() -> dict[str, str]:
+    """The environment for ``ray start`` on a node of a cluster raying starts: the read path
+    preloaded in its workers (:func:`preload_env`) and objects out of scope deleted every
+    ``CLUSTER_FREE_PERIOD_MS`` (unless the user's environment sets it)."""
+    env = preload_env()
+    if not os.environ.get(FREE_PERIOD_ENV):
+        env[FREE_PERIOD_ENV] = str(CLUSTER_FREE_PERIOD_MS)
+    return env
+
+
+def local_ray_kwargs() -> dict[str, object]:
+    """``ray.init`` arguments for a local Ray that raying starts: objects out of scope deleted
+    at once (``LOCAL_FREE_PERIOD_MS``, unless the environment sets Ray's own variable), the
+    read path preloaded in its workers (:func:`preload_env`)."""
+    config: dict[str, object] = {}
+    if not os.environ.get(FREE_PERIOD_ENV):
+        config["free_objects_period_milliseconds"] = LOCAL_FREE_PERIOD_MS
+    if preload_env():
+        config["preload_python_modules"] = [PRELOAD_MODULE]
+    return {"_system_config": config} if config else {}
 
 
 def check_ray_address(address: str, timeout_s: float = DEFAULT_RAY_CONNECT_TIMEOUT_S) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from raying.engine.ray_setup import preload_env
+from raying.engine.ray_setup import cluster_env
 from raying.errors import RayingError
 from raying.read.cache.pids import alive as pid_alive
 
@@ -238,8 +238,9 @@ def start(*, port: int = DEFAULT_CLUSTER_PORT, dashboard_port: int = DEFAULT_DAS
         # Entrypoints' `python` is the interpreter (and venv) this head runs on.
         child_env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable),
                                              child_env.get("PATH", os.defpath)])
-        # Workers import raying's read path as they start, not in their first read task.
-        child_env.update(preload_env())
+        # Workers import raying's read path as they start, not in their first read task;
+        # blocks out of scope leave the object store within 100 ms, not a second.
+        child_env.update(cluster_env())
         child_env.update(env or {})
         child_env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)})
         extra = []

@@ -704,6 +704,57 @@ def _mate(batch):
     return {**batch, "mate": np.roll(batch["id"], 1)}
 
 
+@pytest.mark.parametrize("stage", [None, _jitter])
+def test_an_epoch_s_last_units_run_as_slices_with_the_same_rows(image_folder, ray_local,
+                                                               monkeypatch, stage):
+    """The last units of every epoch (under a unit per core left) run as slices of whole
+    batches, so the cores finish the epoch together; the epoch's rows, their order and their
+    pixels (a seeded user stage included) are those of whole units."""
+    import raying.engine.stream as stream_module
+
+    monkeypatch.setattr(stream_module, "TAIL_MIN_ROWS", 8)  # 60 rows: units of 32
+    m = raying.Manifest.scan(str(image_folder))
+
+    def run(slices):
+        monkeypatch.setattr(stream_module, "TAIL_SLICES", slices)
+        pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=32),
+                               sampler=raying.UniformSampler(seed=5),
+                               config=raying.PipelineConfig(decoded_cache="off"))
+        if stage is not None:
+            pipe = pipe.map_batches(stage, with_rng=True)
+        stream = pipe._block_stream()
+        tasks: list[tuple[int, int, int, int]] = []
+        submit = stream._submit
+
+        def counting(part):
+            unit, _, k = part
+            tasks.append((unit.epoch, unit.index, k, unit.num_rows))
+            submit(part)
+
+        monkeypatch.setattr(stream, "_submit", counting)
+        got = []
+        for epoch in (0, 1):  # epoch 1's units are submitted while epoch 0 drains
+            batches = list(pipe.iter_batches(batch_size=16, epoch=epoch))
+            got.append((np.concatenate([b["id"] for b in batches]),
+                        np.concatenate([b["image"] for b in batches])))
+        units = pipe.plan(0).units
+        pipe.close()
+        return got, tasks, units
+
+    whole, tasks_whole, units = run(1)
+    sliced, tasks_sliced, _ = run(4)
+    for (ids_w, img_w), (ids_s, img_s) in zip(whole, sliced, strict=True):
+        assert sorted(ids_w.tolist()) == list(range(60))
+        assert np.array_equal(ids_w, ids_s) and np.array_equal(img_w, img_s)
+    assert all(k == 0 for _, _, k, _ in tasks_whole)
+    # Sliced: units of 32 and 28 rows (both under a unit per core from the end) ran as
+    # slices of one 16-row batch, the remainder last.
+    assert [u.num_rows for u in units] == [32, 28]
+    for epoch in (0, 1):
+        mine = sorted((i, k, n) for e, i, k, n in tasks_sliced if e == epoch)
+        assert mine == [(0, 0, 16), (0, 1, 16), (1, 0, 16), (1, 1, 12)], mine
+
+
 def test_a_stage_that_looks_across_rows_sees_the_same_calls_whether_or_not_units_split(
         tmp_path, ray_local, monkeypatch):
     """Slices start at multiples of block_rows; with block_rows not a multiple of the stage's

@@ -1,4 +1,5 @@
-"""The local Ray raying starts: its workers import the read path as they start."""
+"""The local Ray raying starts: its workers import the read path as they start, and its
+raylet deletes objects out of scope at once."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def blas_threads():
     lib = ctypes.CDLL(libs[0])
     return lib.scipy_openblas_get_num_threads64_()
 print("blas", ray.get(blas_threads.remote()))
+# The node's raylet deletes objects out of scope at once, not in a batch a second later.
+config = ray._private.worker._global_node._ray_params._system_config
+print("free period", config.get("free_objects_period_milliseconds"))
 print(ray.get(modules.remote()))
 ray.shutdown()
 """
@@ -55,6 +59,7 @@ def test_a_ray_raying_starts_preloads_the_read_path_in_its_workers(preload, expe
     # The start made the driver's serialization context (a preloaded worker made its own as
     # it started: SERIALIZER_READY above).
     assert "driver serializer 1" in lines, out.stdout[-2000:]
+    assert "free period 0" in lines, out.stdout[-2000:]
 
 
 def _folder(root, per_class: int, side: int) -> str:

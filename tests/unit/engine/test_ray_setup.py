@@ -39,7 +39,7 @@ def test_a_listening_head_and_ray_s_own_forms_pass():
         check_ray_address(address)
 
 
-def test_preload_names_the_read_path_unless_turned_off_or_set_by_the_user(monkeypatch):
+def test_ray_start_settings_preload_and_prompt_frees_unless_turned_off_or_set_by_the_user(monkeypatch):
     from raying.engine import ray_setup
     from raying.options import Settings, settings, use
 
@@ -52,15 +52,23 @@ def test_preload_names_the_read_path_unless_turned_off_or_set_by_the_user(monkey
 
 
 def _preload_cases(ray_setup, Settings, use, monkeypatch):
+    monkeypatch.delenv(ray_setup.FREE_PERIOD_ENV, raising=False)
+    free = {"free_objects_period_milliseconds": 0}
     use(Settings())
     assert ray_setup.preload_env() == {ray_setup.PRELOAD_ENV: "raying.engine.preload"}
-    assert ray_setup.preload_kwargs() == {
-        "_system_config": {"preload_python_modules": ["raying.engine.preload"]}}
+    assert ray_setup.local_ray_kwargs() == {
+        "_system_config": {**free, "preload_python_modules": ["raying.engine.preload"]}}
+    assert ray_setup.cluster_env() == {ray_setup.PRELOAD_ENV: "raying.engine.preload",
+                                       ray_setup.FREE_PERIOD_ENV: "100"}
     use(Settings(preload_workers=0))
-    assert ray_setup.preload_env() == {} and ray_setup.preload_kwargs() == {}
+    assert ray_setup.preload_env() == {}
+    assert ray_setup.local_ray_kwargs() == {"_system_config": free}
+    assert ray_setup.cluster_env() == {ray_setup.FREE_PERIOD_ENV: "100"}
     use(Settings())
     monkeypatch.setenv(ray_setup.PRELOAD_ENV, "mymodule")  # the user's own: left to Ray
-    assert ray_setup.preload_env() == {} and ray_setup.preload_kwargs() == {}
+    monkeypatch.setenv(ray_setup.FREE_PERIOD_ENV, "500")
+    assert ray_setup.preload_env() == {} and ray_setup.local_ray_kwargs() == {}
+    assert ray_setup.cluster_env() == {}
 
 
 def test_the_preload_module_imports_the_read_path():

@@ -362,6 +362,24 @@ def test_the_first_block_holds_whole_batches_or_is_the_whole_unit():
     assert first_block_rows(64, 40, aligned=False) is None
 
 
+def test_an_epoch_s_last_units_are_sliced_at_whole_batches_and_stage_chunks():
+    from raying.engine.stream import TAIL_MIN_ROWS, tail_rows
+
+    assert tail_rows(256, 64) == 64  # four slices of one batch
+    assert tail_rows(256, None) == 64
+    assert tail_rows(256, 32) == 64  # two batches each
+    assert tail_rows(256, 48) == 96  # whole batches of 48 (a multiple of 16)
+    assert tail_rows(256, 100) == 64  # 100 is not a multiple of 16: at the stages' chunks
+    assert tail_rows(250, None) == 64  # ceil(250 / 4) = 63, up to the chunk
+    assert tail_rows(256, 128) == 128  # halves
+    # A batch of the whole unit: slices at the chunks, the batch joined from them (a copy)
+    # as the cores still finish the epoch together.
+    assert tail_rows(256, 256) == 64
+    # No slice under TAIL_MIN_ROWS: a small unit is halved, or read whole.
+    assert tail_rows(2 * TAIL_MIN_ROWS, None) == TAIL_MIN_ROWS
+    assert tail_rows(TAIL_MIN_ROWS, 16) is None
+
+
 @pytest.mark.parametrize("block_read_only", [True, False])
 def test_every_batch_is_read_only_whatever_the_batch_size(block_read_only):
     def block_of(start, n):

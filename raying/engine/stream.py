@@ -180,6 +180,8 @@ class BlockStream:
                          # next pipeline's reads. The window bounds memory instead.
                          "num_returns": "streaming",
                          **(task_options or {})}
+        self._tail_slots = _task_slots(min_window, self._window,
+                                       self._options_cpus(self._options))
         # (epoch, unit index, part) -> ObjectRef of (block, account), in submission order.
         self._inflight: collections.OrderedDict[tuple[int, int, int], Any] = (
             collections.OrderedDict())
@@ -204,6 +206,11 @@ class BlockStream:
         self._unread: list[tuple[tuple[int, int, int], Any, Any]] = []  # (key, task, bug)
         self._closed = False  # close(): iterators still running stop with CLOSED
 
+    @staticmethod
+    def _options_cpus(task_options: dict[str, Any] | None) -> float:
+        cpus = (task_options or {}).get("num_cpus", 1)
+        return float(cpus) if cpus is not None else 1.0
+
     def resize(self, window: int, inflight_bytes: int | None, min_window: int) -> None:
         """A new window (read tasks in flight), byte budget and least window, for the cluster
         as it is now: the parts submitted from now on keep to them (the tasks in flight
@@ -212,6 +219,8 @@ class BlockStream:
             self._window = max(1, int(window))
             self._budget = None if inflight_bytes is None else max(1, int(inflight_bytes))
             self._min_window = max(1, min(int(min_window), self._window))
+            self._tail_slots = _task_slots(min_window, self._window,
+                                           self._options_cpus(self._options))
             if self._part_rows is not None:
                 self._part_rows = _part_rows(self._budget, self._min_window, self._row_bytes,
                                              self._block_rows, splittable=True)
@@ -222,11 +231,11 @@ class BlockStream:
         decoded rows exceed a unit's share of the byte budget, as row slices."""
         unit, paths = self._fill(unit)
         n, step = unit.num_rows, self._part_rows
-        # The rest of its epoch is less than a unit like it per core (min_window is one per
-        # core this stream may use, plus the one being consumed).
-        cores = self._min_window - 1
-        if self._tail_ok and len(self._pending) <= cores and (
-                sum(u.num_rows for u in self._pending) < cores * n):
+        # The rest of its epoch is less than a unit like it per task slot. Parquet units
+        # (no paths) are not: a slice reads every row group of its unit.
+        slots = self._tail_slots
+        if (self._tail_ok and slots > 1 and paths is not None and len(self._pending) <= slots
+                and sum(u.num_rows for u in self._pending) < slots * n):
             tail = tail_rows(n, self._batch_rows)
             if tail is not None:
                 step = tail if step is None else min(step, tail)
@@ -666,14 +675,26 @@ def first_block_rows(batch_rows: int | None, unit_rows: int, *, aligned: bool) -
 def tail_rows(unit_rows: int, batch_rows: int | None) -> int | None:
     """Rows of each slice of one of an epoch's last units, or None to read it whole: about
     ``1 / TAIL_SLICES`` of it, a multiple of DEFAULT_STAGE_ROWS (the stages' chunks stay the
-    whole unit's) and of the consumer's batch where both allow (a batch that straddles two
-    slices is copied), at least ``TAIL_MIN_ROWS``."""
-    rows = -(-unit_rows // TAIL_SLICES)
-    align = DEFAULT_STAGE_ROWS
-    if batch_rows and batch_rows % DEFAULT_STAGE_ROWS == 0 and batch_rows < unit_rows:
-        align = batch_rows
-    rows = max(TAIL_MIN_ROWS, -(-rows // align) * align)
+    whole unit's) and of the consumer's batch where that still cuts the unit in halves or
+    finer (a batch that straddles two slices is copied), at least ``TAIL_MIN_ROWS``; None
+    for a unit under two such slices."""
+    if unit_rows < 2 * TAIL_MIN_ROWS:
+        return None
+    want = -(-unit_rows // TAIL_SLICES)
+    rows = -(-want // DEFAULT_STAGE_ROWS) * DEFAULT_STAGE_ROWS
+    if batch_rows and batch_rows % DEFAULT_STAGE_ROWS == 0:
+        whole = -(-want // batch_rows) * batch_rows
+        if 2 * whole <= unit_rows:
+            rows = whole
+    rows = max(TAIL_MIN_ROWS, rows)
     return rows if rows < unit_rows else None
+
+
+def _task_slots(min_window: int, window: int, task_cpus: float) -> int:
+    """Read tasks of a stream that run at once: its cores (``min_window`` is one per core it
+    may use, plus the one being consumed) over each task's CPUs, at most its window."""
+    cores = max(1, int(min_window) - 1)
+    return max(1, min(int(window), int(cores / task_cpus) if task_cpus > 0 else cores))
 
 
 def _part_rows(budget: int | None, min_window: int, row_bytes: int, block_rows: int, *,

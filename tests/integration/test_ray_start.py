@@ -44,7 +44,8 @@ ray.shutdown()
                                                    ("0", "[False, False")])
 def test_a_ray_raying_starts_preloads_the_read_path_in_its_workers(preload, expected):
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "RAY_preload_python_modules")}
+           if k not in ("RAY_ADDRESS", "RAY_preload_python_modules",
+                        "RAY_free_objects_period_milliseconds")}
     env["RAYING_PRELOAD_WORKERS"] = preload
     env.pop("OPENBLAS_NUM_THREADS", None)
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True,

@@ -375,9 +375,23 @@ def test_an_epoch_s_last_units_are_sliced_at_whole_batches_and_stage_chunks():
     # A batch of the whole unit: slices at the chunks, the batch joined from them (a copy)
     # as the cores still finish the epoch together.
     assert tail_rows(256, 256) == 64
+    # Whole batches only where they still cut the unit in halves or finer: a batch of 240
+    # or 192 would leave slices of 240 + 16 or 192 + 64, which balance nothing.
+    assert tail_rows(256, 240) == 64 and tail_rows(256, 192) == 64
     # No slice under TAIL_MIN_ROWS: a small unit is halved, or read whole.
     assert tail_rows(2 * TAIL_MIN_ROWS, None) == TAIL_MIN_ROWS
+    assert tail_rows(2 * TAIL_MIN_ROWS - 1, None) is None
     assert tail_rows(TAIL_MIN_ROWS, 16) is None
+
+
+def test_an_epoch_s_tail_is_sliced_for_the_tasks_that_run_at_once():
+    from raying.engine.stream import _task_slots
+
+    assert _task_slots(3, 4, 1.0) == 2  # 2 cores (min_window: one per core, plus one)
+    assert _task_slots(17, 32, 4.0) == 4  # 16 cores, tasks of 4 CPUs
+    assert _task_slots(17, 32, 0.5) == 32  # half-CPU tasks: two per core
+    assert _task_slots(17, 8, 1.0) == 8  # at most the window
+    assert _task_slots(2, 2, 1.0) == 1  # one core (a Train worker's share): nothing to balance
 
 
 @pytest.mark.parametrize("block_read_only", [True, False])

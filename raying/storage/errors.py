@@ -386,5 +386,12 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
                 with _COUNTED_RETRIES_LOCK:
                     _COUNTED_RETRIES[0] += 1
                 on_retry(path, attempt, error)
-            time.sleep(delay)
+            # A caller that gives up during the backoff ends this read then, with no further
+            # attempt (checked only before the sleep, a read still backing off when its unit
+            # gave up made one more).
+            if abandoned is not None:
+                if abandoned.wait(delay):
+                    raise error from None
+            else:
+                time.sleep(delay)
             attempt += 1

@@ -516,6 +516,32 @@ def test_a_unit_whose_first_wave_of_reads_all_failed_starts_no_more(tree, monkey
     assert isinstance(got[0], StorageError) and got[1:] == [b"b" * 20] * 11
 
 
+def test_a_read_backing_off_when_its_unit_gives_up_makes_no_other_attempt(tree):
+    """The unit gives up (``ABANDONED`` set) while a read waits out its backoff: the read ends
+    then, with its error, and opens nothing more."""
+    import threading
+
+    from raying.storage import errors as storage_errors
+
+    handler = _Down("HDFS read failed, errno: 255 (Input/output error)", 0.0)
+    fs = pafs.PyFileSystem(handler)
+    abandoned = threading.Event()
+    token = storage_errors.ABANDONED.set(abandoned)
+    timer = threading.Timer(0.05, abandoned.set)  # backoff 1-2 s: set during the first one
+    timer.start()
+    try:
+        began = time.monotonic()
+        with pytest.raises(StorageError, match="Input/output error"):
+            storage.read_bytes(fs, f"{tree}/cats/1.jpg", retries=3, backoff=2.0)
+        took = time.monotonic() - began
+    finally:
+        timer.cancel()
+        storage_errors.ABANDONED.reset(token)
+    time.sleep(0.1)
+    assert handler.opens == 1, handler.opens
+    assert took < 0.9, took  # ended as the unit gave up, not after the backoff
+
+
 def test_attempts_the_storage_client_retried_itself_end_after_the_second(tree, monkeypatch,
                                                                          caplog):
     """Each attempt against HDFS of no live DataNode fails only after Hadoop's own retries

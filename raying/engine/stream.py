@@ -46,8 +46,8 @@ STALL_WARN_S = 60.0
 # Rows of the first block of an epoch's first window of units: the trainer's first batch
 # waits for this many decodes, not a whole unit's (256 rows: ~0.2 s on one core at 256 px).
 DEFAULT_FIRST_BLOCK_ROWS = 64
-# An epoch's last units (one per core) run as this many slices each: an epoch ends when its
-# last unit is read, and with whole units one core finishes up to a unit's time (~0.2 s)
+# An epoch's last units (one per task slot) run as this many slices each: an epoch ends when
+# its last unit is read, and with whole units one core finishes up to a unit's time (~0.2 s)
 # before the other, idle for that epoch. A later epoch has the previous one's read-ahead to
 # make up for it; epoch 0 has none. Slices under TAIL_MIN_ROWS rows are not worth a task.
 TAIL_SLICES = 4
@@ -128,7 +128,7 @@ class BlockStream:
     order and resume positions stay the unit's: slices
     are an execution detail, keyed ``(epoch, unit, part)``.
 
-    An epoch's last units (once less than a unit per core is left after them) run as slices
+    An epoch's last units (once less than a unit per task slot is left after them) run as slices
     too, of about a quarter unit (``tail_rows``): the epoch ends when its last unit is read,
     and with whole units one core finished up to a unit's time before the other, idle for that
     epoch (working on the next one's). Epoch 0, with no read-ahead from an epoch before it,

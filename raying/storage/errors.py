@@ -387,8 +387,8 @@ def retrying(call, fs, path, attempts, backoff, on_retry=None, uri=None):
                     _COUNTED_RETRIES[0] += 1
                 on_retry(path, attempt, error)
             # A caller that gives up during the backoff ends this read then, with no further
-            # attempt (checked only before the sleep, a read still backing off when its unit
-            # gave up made one more).
+            # attempt (a check before the sleep alone would let a read that was backing off
+            # as its unit gave up make one more).
             if abandoned is not None:
                 if abandoned.wait(delay):
                     raise error from None

@@ -8,8 +8,15 @@
  *   IDCT, upsampling or colour conversion), rows below it are never read, and columns are
  *   limited to the iMCU columns that cover the region (jpeg_crop_scanline).
  *
- * Returns True, or False without decoding when the stream is not sound past the region
- * (see stream_sound): the caller then decodes the whole image strictly. Strict like the
+ * decode_region(..., out, True) writes the rows libjpeg produces straight into `out`, with
+ * no copy: rows [top - r, top + height) of the iMCU-aligned columns jpeg_crop_scanline keeps,
+ * `stride` pixels each, and returns (r, c, stride): the region is then
+ * out.reshape(-1, stride, 3)[r:r + height, c:c + width]. `out` needs room for
+ * (height + 16) * (width + 96) * 3 bytes (16 pixels of context each side, iMCU alignment).
+ * libjpeg also runs faster asked for several rows per call than for one.
+ *
+ * Returns True (or the tuple), or False without decoding when the stream is not sound past
+ * the region (see stream_sound): the caller then decodes the whole image strictly. Strict like the
  * full decode within what it reads: libjpeg's warnings (corrupt data, data ending early)
  * raise ValueError with libjpeg's message, as every error does. The GIL is released while libjpeg
  * runs, so decoding threads can share a process.
@@ -67,24 +74,30 @@ static int stream_sound(const unsigned char *p, Py_ssize_t n) {
         if (m == 0xDA)
             break;
     }
-    for (; i + 1 < n - 2; i++) {
-        if (p[i] != 0xFF)
-            continue;
+    /* the entropy data: only its 0xFF bytes matter, found by memchr (vectorised in libc; a
+     * byte-by-byte loop here took 3-4 % of a read task's time) */
+    while (i + 1 < n - 2) {
+        const unsigned char *f = memchr(p + i, 0xFF, (size_t)(n - 3 - i));
+        if (f == NULL)
+            break;
+        i = f - p;
         unsigned char m = p[i + 1];
-        if (m == 0x00 || m == 0xFF || (m >= 0xD0 && m <= 0xD7))
+        if (m == 0x00 || m == 0xFF || (m >= 0xD0 && m <= 0xD7)) {
+            i++;
             continue;
+        }
         if (m < 0xC0 || m == 0xD8 || m == 0xD9)
             return 0; /* reserved, a second SOI, or an EOI before the end */
-        i++;
+        i += 2;
     }
     return 1;
 }
 
 static PyObject *decode_region(PyObject *self, PyObject *args) {
     Py_buffer data, out;
-    int eighths, top, left, height, width;
-    if (!PyArg_ParseTuple(args, "y*iiiiiw*", &data, &eighths, &top, &left, &height, &width,
-                          &out))
+    int eighths, top, left, height, width, direct = 0;
+    if (!PyArg_ParseTuple(args, "y*iiiiiw*|p", &data, &eighths, &top, &left, &height, &width,
+                          &out, &direct))
         return NULL;
     if (eighths < 1 || eighths > 8 || top < 0 || left < 0 || height < 1 || width < 1 ||
         out.len < (Py_ssize_t)height * width * 3) {
@@ -103,6 +116,8 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     /* volatile: set after setjmp and read after a longjmp back to it */
     JSAMPLE *volatile row = NULL;
     volatile int failed = 0, outside = 0;
+    /* direct mode: the first row, first column and row length (pixels) of the region */
+    volatile int row0 = 0, col0 = 0, stride = 0;
     unsigned char *dst = (unsigned char *)out.buf;
 
     memset(&cinfo, 0, sizeof(cinfo));
@@ -138,8 +153,26 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
                 x1 = (int)cinfo.output_width;
             JDIMENSION xoffset = (JDIMENSION)x0, cropped = (JDIMENSION)(x1 - x0);
             jpeg_crop_scanline(&cinfo, &xoffset, &cropped);
-            row = (JSAMPLE *)malloc((size_t)cropped * 3);
-            if (row == NULL) {
+            if (direct) {
+                /* every row from y0 on, straight into out, several rows per call */
+                size_t pitch = (size_t)cropped * 3;
+                if ((Py_ssize_t)((size_t)(top + height - y0) * pitch) > out.len) {
+                    outside = 3;
+                } else {
+                    if (y0 > 0)
+                        jpeg_skip_scanlines(&cinfo, (JDIMENSION)y0);
+                    while (cinfo.output_scanline < (JDIMENSION)(top + height)) {
+                        JSAMPROW rows[16];
+                        int y = (int)cinfo.output_scanline, k = 0;
+                        for (; k < 16 && y + k < top + height; k++)
+                            rows[k] = dst + (size_t)(y + k - y0) * pitch;
+                        jpeg_read_scanlines(&cinfo, rows, (JDIMENSION)k);
+                    }
+                    row0 = top - y0;
+                    col0 = left - (int)xoffset;
+                    stride = (int)cropped;
+                }
+            } else if ((row = (JSAMPLE *)malloc((size_t)cropped * 3)) == NULL) {
                 outside = 2;
             } else {
                 size_t skip = (size_t)(left - (int)xoffset) * 3;
@@ -171,13 +204,19 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     }
     if (outside == 2)
         return PyErr_NoMemory();
+    if (outside == 3) {
+        PyErr_SetString(PyExc_ValueError, "decode_region: output buffer too small");
+        return NULL;
+    }
+    if (direct)
+        return Py_BuildValue("(iii)", row0, col0, stride);
     Py_RETURN_TRUE;
 }
 
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
-     "decode_region(data, eighths, top, left, height, width, out): RGB rows and columns of "
-     "a JPEG decoded at eighths/8 scale, into out."},
+     "decode_region(data, eighths, top, left, height, width, out, direct=False): RGB rows "
+     "and columns of a JPEG decoded at eighths/8 scale, into out."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -18,10 +18,11 @@ from raying.image import rng as _rng
 from raying.image.decode import (
     check_max_pixels,
     decode_image,
-    decode_jpeg_region,
+    decode_jpeg_region_view,
     decode_jpeg_stored,
     decode_pil,
     jpeg_header,
+    region_scratch_bytes,
     start_buffer,
 )
 from raying.options import DEFAULT_MAX_IMAGE_PIXELS
@@ -398,7 +399,7 @@ class ImageTransform:
 
     def _render_jpeg_region(self, buf, height: int, width: int, eighths: int, box, flip,
                             dst: np.ndarray, as_array: bool = False, extra: int = 0) -> bool:
-        """The crop's region of an upright JPEG, decoded alone (decode_jpeg_region) and
+        """The crop's region of an upright JPEG, decoded alone (decode_jpeg_region_view) and
         resampled into dst; False when the region decode declined. ``as_array`` (full scale
         only) resamples the region as :meth:`_render_array` does a whole image's crop."""
         top, left, box_h, box_w = box
@@ -415,9 +416,9 @@ class ImageTransform:
         y0, x0 = y0 - y0 % step, x0 - x0 % step
         y1, x1 = min(sh, -(-y1 // step) * step), min(sw, -(-x1 // step) * step)
         rh, rw = y1 - y0, x1 - x0
-        need = rh * rw * 3
-        src = _region_buffer(need)[:need].reshape(rh, rw, 3)
-        if not decode_jpeg_region(buf, eighths, y0, x0, rh, rw, src):
+        src = decode_jpeg_region_view(buf, eighths, y0, x0, rh, rw,
+                                      _region_buffer(region_scratch_bytes(rh, rw)))
+        if src is None:
             return False
         if as_array:
             self._render_array(src, (top - y0, left - x0, box_h, box_w), flip, dst)

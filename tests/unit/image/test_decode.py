@@ -366,6 +366,13 @@ def test_region_decode_equals_the_whole_decode_at_every_scale(kind):
                                                         rh, rw, out)
                 assert np.array_equal(out, whole[top:top + rh, left:left + rw]), (
                     eighths, top, left, rh, rw)
+                # The copy-free variant: libjpeg's rows in a scratch buffer, the region a view.
+                scratch = np.zeros(decode_module.region_scratch_bytes(rh, rw), np.uint8)
+                view = decode_module.decode_jpeg_region_view(memoryview(data), eighths, top,
+                                                             left, rh, rw, scratch)
+                assert view is not None and view.shape == (rh, rw, 3)
+                assert np.shares_memory(view, scratch)
+                assert np.array_equal(view, out), (eighths, top, left, rh, rw)
                 checked += 1
     assert checked == 72
 
@@ -388,6 +395,20 @@ def test_region_decode_declines_what_only_the_whole_decode_can_judge(monkeypatch
         assert not decode_module.decode_jpeg_region(memoryview(bad), 8, 0, 0, 8, 8, out)
         assert not out.any()
     assert not decode_module.decode_jpeg_region(memoryview(data), 8, 236, 0, 8, 8, out)
+    scratch = np.zeros(decode_module.region_scratch_bytes(8, 8), np.uint8)
+    for bad in (data[:len(data) * 2 // 3], _corrupt_jpeg(data)):
+        assert decode_module.decode_jpeg_region_view(memoryview(bad), 8, 0, 0, 8, 8,
+                                                     scratch) is None
+    assert decode_module.decode_jpeg_region_view(memoryview(data), 8, 236, 0, 8, 8,
+                                                 scratch) is None
+    # A scratch too small for libjpeg's rows: declined, nothing written past it.
+    small = np.zeros(decode_module.region_scratch_bytes(40, 40), np.uint8)
+    assert decode_module.decode_jpeg_region_view(memoryview(data), 8, 100, 100, 60, 200,
+                                                 small[:1000]) is None
+    assert decode_module.decode_jpeg_region_view(memoryview(data), 8, 0, 0, 8, 8,
+                                                 scratch) is not None
     monkeypatch.setattr("raying.options._active", None)
     use(Settings(roi_decode=0))
     assert not decode_module.decode_jpeg_region(memoryview(data), 8, 0, 0, 8, 8, out)
+    assert decode_module.decode_jpeg_region_view(memoryview(data), 8, 0, 0, 8, 8,
+                                                 scratch) is None

@@ -166,7 +166,12 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
                         int y = (int)cinfo.output_scanline, k = 0;
                         for (; k < 16 && y + k < top + height; k++)
                             rows[k] = dst + (size_t)(y + k - y0) * pitch;
-                        jpeg_read_scanlines(&cinfo, rows, (JDIMENSION)k);
+                        /* a memory source never suspends: no rows without an error,
+                         * but never loop on one */
+                        if (jpeg_read_scanlines(&cinfo, rows, (JDIMENSION)k) == 0) {
+                            outside = 4;
+                            break;
+                        }
                     }
                     row0 = top - y0;
                     col0 = left - (int)xoffset;
@@ -206,6 +211,10 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     if (outside == 3) {
         PyErr_SetString(PyExc_ValueError, "decode_region: output buffer too small");
+        return NULL;
+    }
+    if (outside == 4) {
+        PyErr_SetString(PyExc_ValueError, "decode_region: libjpeg returned no rows");
         return NULL;
     }
     if (direct)

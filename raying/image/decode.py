@@ -234,8 +234,8 @@ def region_scratch_bytes(height: int, width: int) -> int:
 def decode_jpeg_region_view(buf: memoryview, eighths: int, top: int, left: int, height: int,
                             width: int, scratch: np.ndarray) -> np.ndarray | None:
     """:func:`decode_jpeg_region` without its copy: libjpeg writes its rows (the region, some
-    context above it and iMCU-aligned columns around it) straight into ``scratch`` (uint8, at
-    least ``region_scratch_bytes(height, width)`` bytes), several rows per call, and the
+    context above it and iMCU-aligned columns around it) straight into ``scratch`` (1-D uint8,
+    at least ``region_scratch_bytes(height, width)`` bytes), several rows per call, and the
     region comes back as a ``(height, width, 3)`` view of it with a row stride of its own.
     None where decode_jpeg_region returns False. About 7 % faster than the copying decode on
     ImageNet-like JPEGs (11 % on progressive ones)."""

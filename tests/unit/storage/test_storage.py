@@ -1000,3 +1000,29 @@ def test_a_filesystem_let_go_leaves_its_spec_to_no_other_object():
     assert _errors._spec_of(reused) is None
     err = storage_error(PermissionError(13, "Permission denied"), reused, "/x")
     assert str(err) == "permission denied to read /x; check the file's owner and mode"
+
+
+@pytest.mark.parametrize("told", [0, 5, 4095, 4096, 4097, 3 << 20])
+def test_local_read_gets_the_whole_file_whatever_fstat_said(tmp_path, monkeypatch, told):
+    """A local file is read in one call of the size fstat gave; one that grew or shrank
+    since (fstat's size is stale) still comes back whole, to its end."""
+    data = bytes(range(256)) * 9000 + b"tail"  # 2.3 MB: more than one read-on step
+    path = tmp_path / "a.jpg"
+    path.write_bytes(data)
+    real = os.fstat
+
+    def stale(fd):
+        st = real(fd)
+        return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid,
+                               st.st_gid, told, st.st_atime, st.st_mtime, st.st_ctime))
+
+    fs, root = storage.resolve(str(tmp_path))
+    monkeypatch.setattr(storage.os, "fstat", stale)
+    assert storage.read_bytes(fs, f"{root}/a.jpg") == data
+
+
+def test_local_read_of_empty_and_exact_files(tmp_path):
+    fs, root = storage.resolve(str(tmp_path))
+    for n in (0, 1, 4096, (1 << 20) + 3):
+        (tmp_path / f"{n}.jpg").write_bytes(b"x" * n)
+        assert storage.read_bytes(fs, f"{root}/{n}.jpg") == b"x" * n

@@ -224,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = add("bench", "Benchmark raying against torch DataLoader, tf.data and Ray Data.")
     b.add_argument("--quick", action="store_true",
-                   help="tiny sizes: checks every peer runs (the Ray Train peers on W1 and W3, "
-                        "iterate mode)")
+                   help="tiny sizes: checks every peer runs (the Ray Train peers in the iterate "
+                        "mode, raying's on W1 and W3, Ray Data's on W1)")
     b.add_argument("--images", type=int, default=None, help="images in W1")
     b.add_argument("--rounds", type=int, default=None, help="interleaved rounds (median)")
     b.add_argument("--workloads", default=None, help="comma list, e.g. W1,W3")

@@ -228,7 +228,8 @@ class ImageTransform:
 
     def apply_encoded(self, datas: Sequence, ids, *, seed: int, epoch: int,
                       max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
-                      out: np.ndarray | None = None, scaled: bool = True) -> TransformResult:
+                      out: np.ndarray | None = None,
+                      scaled: bool | Sequence[bool] = True) -> TransformResult:
         """Decode and transform a batch of encoded images; bad ones are reported, not raised.
 
         Args:
@@ -244,6 +245,8 @@ class ImageTransform:
                 crop shrinks; False decodes at full scale (still only the crop's region), so
                 every image's pixels equal :meth:`apply_decoded`'s of the whole decoded
                 image, as a decoded cache needs: its hits and misses then look the same.
+                A sequence gives each image's own (a cache that admits only some ids needs
+                full scale for those alone).
 
         Returns:
             A :class:`TransformResult`; ``images`` is a view of ``out`` when given.
@@ -281,13 +284,18 @@ class ImageTransform:
         ok = np.zeros(n, dtype=bool)
         slot = 0
         decoded_s = 0.0
+        each_scaled = ([bool(scaled)] * n if isinstance(scaled, (bool, np.bool_))
+                       else [bool(v) for v in scaled])
+        if len(each_scaled) != n:
+            msg = f"scaled must be one bool or one per image ({n}), got {len(each_scaled)}"
+            raise ConfigError(msg)
         for i in range(n):
             if i in failed:
                 continue
             try:
                 if headers[i] is not None:
                     self._render_jpeg(bufs[i], headers[i], boxes[i], flips[i], out[slot],
-                                      scaled)
+                                      each_scaled[i])
                 elif isinstance(bufs[i], np.ndarray) and bufs[i].ndim >= 2:
                     t0 = time.perf_counter()
                     self._render_array(bufs[i], boxes[i], flips[i], out[slot])

@@ -10,11 +10,12 @@ The cache is not free: a fill decodes the whole image and writes it to new tmpfs
 while without the cache a JPEG decodes only the region its crop needs. Filling every sample
 in the first epoch made it 1.5-2.5x slower (10,000 256-px JPEGs on 2 cores: a 1-epoch job
 6.1 s against 2.6 s). So a read process fills only as its :class:`FillBudget` allows
-(``PipelineConfig(decoded_cache_fill=...)``, 5 % of its read time by default, plus what its
-hits save): the cache fills over epochs and no epoch runs more than about that share slower
-than without it; ``decoded_cache_fill=None`` fills at first read. Misses of a cached pipeline
-decode at full scale (only the crop's region), never DCT-scaled, so that a sample's pixels do
-not depend on whether it was a hit; on large JPEGs that costs the misses ~12 %, until hits
+(``PipelineConfig(decoded_cache_fill=...)``, 4 % of its read time by default, plus what its
+hits save; the misses' lookups count against it too): the cache fills over epochs and no
+epoch runs more than about that share slower than without it; ``decoded_cache_fill=None``
+fills at first read. Misses of a cached pipeline's admitted subset decode at full scale (only the crop's region), never DCT-scaled, so that
+a sample's pixels do not depend on whether it was a hit (ids outside it are never cached and
+decode as without the cache); on large JPEGs that costs the misses ~12 %, until hits
 repay it. So ``decoded_cache="auto"`` (the default) turns it on only when the pipeline is
 told (``PipelineConfig(epochs=...)``) that at least ``DEFAULT_DECODED_CACHE_MIN_EPOCHS``
 epochs follow, and the whole decoded dataset fits in a share of free memory, judged from the headers
@@ -241,16 +242,21 @@ class FillBudget:
     time within ``share`` of the process's read time, and lets the cache pay for its own
     filling with what its hits save:
 
-    - each part's time earns ``share`` of itself as credit;
+    - each part's time, less what the cache added to it (its fills, its misses' lookups),
+      earns ``share`` of itself as credit;
     - each hit earns what it saved: a row's decode and crop minus a hit's lookup and crop,
       both running means measured in this process (:meth:`note`);
     - each fill spends the time it took, counted whole (the region decode it replaces is not
-      subtracted, so the real extra stays under the budget).
+      subtracted, so the real extra stays under the budget);
+    - each miss's lookup spends its time too, up to half of what its part earned: in epoch 0
+      every lookup misses, ~5 us a row against ~0.3 ms of decode.
 
-    So epoch 0 runs at most ``share`` slower than without the cache, no later epoch is
+    So epoch 0 runs at most ``share`` slower than without the cache (where the misses'
+    lookups take less than half of it; plus the little the budget does not time: the
+    cache's handle and admission mask per part), no later epoch is
     slower by more than that either, and the fill speeds up as hits accrue (10,000 JPEGs of
-    256 px on 2 cores: 3.5 % of the set filled in epoch 0, 24 % of epoch 7's reads hit). A
-    share of None fills every admitted miss at once.
+    256 px on 2 cores: 3.5 % of the set filled in epoch 0 with a share of 5 %, 24 % of
+    epoch 7's reads hit). A share of None fills every admitted miss at once.
     """
 
     def __init__(self, share: float | None) -> None:
@@ -289,12 +295,16 @@ class FillBudget:
             each = hit_s / hits
             self.hit_row = each if self.hit_row is None else 0.9 * self.hit_row + 0.1 * each
 
-    def earn(self, seconds: float, hits: int = 0) -> None:
-        """Credit for ``seconds`` of the process's read work (a part, fills included) and
-        for what its ``hits`` saved."""
+    def earn(self, seconds: float, hits: int = 0, overhead: float = 0.0) -> None:
+        """Credit for ``seconds`` of the process's read work (a part, without what the cache
+        added to it) and for what its ``hits`` saved, less ``overhead``: the time its
+        misses' lookups took, at most half the part's credit (the fills keep the other half,
+        so that a cache of small images, whose lookups are a larger share of a decode, still
+        fills)."""
         if self.share is None:
             return
-        self.credit += self.share * seconds
+        earned = self.share * seconds
+        self.credit += earned - min(max(0.0, overhead), 0.5 * earned)
         if hits and self.decode_row is not None and self.hit_row is not None:
             self.credit += hits * max(0.0, self.decode_row - self.hit_row)
 

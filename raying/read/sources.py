@@ -183,6 +183,7 @@ class CachedPixels:
                               "cache_decoded_lookups": len(ids)}
         nbytes = 0
         budget = None
+        fill_s = 0.0
         if miss:
             datas, fetched = self.fetch(part, miss)
             add_counters(io, fetched)
@@ -199,24 +200,36 @@ class CachedPixels:
                 if picks:
                     t1 = time.perf_counter()
                     _decoded.fill(cache, ids, items, picks, max_pixels=spec.max_pixels)
-                    budget.spend(len(picks), time.perf_counter() - t1)
+                    fill_s = time.perf_counter() - t1
+                    budget.spend(len(picks), fill_s)
         if self.bytes_from_io:
             nbytes = io.get("io_bytes_fetched", 0)
         if "io_bytes_fetched" not in io:
             add_counters(io, {"io_bytes_fetched": int(nbytes), "io_bytes_delivered": int(nbytes)})
         read_s = time.perf_counter() - t0
         t2 = time.perf_counter()
-        # Misses decode at full scale, so a sample looks the same whether it was a hit.
-        res = _render(spec, self.unit, ids, items, self.where[part], out, scaled=False,
+        # Misses of the admitted ids decode at full scale, so that such a sample looks the
+        # same whether it was a hit; ids the cache never holds may decode DCT-scaled.
+        scaled: Any = False
+        if cache is not None and cache.admit < 1.0:
+            scaled = ~cache.admits(ids)
+        res = _render(spec, self.unit, ids, items, self.where[part], out, scaled=scaled,
                       keys=self.keys[part])
         if budget is not None:
-            # A hit costs its share of the lookup (all of it: misses look up too) and a crop.
+            # A hit costs its share of the lookup and a crop (the misses' share of the
+            # lookup is charged below).
             hits = io["cache_decoded_hits"]
             crops = sum(isinstance(a, np.ndarray) and a.ndim >= 2 for a in items)
-            hit_s = get_s + (res.decoded_s * hits / crops if crops else 0.0)
+            hit_s = (get_s * hits / len(ids)
+                     + (res.decoded_s * hits / crops if crops else 0.0))
             budget.note(len(items) - crops, time.perf_counter() - t2 - res.decoded_s,
                         hits, hit_s)
-            budget.earn(time.perf_counter() - t0, hits=hits)
+            # The misses' lookups found nothing: time the cache added, spent like a fill's.
+            # Credit is earned on the part's time without the cache's additions, so that
+            # fills and lookups together stay within the share of the cache-off time.
+            miss_s = get_s * len(miss) / len(ids)
+            budget.earn(max(0.0, time.perf_counter() - t0 - fill_s - miss_s), hits=hits,
+                        overhead=miss_s)
         return Part(res.images, res.ok, res.errors, io, int(nbytes), read_s)
 
 
@@ -231,7 +244,8 @@ def transform_encoded(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: An
 
 
 def _render(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: Any, where: list[str],
-            out: np.ndarray | None, *, scaled: bool = True, keys: np.ndarray | None = None):
+            out: np.ndarray | None, *, scaled: Any = True,
+            keys: np.ndarray | None = None):
     """:func:`transform_encoded` as the transform's result (errors named by location)."""
     clean: list[Any] = []
     pre_errors: dict[int, DecodeError] = {}

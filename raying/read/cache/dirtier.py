@@ -45,6 +45,13 @@ from raying.read.cache.sqlite import _chunks, _marks, _retry_locked, _write, fcn
 
 logger = logging.getLogger(__name__)
 
+# Draws of lookups that found nothing a process may hold back before it writes them to the
+# tier's clock (a write transaction, under the writers' flock, per lookup otherwise: the whole
+# cost of an epoch-0 lookup that misses). They go in with its next write of the index; the
+# clock only ages entries (the priority policy's decay, over draws of the order of the data
+# set), so a few hundred draws late change no decision that matters.
+_DEFERRED_DRAWS_MAX = 1024
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     digest TEXT PRIMARY KEY, nbytes INTEGER NOT NULL, crc INTEGER NOT NULL,
@@ -94,6 +101,7 @@ class DirTier:
             os.makedirs(os.path.join(self._data, f"{k:02x}"), exist_ok=True)
         self.root_id = dir_id(self.root)  # which directory this is (one removed and made
         self._lock = threading.Lock()      # again under the same path is another)
+        self._deferred_draws = 0  # draws of missed lookups not in the clock yet
         self._conn: sqlite3.Connection | None = None
         self._pid = -1
         self._fd: int | None = None
@@ -212,10 +220,18 @@ class DirTier:
         for k, key in enumerate(touch):
             touched[digest_of(key)] = (float(touch_scores[k]) if touch_scores is not None
                                        else None)
+        drawn = len(keys) if draws is None else int(draws)
+        with self._lock:
+            if not touched and not bad and self._deferred_draws + drawn < _DEFERRED_DRAWS_MAX:
+                self._deferred_draws += drawn  # nothing to write but the clock: later
+                drawn = -1
+        if drawn < 0:
+            return found, corrupt
         with self._lock:
             conn = self._db()
             with _write(conn, self._lock_fd()):
-                clock = self._clock(conn) + (len(keys) if draws is None else int(draws))
+                clock = self._clock(conn) + drawn + self._deferred_draws
+                self._deferred_draws = 0
                 conn.execute("UPDATE meta SET v = ? WHERE k = 'clock'", (clock,))
                 conn.executemany(
                     "UPDATE entries SET seen = ?, score = COALESCE(?, score) WHERE digest = ?",
@@ -302,6 +318,10 @@ class DirTier:
                     order.sort(key=lambda d: -cands[d][1])
                 sizes = {d: entry_bytes(len(payloads[cands[d][0]])) for d in order}
                 clock = self._clock(conn)
+                if self._deferred_draws:  # this process's missed lookups, held back
+                    clock += self._deferred_draws
+                    self._deferred_draws = 0
+                    conn.execute("UPDATE meta SET v = ? WHERE k = 'clock'", (clock,))
                 used = conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
                 need = used + sum(sizes.values()) - self.capacity
                 victims = self._victims(conn, clock, need) if need > 0 else iter(())

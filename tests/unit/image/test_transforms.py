@@ -430,6 +430,24 @@ def test_the_centre_crop_window_of_a_jpeg_is_its_decoded_image_s():
     np.testing.assert_allclose(boxes[0], (0, 37 * 400 / 298, 300, 224 * 400 / 298))
 
 
+
+def test_scaled_may_be_given_per_image():
+    """A sequence of ``scaled`` picks each image's decode (a decoded cache admitting only some
+    ids): those given False equal the full-scale pixels, the others the DCT-scaled ones."""
+    img = _smooth(480, 640)
+    jpeg = cv2.imencode(".jpg", img[..., ::-1], [cv2.IMWRITE_JPEG_QUALITY, 90])[1].tobytes()
+    t = ImageTransform(size=48, scale=(0.5, 1.0))  # every crop shrinks 4x or more
+    ids = np.arange(8)
+    full = t.apply_encoded([jpeg] * 8, ids, seed=1, epoch=0, scaled=False).images
+    dct = t.apply_encoded([jpeg] * 8, ids, seed=1, epoch=0).images
+    assert not np.array_equal(full, dct)  # the two decodes differ here
+    mask = np.array([True, False] * 4)
+    mixed = t.apply_encoded([jpeg] * 8, ids, seed=1, epoch=0, scaled=mask).images
+    np.testing.assert_array_equal(mixed[mask], dct[mask])
+    np.testing.assert_array_equal(mixed[~mask], full[~mask])
+    with pytest.raises(ConfigError, match=r"scaled must be one bool or one per image \(8\)"):
+        t.apply_encoded([jpeg] * 8, ids, seed=1, epoch=0, scaled=[True] * 3)
+
 def test_dct_downscale_path_matches_full_decode(monkeypatch):
     """Decoding a whole JPEG at 1/2-1/8 scale before the crop gives nearly the same pixels
     (the region decode off: it does not go through simplejpeg)."""

@@ -115,6 +115,21 @@ def test_priority_forgets_entries_that_stop_being_drawn(tmp_path):
     assert sorted(found) == [0, 2]
 
 
+
+@pytest.mark.parametrize("lookups", [10, 30])  # under and over what a process holds back
+def test_draws_of_lookups_that_miss_age_the_entries_too(tmp_path, lookups):
+    """A lookup that finds nothing writes its draws to the clock later (with the process's
+    next write of the index), but it does write them: entries not drawn meanwhile age."""
+    tier = DirTier(str(tmp_path), 2 * eb(100), policy="priority", decay_reads=2.0)
+    tier.put_many(["a", "b"], [payload_of("a", 100), payload_of("b", 100)], [0.5, 0.6])
+    for k in range(lookups):
+        assert tier.get_many([f"absent{k}"], [0.1], draws=100) == ({}, 0)
+    # a and b may expect at most 2 reads per 1,000 draws now: a 0.01 newcomer beats them
+    assert tier.put_many(["new"], [payload_of("new", 100)], [0.01]) == (1, 1)
+    fresh = DirTier(str(tmp_path / "fresh"), 2 * eb(100), policy="priority", decay_reads=2.0)
+    fresh.put_many(["a", "b"], [payload_of("a", 100), payload_of("b", 100)], [0.5, 0.6])
+    assert fresh.put_many(["new"], [payload_of("new", 100)], [0.01]) == (0, 0)  # not aged
+
 def _two_tiers_filled(tmp_path, memory_entries: int, namespace: str):
     """A synchronous LRU memory + disk cache with four 1,000-byte entries offered to it."""
     cfg = CacheConfig(memory_bytes=memory_entries * eb(1000), memory_dir=str(tmp_path / "m"),

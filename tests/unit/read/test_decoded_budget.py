@@ -259,20 +259,38 @@ def test_pipeline_config_refuses_a_bad_fill_share(bad):
     with pytest.raises(ConfigError, match="decoded_cache_fill"):
         raying.PipelineConfig(decoded_cache_fill=bad)
     assert raying.PipelineConfig(decoded_cache_fill=None).decoded_cache_fill is None
-    assert raying.PipelineConfig().decoded_cache_fill == 0.05
+    assert raying.PipelineConfig().decoded_cache_fill == 0.04
 
 
-def test_the_cache_fills_over_epochs_within_its_budget_with_unchanged_pixels(tmp_path):
-    """In one process, as a read worker runs units: with the default share the first epoch
-    writes only a few entries (a fill costs more than a decode, and may add 5 %), later epochs
-    hit them and write more. Without a share the first epoch writes every entry. Both give
-    the same pixels in every epoch, hit or miss: a cached pipeline decodes its misses at full
-    scale, as its hits were (with the cache off, a DCT-scaled decode may differ by a few
-    levels)."""
+class _FixedBudget(decoded_cache.FillBudget):
+    """The fill budget's calls with a fixed economy instead of timings (its arithmetic on
+    given timings is tested above): each part earns half a fill, each hit one more."""
+
+    def allow(self, n):
+        return min(max(n, 0), int(self.credit))
+
+    def spend(self, n, seconds):
+        self.credit -= n
+
+    def earn(self, seconds, hits=0, overhead=0.0):
+        self.credit += 0.5 + hits
+
+
+def test_the_cache_fills_over_epochs_within_its_budget_with_unchanged_pixels(tmp_path,
+                                                                              monkeypatch):
+    """In one process, as a read worker runs units: with a budget the first epoch writes
+    only what it allows, later epochs hit those entries, which earn more fills, and write
+    more. Without a share the first epoch writes every entry. Both give the same pixels in
+    every epoch, hit or miss: a cached pipeline decodes its misses at full scale, as its hits
+    were (with the cache off, a DCT-scaled decode may differ by a few levels)."""
     import raying
     from raying.read.task import iter_unit
     from raying.tools.datagen import make_image_folder
 
+    budgets = {}
+    real = decoded_cache.fill_budget
+    monkeypatch.setattr(decoded_cache, "fill_budget", lambda d, share: real(d, share)
+                        if share is None else budgets.setdefault(d, _FixedBudget(share)))
     n = 96
     root = make_image_folder(tmp_path / "imgs", n=n, classes=3, size=(64, 80), seed=4)
     m = raying.Manifest.scan(str(root))
@@ -313,6 +331,8 @@ def test_the_cache_fills_over_epochs_within_its_budget_with_unchanged_pixels(tmp
         assert 0 < written[0] < n // 3, written
         assert hits[0] == 0 and hits[1] == written[0], (hits, written)
         assert written == sorted(written) and written[-1] > written[0], written
+        assert written[1] - written[0] > written[0], written  # the hits earned more fills
+        assert len(budgets) == 1  # the budgeted pipeline's, in this process
     finally:
         for p in (off, budgeted, eager):
             p.close()
@@ -538,3 +558,49 @@ def test_a_read_opening_the_cache_as_the_pipeline_closes_leaves_no_folder(monkey
                     decoded_cache_name="late", decoded_cache_owner="h 1")
     assert decoded_cache.DecodedCache.of(spec) is None
     assert not os.path.exists(decoded_dirs.cache_dir("late"))
+
+
+# -- the fill budget: what filling may add to a read process's time ----------------------------
+def _epoch_zero(budget, parts, *, rows=16, region_s=300e-6, fill_s=500e-6, crop_s=40e-6,
+                lookup_s=5e-6):
+    """Parts of an epoch where every lookup misses, timed as ``CachedPixels.part`` times them:
+    ``(time without the cache, time with it, time spent filling)``."""
+    off = on = filling = 0.0
+    for _ in range(parts):
+        base = rows * region_s  # the cache-off part: a region decode per row
+        miss_s = rows * lookup_s
+        n = budget.allow(rows)
+        fills = n * fill_s
+        if n:
+            budget.spend(n, fills)
+        # filled rows are cropped from their cached pixels instead of decoded again
+        elapsed = miss_s + fills + base - n * region_s + n * crop_s
+        budget.earn(elapsed - fills - miss_s, overhead=miss_s)
+        off, on, filling = off + base, on + elapsed, filling + fills
+    return off, on, filling
+
+
+@pytest.mark.parametrize("share", [0.04, 0.05, 0.1])  # lookups (5 us of 300) under half of it
+def test_fills_and_missed_lookups_together_stay_within_the_share_of_the_uncached_time(share):
+    off, on, filling = _epoch_zero(decoded_cache.FillBudget(share), 2_000)
+    assert on - off <= share * off + 500e-6  # at most one fill over (the first, unmeasured)
+    # ... and the budget is used, not starved: the lookups (5 us of 300) leave the fills the
+    # rest of it (credit is earned on the part's time without its fills, whose rows are only
+    # cropped: a little less than the cache-off time)
+    assert filling >= (share - 5 / 300) * off * 0.8
+
+
+def test_missed_lookups_take_at_most_half_the_credit():
+    """Lookups dearer than the share (small images): the fills still get half of it."""
+    off, on, filling = _epoch_zero(decoded_cache.FillBudget(0.02), 2_000, region_s=30e-6,
+                                   fill_s=60e-6, crop_s=10e-6, lookup_s=5e-6)
+    assert 0.01 * off * 0.8 <= filling <= 0.01 * off + 60e-6
+
+
+def test_hits_earn_what_they_saved():
+    b = decoded_cache.FillBudget(0.04)
+    b.note(16, 16 * 300e-6, 0, 0.0)  # a decode and crop: 300 us a row
+    b.note(0, 0.0, 16, 16 * 50e-6)  # a hit's lookup and crop: 50 us
+    before = b.credit
+    b.earn(0.0, hits=10)
+    assert b.credit - before == pytest.approx(10 * 250e-6)

@@ -197,6 +197,12 @@ class Manifest:
                    f"{'; found endings ' + ', '.join(seen) if seen else ' (it is empty)'}; "
                    f"check the URI, or pass Manifest.scan(..., extensions=[...])")
             raise DataError(msg)
+        if named and label == "folder":
+            msg = (f"{file_uri} names one image file; label='folder' (the default) takes "
+                   f"labels from the class folders of a dataset's folder: scan the dataset's "
+                   f"folder, or pass label=None (raying scan --label none) to read this one "
+                   f"image unlabelled")
+            raise DataError(msg)
         return _scan.use_classes(_scan.scan_images(cls, path, uri, images, label, opts,
                                                    dirs=None if classes else listed.get("dirs")),
                                  classes)

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from raying.dataset.manifest import PARQUET_EXTENSIONS, Manifest
+from raying.dataset.manifest import IMAGE_EXTENSIONS, PARQUET_EXTENSIONS, Manifest
 from raying.dataset.pack import (
     PACK_COLUMNS,
     PENDING_NAME,
@@ -247,13 +247,24 @@ def _refuse_inside_source(src: str, storage: Any, out_fs: Any, out_root: str,
 def _check_destination(fs: Any, root: str, dst: str, *, overwrite: bool,
                        options: Any = None) -> list[Any]:
     """The Parquet files already at the destination's top level, for ``overwrite`` to delete;
-    refused when there are any without it, and when its subfolders hold any, and on S3 when
-    its bucket does not exist (pack makes folders, not buckets)."""
+    refused when there are any without it, when its subfolders hold any, when it holds image
+    files (a scan of it would find both kinds and ask which to read), and on S3 when its
+    bucket does not exist (pack makes folders, not buckets)."""
     try:
-        old = _storage.list_files(fs, root, extensions=PARQUET_EXTENSIONS)  # what a scan reads
+        found = _storage.list_files(fs, root, extensions=PARQUET_EXTENSIONS + IMAGE_EXTENSIONS)
     except _storage.NotFoundError:
         _refuse_missing_bucket(fs, root, dst, options)
         return []
+    images = [i for i in found if not i.path.lower().endswith(PARQUET_EXTENSIONS)]
+    if images:
+        top = root.rstrip("/")
+        name = images[0].path[len(top) + 1:] if images[0].path.startswith(top + "/") else (
+            images[0].path)
+        msg = (f"{dst} holds {len(images)} image file(s) ({name}, ...): a scan of it would "
+               f"find the shards beside them and could not tell which dataset to read "
+               f"(overwrite=True deletes only Parquet files). Pack into a folder of its own")
+        raise ConfigError(msg)
+    old = [i for i in found if i.path.lower().endswith(PARQUET_EXTENSIONS)]  # what a scan reads
     if not old:
         return []
     if not overwrite:

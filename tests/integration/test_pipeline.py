@@ -52,6 +52,23 @@ def test_pack_refuses_a_destination_with_parquet_unless_overwrite(image_folder, 
     assert len(back) == 60, "old shards must not be read with the new one"
 
 
+
+def test_pack_refuses_a_destination_that_holds_images(image_folder, tmp_path, ray_local):
+    """Shards beside image files make a folder no scan can read without being told which
+    dataset it is: refused, overwrite or not, naming a file."""
+    import shutil
+
+    dst = tmp_path / "mixed"
+    (dst / "a").mkdir(parents=True)
+    one = sorted(image_folder.rglob("*.jpg"))[0]
+    shutil.copy(one, dst / "a" / one.name)
+    for overwrite in (False, True):
+        with pytest.raises(raying.ConfigError, match=rf"holds 1 image file\(s\) \(a/{one.name}, "
+                                                     r"\.\.\.\).*folder of its own"):
+            raying.pack(str(image_folder), str(dst), shard_rows=100, progress=False,
+                        overwrite=overwrite)
+    assert sorted(p.name for p in dst.rglob("*")) == ["a", one.name]  # nothing written
+
 def test_pack_refuses_a_destination_that_holds_the_source(image_folder, packed, tmp_path,
                                                           ray_local):
     """A destination above the source: a scan of it would read the source with the shards,

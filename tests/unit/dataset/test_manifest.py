@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 
 import raying
 from raying.tools.datagen import make_image_folder
@@ -153,6 +154,14 @@ def test_a_file_the_uri_names_is_read_or_refused_by_its_own_name(tmp_path):
                                                r"hive partition's label .* scan .*/h$"):
         raying.Manifest.scan(str(part / "part-0.parquet"))
     assert set(raying.Manifest.scan(str(tmp_path / "h")).classes) == {"cat"}
+    # One image named: refused under label='folder' naming that file, read with label=None.
+    cls = tmp_path / "i" / "cat"
+    cls.mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(cls / "a.jpg")
+    with pytest.raises(raying.DataError, match=r"cat/a\.jpg names one image file; "
+                                               r"label='folder'.*label=None"):
+        raying.Manifest.scan(str(cls / "a.jpg"))
+    assert len(raying.Manifest.scan(str(cls / "a.jpg"), label=None)) == 1
 
 
 def test_a_hive_folder_of_null_labels_is_refused(tmp_path):

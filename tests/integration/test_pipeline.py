@@ -67,7 +67,9 @@ def test_pack_refuses_a_destination_that_holds_images(image_folder, tmp_path, ra
                                                      r"\.\.\.\).*folder of its own"):
             raying.pack(str(image_folder), str(dst), shard_rows=100, progress=False,
                         overwrite=overwrite)
-    assert sorted(p.name for p in dst.rglob("*")) == ["a", one.name]  # nothing written
+    left = sorted(p.relative_to(dst).as_posix() for p in dst.rglob("*"))
+    assert left == ["a", f"a/{one.name}"]  # nothing written
+
 
 def test_pack_refuses_a_destination_that_holds_the_source(image_folder, packed, tmp_path,
                                                           ray_local):

@@ -195,10 +195,21 @@ def test_a_cache_row_is_labelled_not_anyone_s_best_peer():
     assert by["raying"]["cold_ratio_to_best_peer"] == pytest.approx(2.0)
     assert by["raying"]["beyond_start_mb"] == pytest.approx(100.0)
     checks = {c["target"]: c for c in aggregate.targets(rows)}
-    cache = checks["W1 b64: epoch 0 with the decoded cache / without"]
+    cache = checks["W1 b64: epoch 0 with the decoded cache / without (paired by round)"]
     assert cache["value"] == pytest.approx(0.25) and cache["pass"] is False
     mem = checks["W1 b64: raying whole memory beyond Ray's floor / torch whole"]
     assert mem["value"] == pytest.approx(100.0 / 300.0) and mem["pass"] is True
+    # Paired by round: each round's cache cell against the uncached cell beside it. Epoch 0
+    # (cold, start-up included) in s, uncached 1 / 1 / 2, cached 1.02 / 2.04 / 2.04: the
+    # medians are rounds apart (1 against 2.04 s), the pairs 0.98 / 0.49 / 0.98.
+    runs = []
+    for k, (off, on) in enumerate([(1.0, 1.02), (1.0, 2.04), (2.0, 2.04)]):
+        runs += [{"peer": "raying", "round": k, "cells": [cell(off, 0.5)]},
+                 {"peer": "raying-cache", "round": k, "cells": [cell(on, 0.5)]}]
+    checks = {c["target"]: c for c in aggregate.targets(aggregate.combine(runs, wl, epochs=2))}
+    cache = checks["W1 b64: epoch 0 with the decoded cache / without (paired by round)"]
+    assert cache["value"] == pytest.approx(1 / 1.02) and cache["pass"] is True
+    assert cache["detail"] == f"ratio of medians {1 / 2.04:.3f}"
 
 
 def test_a_target_above_the_crop_window_kernel_s_own_rate_is_marked_unreachable():

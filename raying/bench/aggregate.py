@@ -265,8 +265,11 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 most=True)
             train = _find(rows, wl, "raying-train", b, "iterate")
             if train is not None:
-                add(f"{wl} b{b}: Ray Train path steady / raying iterator",
-                    _ratio(train["steady_img_s"], me["steady_img_s"]), TARGET_TRAIN_VS_ITERATOR)
+                # Paired by round: raying's two paths run back to back in every round.
+                medians = _ratio(train["steady_img_s"], me["steady_img_s"])
+                add(f"{wl} b{b}: Ray Train path steady / raying iterator (paired by round)",
+                    _paired_ratio(train, me), TARGET_TRAIN_VS_ITERATOR,
+                    detail="" if medians is None else f"ratio of medians {medians:.3f}")
                 rd = _find(rows, wl, "raydata-train", b, "iterate")
                 if rd is not None:
                     add(f"{wl} b{b}: Ray Train path steady / Ray Data through Train",

@@ -251,10 +251,21 @@ def test_the_train_path_is_held_against_the_iterator_and_ray_data_through_train(
             {"peer": "raydata-train", "round": 0, "cells": [cell(2.0)]}]
     rows = aggregate.combine(runs, wl, epochs=2)
     checks = {c["target"]: c for c in aggregate.targets(rows)}
-    vs_iter = checks["W1 b64: Ray Train path steady / raying iterator"]
+    vs_iter = checks["W1 b64: Ray Train path steady / raying iterator (paired by round)"]
     assert vs_iter["value"] == pytest.approx(0.8) and vs_iter["pass"] is False
     vs_rd = checks["W1 b64: Ray Train path steady / Ray Data through Train"]
     assert vs_rd["value"] == pytest.approx(1.6) and vs_rd["pass"] is True
+    # Each round's Train cell against the iterator's of the same round (a slow round slows
+    # both): steady s, iterator 1 / 1 / 2, Train 1.05 / 2.1 / 2.1; pairs 0.95 / 0.48 / 0.95,
+    # medians rounds apart (1 against 2.1 s).
+    runs = []
+    for k, (it, tr) in enumerate([(1.0, 1.05), (1.0, 2.1), (2.0, 2.1)]):
+        runs += [{"peer": "raying", "round": k, "cells": [cell(it)]},
+                 {"peer": "raying-train", "round": k, "cells": [cell(tr)]}]
+    checks = {c["target"]: c for c in aggregate.targets(aggregate.combine(runs, wl, epochs=2))}
+    vs_iter = checks["W1 b64: Ray Train path steady / raying iterator (paired by round)"]
+    assert vs_iter["value"] == pytest.approx(1 / 1.05) and vs_iter["pass"] is True
+    assert vs_iter["detail"] == f"ratio of medians {1 / 2.1:.3f}"
 
 
 # -- the quick bench, end to end ------------------------------------------------------------------

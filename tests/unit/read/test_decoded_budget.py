@@ -604,3 +604,44 @@ def test_hits_earn_what_they_saved():
     before = b.credit
     b.earn(0.0, hits=10)
     assert b.credit - before == pytest.approx(10 * 250e-6)
+
+
+def test_a_partial_cache_decodes_the_ids_it_never_holds_as_without_it(tmp_path):
+    """A cache smaller than the decoded set admits a fixed subset: those ids decode at full
+    scale (a hit and a miss of one look the same), the others as with the cache off
+    (DCT-scaled where the crop shrinks enough)."""
+    import raying
+    from raying.read.task import iter_unit
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "imgs", n=24, classes=2, size=(480, 640), seed=3)
+    m = raying.Manifest.scan(str(root))
+    tf = raying.ImageTransform(size=48, scale=(0.5, 1.0))  # every crop shrinks 4x or more
+
+    def epoch0(p):
+        spec, out = p._ready_spec(), {}
+        for unit in p.plan(0).units:
+            u, paths = p._fill(unit)
+            for block, _ in iter_unit(spec, u, paths, block_rows=8):
+                out.update(zip(block["id"].tolist(), block["image"], strict=True))
+        return spec, out
+
+    off = raying.Pipeline(m, transform=tf, config=raying.PipelineConfig(decoded_cache="off"))
+    part = raying.Pipeline(m, transform=tf, config=raying.PipelineConfig(
+        decoded_cache=8 << 20, decoded_cache_fill=None))  # ~22 MB decoded
+    try:
+        _, plain = epoch0(off)
+        spec, cached = epoch0(part)
+        assert 0 < spec.decoded_cache_admit < 1
+        ids = np.array(sorted(plain))
+        held = decoded_cache.admitted(ids, spec.decoded_cache_admit)
+        assert 0 < held.sum() < len(ids)
+        for i, h in zip(ids.tolist(), held.tolist(), strict=True):
+            if not h:
+                np.testing.assert_array_equal(cached[i], plain[i])
+        # the admitted ones decode at full scale, which differs from the DCT-scaled decode
+        assert any(not np.array_equal(cached[i], plain[i])
+                   for i, h in zip(ids.tolist(), held.tolist(), strict=True) if h)
+    finally:
+        off.close()
+        part.close()

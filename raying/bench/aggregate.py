@@ -177,10 +177,25 @@ def _paired_ratio(row: dict[str, Any], base: dict[str, Any], key: str = "steady_
     to back in one process, a peer's cells and its cache row's back to back in one round, so
     each round's pair shares the machine's state of the moment, which the ratio of the two
     medians (rounds apart) does not."""
+    ratios = _round_ratios(row, base, key)
+    return _median(ratios) if ratios else _ratio(row.get(key), base.get(key))
+
+
+def _round_ratios(row: dict[str, Any], base: dict[str, Any], key: str) -> list[float]:
+    """Row's ``key`` over base's, for each round both measured."""
     mine = dict(zip(row.get("round_ids", []), row.get(f"{key}_rounds", []), strict=True))
     theirs = dict(zip(base.get("round_ids", []), base.get(f"{key}_rounds", []), strict=True))
-    ratios = [mine[k] / theirs[k] for k in mine if mine[k] and theirs.get(k)]
-    return _median(ratios) if ratios else _ratio(row.get(key), base.get(key))
+    return [mine[k] / theirs[k] for k in mine if mine[k] and theirs.get(k)]
+
+
+def _paired_detail(row: dict[str, Any], base: dict[str, Any], key: str) -> str:
+    """How a paired target was taken: the rounds paired, and the ratio of the medians."""
+    n = len(_round_ratios(row, base, key))
+    medians = _ratio(row.get(key), base.get(key))
+    parts = [f"{n} round{'s' if n != 1 else ''} paired" if n else "no round paired"]
+    if medians is not None:
+        parts.append(f"ratio of medians {medians:.3f}")
+    return "; ".join(parts)
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
@@ -266,10 +281,9 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             train = _find(rows, wl, "raying-train", b, "iterate")
             if train is not None:
                 # Paired by round: raying's two paths run back to back in every round.
-                medians = _ratio(train["steady_img_s"], me["steady_img_s"])
                 add(f"{wl} b{b}: Ray Train path steady / raying iterator (paired by round)",
                     _paired_ratio(train, me), TARGET_TRAIN_VS_ITERATOR,
-                    detail="" if medians is None else f"ratio of medians {medians:.3f}")
+                    detail=_paired_detail(train, me, "steady_img_s"))
                 rd = _find(rows, wl, "raydata-train", b, "iterate")
                 if rd is not None:
                     add(f"{wl} b{b}: Ray Train path steady / Ray Data through Train",
@@ -279,10 +293,9 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if cache is not None:
                 # Paired by round: the two cells run back to back, and the machine's
                 # speed moves between rounds by more than the 5 % this measures.
-                medians = _ratio(cache.get("cold_img_s"), me.get("cold_img_s"))
                 add(f"{wl} b{b}: epoch 0 with the decoded cache / without (paired by round)",
                     _paired_ratio(cache, me, "cold_img_s"), TARGET_CACHE_COLD_VS_OFF,
-                    detail="" if medians is None else f"ratio of medians {medians:.3f}")
+                    detail=_paired_detail(cache, me, "cold_img_s"))
         me = _find(rows, "W4", "raying", b, "iterate")
         if me is not None:
             add(f"W4 b{b}: raying GB/s / pyarrow GB/s", me.get("ratio_to_L"),

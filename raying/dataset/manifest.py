@@ -198,10 +198,10 @@ class Manifest:
                    f"check the URI, or pass Manifest.scan(..., extensions=[...])")
             raise DataError(msg)
         if named and label == "folder":
-            msg = (f"{file_uri} names one image file; label='folder' (the default) takes "
-                   f"labels from the class folders of a dataset's folder: scan the dataset's "
-                   f"folder, or pass label=None (raying scan --label none) to read this one "
-                   f"image unlabelled")
+            msg = (f"{file_uri} names one image file, and label='folder' (the default) takes "
+                   f"labels from the class folders of a dataset's folder: scan the folder "
+                   f"that holds its class folder, or, to read this one image unlabelled, "
+                   f"pass label=None")
             raise DataError(msg)
         return _scan.use_classes(_scan.scan_images(cls, path, uri, images, label, opts,
                                                    dirs=None if classes else listed.get("dirs")),

@@ -284,7 +284,7 @@ class ImageTransform:
         ok = np.zeros(n, dtype=bool)
         slot = 0
         decoded_s = 0.0
-        each_scaled = ([bool(scaled)] * n if isinstance(scaled, (bool, np.bool_))
+        each_scaled = ([bool(scaled)] * n if np.ndim(scaled) == 0
                        else [bool(v) for v in scaled])
         if len(each_scaled) != n:
             msg = f"scaled must be one bool or one per image ({n}), got {len(each_scaled)}"

@@ -182,8 +182,10 @@ class CachedPixels:
         io: dict[str, int] = {"cache_decoded_hits": len(ids) - len(miss),
                               "cache_decoded_lookups": len(ids)}
         nbytes = 0
-        budget = None
         fill_s = 0.0
+        admit = cache.admits(ids) if cache is not None else None  # the ids looked up here
+        budget = (None if cache is None
+                  else _decoded.fill_budget(cache.directory, spec.decoded_cache_fill))
         if miss:
             datas, fetched = self.fetch(part, miss)
             add_counters(io, fetched)
@@ -192,10 +194,8 @@ class CachedPixels:
                 if data is not None and not isinstance(data, BaseException):
                     nbytes += len(data)
             if cache is not None:
-                admit = cache.admits(ids)
                 picks = [k for k in miss if admit[k] and items[k] is not None
                          and not isinstance(items[k], BaseException)]
-                budget = _decoded.fill_budget(cache.directory, spec.decoded_cache_fill)
                 picks = picks[:budget.allow(len(picks))]
                 if picks:
                     t1 = time.perf_counter()
@@ -209,25 +209,28 @@ class CachedPixels:
         read_s = time.perf_counter() - t0
         t2 = time.perf_counter()
         # Misses of the admitted ids decode at full scale, so that such a sample looks the
-        # same whether it was a hit; ids the cache never holds may decode DCT-scaled.
+        # same whether it was a hit; ids the pipeline's cache never holds may decode
+        # DCT-scaled. The pipeline's share decides, not this node's (a node with less room
+        # admits fewer), so that a sample looks the same on every node.
         scaled: Any = False
-        if cache is not None and cache.admit < 1.0:
-            scaled = ~cache.admits(ids)
+        if cache is not None and spec.decoded_cache_admit < 1.0:
+            scaled = ~_decoded.admitted(ids, spec.decoded_cache_admit)
         res = _render(spec, self.unit, ids, items, self.where[part], out, scaled=scaled,
                       keys=self.keys[part])
         if budget is not None:
-            # A hit costs its share of the lookup and a crop (the misses' share of the
-            # lookup is charged below).
+            # The lookup's time is shared by the ids looked up (the admitted ones): a hit
+            # costs its share and a crop; the misses' share is time the cache added.
+            looked = max(1, int(np.count_nonzero(admit)))
             hits = io["cache_decoded_hits"]
             crops = sum(isinstance(a, np.ndarray) and a.ndim >= 2 for a in items)
-            hit_s = (get_s * hits / len(ids)
+            hit_s = (get_s * hits / looked
                      + (res.decoded_s * hits / crops if crops else 0.0))
             budget.note(len(items) - crops, time.perf_counter() - t2 - res.decoded_s,
                         hits, hit_s)
-            # The misses' lookups found nothing: time the cache added, spent like a fill's.
-            # Credit is earned on the part's time without the cache's additions, so that
-            # fills and lookups together stay within the share of the cache-off time.
-            miss_s = get_s * len(miss) / len(ids)
+            # Credit is earned on the part's time without the cache's additions (its fills,
+            # its misses' lookups), which spend from it, so that together they stay within
+            # the share of the cache-off time.
+            miss_s = get_s * sum(1 for k in miss if admit[k]) / looked
             budget.earn(max(0.0, time.perf_counter() - t0 - fill_s - miss_s), hits=hits,
                         overhead=miss_s)
         return Part(res.images, res.ok, res.errors, io, int(nbytes), read_s)

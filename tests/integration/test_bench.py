@@ -209,7 +209,7 @@ def test_a_cache_row_is_labelled_not_anyone_s_best_peer():
     checks = {c["target"]: c for c in aggregate.targets(aggregate.combine(runs, wl, epochs=2))}
     cache = checks["W1 b64: epoch 0 with the decoded cache / without (paired by round)"]
     assert cache["value"] == pytest.approx(1 / 1.02) and cache["pass"] is True
-    assert cache["detail"] == f"ratio of medians {1 / 2.04:.3f}"
+    assert cache["detail"] == f"3 rounds paired; ratio of medians {1 / 2.04:.3f}"
 
 
 def test_a_target_above_the_crop_window_kernel_s_own_rate_is_marked_unreachable():
@@ -265,7 +265,7 @@ def test_the_train_path_is_held_against_the_iterator_and_ray_data_through_train(
     checks = {c["target"]: c for c in aggregate.targets(aggregate.combine(runs, wl, epochs=2))}
     vs_iter = checks["W1 b64: Ray Train path steady / raying iterator (paired by round)"]
     assert vs_iter["value"] == pytest.approx(1 / 1.05) and vs_iter["pass"] is True
-    assert vs_iter["detail"] == f"ratio of medians {1 / 2.1:.3f}"
+    assert vs_iter["detail"] == f"3 rounds paired; ratio of medians {1 / 2.1:.3f}"
 
 
 # -- the quick bench, end to end ------------------------------------------------------------------

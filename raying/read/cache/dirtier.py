@@ -102,6 +102,7 @@ class DirTier:
         self.root_id = dir_id(self.root)  # which directory this is (one removed and made
         self._lock = threading.Lock()      # again under the same path is another)
         self._deferred_draws = 0  # draws of missed lookups not in the clock yet
+        self._deferred_pid = os.getpid()  # ... of this process (a forked child has none)
         self._conn: sqlite3.Connection | None = None
         self._pid = -1
         self._fd: int | None = None
@@ -222,16 +223,14 @@ class DirTier:
                                        else None)
         drawn = len(keys) if draws is None else int(draws)
         with self._lock:
-            if not touched and not bad and self._deferred_draws + drawn < _DEFERRED_DRAWS_MAX:
+            if not touched and not bad and self._held_draws() + drawn < _DEFERRED_DRAWS_MAX:
                 self._deferred_draws += drawn  # nothing to write but the clock: later
-                drawn = -1
-        if drawn < 0:
-            return found, corrupt
+                return found, corrupt
         with self._lock:
             conn = self._db()
+            held = self._held_draws()
             with _write(conn, self._lock_fd()):
-                clock = self._clock(conn) + drawn + self._deferred_draws
-                self._deferred_draws = 0
+                clock = self._clock(conn) + drawn + held
                 conn.execute("UPDATE meta SET v = ? WHERE k = 'clock'", (clock,))
                 conn.executemany(
                     "UPDATE entries SET seen = ?, score = COALESCE(?, score) WHERE digest = ?",
@@ -241,6 +240,7 @@ class DirTier:
                                        "AND crc = ? AND ready = 1", (d, *rows[d]))
                     if cur.rowcount:
                         unlink(self._path(d))
+            self._deferred_draws -= held  # written (a rolled-back write keeps them held)
         if corrupt:
             logger.warning("raying cache %s: %d corrupt entries dropped (they are refetched)",
                            self.name, corrupt)
@@ -318,9 +318,9 @@ class DirTier:
                     order.sort(key=lambda d: -cands[d][1])
                 sizes = {d: entry_bytes(len(payloads[cands[d][0]])) for d in order}
                 clock = self._clock(conn)
-                if self._deferred_draws:  # this process's missed lookups, held back
-                    clock += self._deferred_draws
-                    self._deferred_draws = 0
+                held = self._held_draws()
+                if held:  # this process's missed lookups, held back
+                    clock += held
                     conn.execute("UPDATE meta SET v = ? WHERE k = 'clock'", (clock,))
                 used = conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM entries").fetchone()[0]
                 need = used + sum(sizes.values()) - self.capacity
@@ -348,6 +348,7 @@ class DirTier:
                 conn.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, 0)",
                                  [(d, sizes[d], crc, cands[d][1], clock, now)
                                   for d, crc in admit])
+            self._deferred_draws -= held  # written (a rolled-back write keeps them held)
         return admit, len(evict)
 
     def _victims(self, conn: sqlite3.Connection, clock: int, need: int
@@ -408,9 +409,26 @@ class DirTier:
                         removed += 1
         return removed
 
+    def _held_draws(self) -> int:
+        """Draws this process holds back from the clock (under ``self._lock``)."""
+        if self._deferred_pid != os.getpid():  # a forked child: the parent's are its own
+            self._deferred_draws, self._deferred_pid = 0, os.getpid()
+        return self._deferred_draws
+
     def close(self) -> None:
-        """Close this process's index connection and lock file."""
+        """Write the draws this process held back, then close its index connection and lock
+        file."""
         with self._lock:
+            held = self._held_draws()
+            if held and self._conn is not None and self._pid == os.getpid():
+                try:
+                    with _write(self._conn, self._lock_fd()):
+                        clock = self._clock(self._conn) + held
+                        self._conn.execute("UPDATE meta SET v = ? WHERE k = 'clock'", (clock,))
+                    self._deferred_draws = 0
+                except (sqlite3.Error, OSError):  # the tier removed or failing: aged no more
+                    logger.debug("raying cache %s: held draws not written", self.name,
+                                 exc_info=True)
             if self._conn is not None and self._pid == os.getpid():
                 self._conn.close()
             if self._fd is not None and self._fd_pid == os.getpid():

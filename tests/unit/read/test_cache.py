@@ -122,10 +122,23 @@ def test_draws_of_lookups_that_miss_age_the_entries_too(tmp_path, lookups):
     next write of the index), but it does write them: entries not drawn meanwhile age."""
     tier = DirTier(str(tmp_path), 2 * eb(100), policy="priority", decay_reads=2.0)
     tier.put_many(["a", "b"], [payload_of("a", 100), payload_of("b", 100)], [0.5, 0.6])
+
+    def clock():
+        with sqlite3.connect(str(tmp_path / "index.sqlite")) as conn:
+            return conn.execute("SELECT v FROM meta WHERE k = 'clock'").fetchone()[0]
+
     for k in range(lookups):
         assert tier.get_many([f"absent{k}"], [0.1], draws=100) == ({}, 0)
+    # held back, not written, while under the limit (1,024 draws), then written with the
+    # lookup that would pass it: 10 lookups write nothing; 30 write at the 11th and 22nd
+    assert clock() == {10: 0, 30: 2_200}[lookups]
     # a and b may expect at most 2 reads per 1,000 draws now: a 0.01 newcomer beats them
     assert tier.put_many(["new"], [payload_of("new", 100)], [0.01]) == (1, 1)
+    assert clock() == lookups * 100  # the put wrote what was held
+    for k in range(3):
+        tier.get_many([f"absent-again{k}"], draws=10)
+    tier.close()
+    assert clock() == lookups * 100 + 30  # and the close
     fresh = DirTier(str(tmp_path / "fresh"), 2 * eb(100), policy="priority", decay_reads=2.0)
     fresh.put_many(["a", "b"], [payload_of("a", 100), payload_of("b", 100)], [0.5, 0.6])
     assert fresh.put_many(["new"], [payload_of("new", 100)], [0.01]) == (0, 0)  # not aged

@@ -379,8 +379,8 @@ def test_errors_name_the_commands_flags_not_the_librarys_keywords(capsys, tmp_pa
     one = next(root.rglob("*.jpg"))
     assert cli.main(["scan", str(one)]) == 2
     err = capsys.readouterr().err
-    assert "--label folder needs each image inside a class subfolder" in err, err
-    assert err.rstrip().endswith("or pass --label none"), err
+    assert f"{one} names one image file, and --label folder (the default)" in err, err
+    assert err.rstrip().endswith("unlabelled, pass --label none"), err
     assert cli.main(["pack", str(root), str(tmp_path / "out"), "--shard-rows", "0"]) == 2
     err = capsys.readouterr().err
     assert "rows must be >= 1, got --shard-rows 0 and --row-group-rows" in err, err

@@ -274,6 +274,7 @@ class _FixedBudget(decoded_cache.FillBudget):
 
     def earn(self, seconds, hits=0, overhead=0.0):
         self.credit += 0.5 + hits
+        self.calls = [*getattr(self, "calls", []), (seconds, hits, overhead)]
 
 
 def test_the_cache_fills_over_epochs_within_its_budget_with_unchanged_pixels(tmp_path,
@@ -333,6 +334,14 @@ def test_the_cache_fills_over_epochs_within_its_budget_with_unchanged_pixels(tmp
         assert written == sorted(written) and written[-1] > written[0], written
         assert written[1] - written[0] > written[0], written  # the hits earned more fills
         assert len(budgets) == 1  # the budgeted pipeline's, in this process
+        # What the read told the budget: every part, with its hits and, while nothing was
+        # cached yet, its missed lookups as the cache's overhead
+        calls = next(iter(budgets.values())).calls
+        assert len(calls) == 4 * n // 8  # 8-row parts, 4 epochs
+        assert sum(h for _, h, _ in calls) == sum(hits)
+        first = calls[:n // 8]
+        assert all(h == 0 and o > 0 for _, h, o in first), first
+        assert all(0 <= o and 0 < sec for sec, _, o in calls), calls
     finally:
         for p in (off, budgeted, eager):
             p.close()

@@ -278,7 +278,7 @@ class RayingPeer:
 class RayingCachePeer(RayingPeer):
     """raying with its decoded-sample cache on from the first epoch (a budget of a quarter of
     free memory), whatever the job's length: a labelled row beside the decoding peers, never
-    in the headline ratio. It fills within its default budget (5 % of the read time, plus
+    in the headline ratio. It fills within its default budget (4 % of the read time, plus
     what hits save), so its later epochs crop the cached share and decode the rest."""
 
     @property

@@ -13,13 +13,14 @@ in the first epoch made it 1.5-2.5x slower (10,000 256-px JPEGs on 2 cores: a 1-
 (``PipelineConfig(decoded_cache_fill=...)``, 4 % of its read time by default, plus what its
 hits save; the misses' lookups count against it too): the cache fills over epochs and no
 epoch runs more than about that share slower than without it; ``decoded_cache_fill=None``
-fills at first read. Misses of a cached pipeline's admitted subset decode at full scale (only the crop's region), never DCT-scaled, so that
-a sample's pixels do not depend on whether it was a hit (ids outside it are never cached and
-decode as without the cache); on large JPEGs that costs the misses ~12 %, until hits
-repay it. So ``decoded_cache="auto"`` (the default) turns it on only when the pipeline is
-told (``PipelineConfig(epochs=...)``) that at least ``DEFAULT_DECODED_CACHE_MIN_EPOCHS``
-epochs follow, and the whole decoded dataset fits in a share of free memory, judged from the headers
-of a sample of files; otherwise the read path is unchanged. A budget in bytes turns it on
+fills at first read. Misses of a cached pipeline's admitted subset decode at full scale
+(only the crop's region), never DCT-scaled, so that a sample's pixels do not depend on
+whether it was a hit (ids outside it are never cached and decode as without the cache); on
+large JPEGs that costs the misses ~12 %, until hits repay it. So ``decoded_cache="auto"``
+(the default) turns it on only when the pipeline is told (``PipelineConfig(epochs=...)``)
+that at least ``DEFAULT_DECODED_CACHE_MIN_EPOCHS`` epochs follow, and the whole decoded
+dataset fits in a share of free memory, judged from the headers of a sample of files;
+otherwise the read path is unchanged. A budget in bytes turns it on
 regardless.
 
 Where each node keeps its copy, who owns it and when it goes: :mod:`raying.read.decoded_dirs`.
@@ -200,11 +201,12 @@ class DecodedCache:
             return None
         return cache
 
-    def get(self, ids: np.ndarray) -> list[np.ndarray | None]:
+    def get(self, ids: np.ndarray, admits: np.ndarray | None = None
+            ) -> list[np.ndarray | None]:
         """The cached pixels of each id, None for a miss (ids outside the admitted subset
-        are not looked up)."""
+        are not looked up; ``admits``: :meth:`admits` of ``ids``, when the caller has it)."""
         out: list[np.ndarray | None] = [None] * len(ids)
-        mine = np.flatnonzero(self.admits(ids))
+        mine = np.flatnonzero(self.admits(ids) if admits is None else admits)
         if mine.size:
             got = self._tier.get_many([str(int(ids[k])) for k in mine])
             for k, g in zip(mine, got, strict=True):

@@ -176,14 +176,14 @@ class CachedPixels:
         t0 = time.perf_counter()
         spec, ids = self.spec, self.ids[part]
         cache = _decoded.DecodedCache.of(spec)
-        items: list[Any] = cache.get(ids) if cache is not None else [None] * len(ids)
+        admit = cache.admits(ids) if cache is not None else None  # the ids looked up here
+        items: list[Any] = cache.get(ids, admit) if cache is not None else [None] * len(ids)
         get_s = time.perf_counter() - t0
         miss = [k for k, a in enumerate(items) if a is None]
         io: dict[str, int] = {"cache_decoded_hits": len(ids) - len(miss),
                               "cache_decoded_lookups": len(ids)}
         nbytes = 0
         fill_s = 0.0
-        admit = cache.admits(ids) if cache is not None else None  # the ids looked up here
         budget = (None if cache is None
                   else _decoded.fill_budget(cache.directory, spec.decoded_cache_fill))
         if miss:

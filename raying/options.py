@@ -541,8 +541,8 @@ class PipelineConfig:
             share of its time (default ``DEFAULT_DECODED_CACHE_FILL_SHARE``, 4 %): a fill
             decodes the whole image and writes it to memory, so the cache fills over several
             epochs at that cost (its misses' lookups count against the share too); None
-            fills every admitted sample at its first read (that epoch then runs about 1.5-2x
-            slower than without the cache).
+            fills every admitted sample at its first read (that epoch then runs 1.4-4x
+            slower than without the cache in docs/benchmarks.md's runs).
         epochs: how many epochs the job reads, when known (None: unknown). Only ``"auto"``
             choices use it, to weigh a one-time cost against the epochs that repay it.
         ray_remote_args: extra Ray options of the read tasks, fast path and ``dataset()``

@@ -22,11 +22,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from raying.errors import (
     CredentialsError,
     DataError,
+    DecodeError,
     FileChangedError,
     RayingError,
     StorageError,
@@ -497,6 +499,7 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
         chunks.extend(arr.chunks)
     pos = _positions(starts, ids)
     # {bytes, path}: Hugging Face Image; flatten keeps the struct's nulls.
+    path_only = _paths_without_bytes(chunks, pos) if spec.decoded is None else {}
     chunks = [c.flatten()[c.type.get_field_index("bytes")] if pa.types.is_struct(c.type)
               else c for c in chunks]
     if len({c.type for c in chunks}) > 1:  # binary beside large_binary (files' writers differ)
@@ -514,7 +517,34 @@ def read_rows(spec: ReadSpec, fs, root: str, unit: ReadUnit, ids: np.ndarray,
         valid = np.asarray(flat.is_valid().to_numpy(zero_copy_only=False))[pos]
         return (Rows(buf.reshape(len(flat), h, w, c), pos, valid),
                 row_locations(spec, unit, ids), nbytes)
-    return binary_views(values, pos), row_locations(spec, unit, ids), nbytes
+    views = binary_views(values, pos)
+    for k, path in path_only.items():
+        views[k] = DecodeError("missing", f"a Hugging Face Image cell with only a path "
+                               f"({path!r}) and no bytes: raying reads the image bytes the "
+                               f"Parquet file holds, never the files such paths name; store "
+                               f"the bytes in the column (datasets' embed_table_storage, as "
+                               f"push_to_hub does) or scan the images' folder instead")
+    return views, row_locations(spec, unit, ids), nbytes
+
+
+def _paths_without_bytes(chunks: list[Any], pos: np.ndarray) -> dict[int, str]:
+    """``{k: path}`` for the rows ``pos[k]`` of a Hugging Face Image column (a ``{bytes,
+    path}`` struct) whose bytes are null and whose path is set: such a cell names a file
+    raying does not follow, and its error says so."""
+    if not any(pa.types.is_struct(c.type) and c.type.get_field_index("path") >= 0
+               and c.flatten()[c.type.get_field_index("bytes")].null_count for c in chunks):
+        return {}
+    paths = []
+    for c in chunks:
+        if not (pa.types.is_struct(c.type) and c.type.get_field_index("path") >= 0):
+            paths.append(pa.nulls(len(c), pa.string()))
+            continue
+        fields = c.flatten()
+        raw, path = fields[c.type.get_field_index("bytes")], fields[c.type.get_field_index("path")]
+        path = path.cast(pa.string()) if not pa.types.is_string(path.type) else path
+        paths.append(pc.if_else(raw.is_null(), path, pa.nulls(len(c), pa.string())))
+    picked = pa.chunked_array(paths, pa.string()).take(pa.array(pos)).to_pylist()
+    return {k: p for k, p in enumerate(picked) if p is not None}
 
 
 def _file_path(spec: ReadSpec, root: str, f: int) -> str:

@@ -253,7 +253,10 @@ def _render(spec: ReadSpec, unit: ReadUnit, ids: np.ndarray, datas: Any, where: 
     clean: list[Any] = []
     pre_errors: dict[int, DecodeError] = {}
     for k, d in enumerate(datas):
-        if isinstance(d, BaseException):
+        if isinstance(d, DecodeError):  # the reader's own verdict on the cell, kept as given
+            pre_errors[k] = DecodeError(d.reason, d.detail, path=where[k], sample_id=int(ids[k]))
+            clean.append(None)
+        elif isinstance(d, BaseException):
             pre_errors[k] = DecodeError("read_error", _parquet._first_line(d), path=where[k],
                                         sample_id=int(ids[k]))
             clean.append(None)

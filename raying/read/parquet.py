@@ -541,7 +541,10 @@ def _paths_without_bytes(chunks: list[Any], pos: np.ndarray) -> dict[int, str]:
             continue
         fields = c.flatten()
         raw, path = fields[c.type.get_field_index("bytes")], fields[c.type.get_field_index("path")]
-        path = path.cast(pa.string()) if not pa.types.is_string(path.type) else path
+        try:
+            path = path.cast(pa.string()) if not pa.types.is_string(path.type) else path
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # paths not text: name none
+            path = pa.nulls(len(c), pa.string())
         paths.append(pc.if_else(raw.is_null(), path, pa.nulls(len(c), pa.string())))
     picked = pa.chunked_array(paths, pa.string()).take(pa.array(pos)).to_pylist()
     return {k: p for k, p in enumerate(picked) if p is not None}

@@ -14,6 +14,7 @@ from PIL import Image
 
 import raying
 from raying.errors import DecodeError
+from raying.options import CacheConfig, IOConfig
 from raying.read.task import iter_unit
 
 
@@ -36,12 +37,12 @@ def _cells():
     return cells
 
 
-def _read(tmp_path, on_error, decoded_cache="off"):
-    m = raying.Manifest.scan(str(tmp_path), format="parquet", label="label")
+def _read(tmp_path, on_error, decoded_cache="off", io=None):
+    m = raying.Manifest.scan(str(tmp_path / "hf.parquet"), format="parquet", label="label")
     pipe = raying.Pipeline(m, on_error=on_error, sampler=raying.UniformSampler(seed=1),
                            transform=raying.ImageTransform(size=16, random_crop=False,
                                                            flip=False),
-                           config=raying.PipelineConfig(decoded_cache=decoded_cache))
+                           config=raying.PipelineConfig(decoded_cache=decoded_cache, io=io))
     try:
         unit, paths = pipe._fill(pipe.plan(0).units[0])
         return list(iter_unit(pipe._ready_spec(), unit, paths, block_rows=64))
@@ -49,9 +50,16 @@ def _read(tmp_path, on_error, decoded_cache="off"):
         pipe.close()
 
 
-def test_a_path_only_cell_is_set_aside_naming_its_path_and_the_other_rows_arrive(tmp_path):
+@pytest.mark.parametrize("planned", [False, True])
+def test_a_path_only_cell_is_set_aside_naming_its_path_and_the_other_rows_arrive(tmp_path,
+                                                                                planned):
     _write(tmp_path / "hf.parquet", _cells())
-    got = _read(tmp_path, "skip")
+    io = None
+    if planned:  # coalesced, cached column chunks: the read tasks' path with an IOConfig
+        io = IOConfig(cache=CacheConfig(memory_bytes=8 << 20, memory_dir=str(tmp_path / "mem"),
+                                        disk_bytes=8 << 20, disk_dir=str(tmp_path / "disk"),
+                                        background_writes=False))
+    got = _read(tmp_path, "skip", io=io)
     ids = np.concatenate([b["id"] for b, _ in got])
     images = np.concatenate([b["image"] for b, _ in got])
     assert sorted(ids.tolist()) == [0, 1, 3, 4, 6, 7]

@@ -531,21 +531,25 @@ def _paths_without_bytes(chunks: list[Any], pos: np.ndarray) -> dict[int, str]:
     """``{k: path}`` for the rows ``pos[k]`` of a Hugging Face Image column (a ``{bytes,
     path}`` struct) whose bytes are null and whose path is set: such a cell names a file
     raying does not follow, and its error says so."""
-    if not any(pa.types.is_struct(c.type) and c.type.get_field_index("path") >= 0
-               and c.flatten()[c.type.get_field_index("bytes")].null_count for c in chunks):
-        return {}
-    paths = []
+    paths, missing = [], False
     for c in chunks:
+        none = pa.nulls(len(c), pa.string())
         if not (pa.types.is_struct(c.type) and c.type.get_field_index("path") >= 0):
-            paths.append(pa.nulls(len(c), pa.string()))
+            paths.append(none)
             continue
         fields = c.flatten()
         raw, path = fields[c.type.get_field_index("bytes")], fields[c.type.get_field_index("path")]
+        if not raw.null_count:  # every cell holds its bytes (the common case)
+            paths.append(none)
+            continue
+        missing = True
         try:
             path = path.cast(pa.string()) if not pa.types.is_string(path.type) else path
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # paths not text: name none
-            path = pa.nulls(len(c), pa.string())
-        paths.append(pc.if_else(raw.is_null(), path, pa.nulls(len(c), pa.string())))
+            path = none
+        paths.append(pc.if_else(raw.is_null(), path, none))
+    if not missing:
+        return {}
     picked = pa.chunked_array(paths, pa.string()).take(pa.array(pos)).to_pylist()
     return {k: p for k, p in enumerate(picked) if p is not None}
 

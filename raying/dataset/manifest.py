@@ -165,7 +165,7 @@ class Manifest:
                 raise ConfigError(msg)
             try:
                 m = _scan.scan_parquet(cls, fs, path, uri, parquet, col, image_column, opts,
-                                       columns=columns)
+                                       columns=columns, classes_given=classes is not None)
             except DataError as exc:
                 if not named:
                     raise

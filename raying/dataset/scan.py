@@ -226,10 +226,11 @@ def _short(exc: BaseException) -> str:
 
 def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs.FileInfo],
                  label_col: str | None, image_col: str | None, opts: StorageOptions, *,
-                 columns: list[tuple[str, str]] | None = None):
+                 columns: list[tuple[str, str]] | None = None, classes_given: bool = False):
     """Build a Parquet manifest: one id per row, in (file, row group, row) order; the extra
     ``columns`` ((Parquet name, batch key) pairs) are checked in every file and described in
-    ``meta["columns"]`` under their batch keys."""
+    ``meta["columns"]`` under their batch keys. ``classes_given``: the caller relabels by
+    names of its own (``Manifest.scan(classes=...)``), so no hive class can go missing."""
     infos = sorted(infos, key=lambda i: i.path)
     rels = [_relative(root, i.path) for i in infos]
     uris = [f"{uri.rstrip('/')}/{r}" if len(infos) > 1 or infos[0].path != root else uri
@@ -244,6 +245,7 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
     if not held:
         msg = f"{uri} holds Parquet files but no rows; the dataset is empty"
         raise DataError(msg)
+    empty_rels = [rels[k] for k in range(len(footers)) if footers[k].num_rows == 0]
     if len(held) < len(footers):
         infos, rels, uris, footers = ([xs[k] for k in held] for xs in (infos, rels, uris,
                                                                        footers))
@@ -305,6 +307,8 @@ def scan_parquet(cls, fs: pafs.FileSystem, root: str, uri: str, infos: list[pafs
         file_labels, found = _hive_labels(hive)
         cols["label"] = file_labels[cols["file"]]
         classes = found if found is not None else classes
+        if found is not None and not classes_given:
+            _warn_empty_partitions(uri, label_col, empty_rels, found)
     else:
         labels, found = _read_labels(fs, infos, uris, label_col, workers)
         cols["label"] = labels
@@ -401,6 +405,24 @@ def _footer_nulls(fm: pq.FileMetaData, name: str) -> int:
                 if st is not None and st.has_null_count:
                     total += int(st.null_count)
     return total
+
+
+def _warn_empty_partitions(uri: str, key: str, empty_rels: list[str],
+                           found: list[str]) -> None:
+    """Warn of hive partitions whose files hold no rows: named classes are numbered in sorted
+    order, so such a class gets no label and the classes after it shift (as an image folder's
+    empty class folder does); integer partition values are labels themselves and shift
+    nothing."""
+    values: set[str] = set()
+    for rel in empty_rels:
+        values.update(_hive_values([rel], key) or ())  # a file outside any partition: none
+    empty = sorted(values - set(found))
+    if empty:
+        folders = [f"{key}={v}/" for v in empty]
+        warnings.warn(f"{uri}: hive partitions {folders} hold no rows, so their classes get no "
+                      f"label and the labels of the classes after them shift; pass "
+                      f"classes=[...] to Manifest.scan (raying scan --classes) to fix the label "
+                      f"of every class name", UserWarning, stacklevel=4)
 
 
 def _hive_values(rels: list[str], key: str) -> list[str] | None:

@@ -573,6 +573,36 @@ def test_a_class_folder_without_images_is_warned_about(folder, tmp_path):
     assert m.labels.max() == 2
 
 
+def test_a_hive_partition_without_rows_is_warned_about(tmp_path):
+    """Hive partitions of names are numbered in sorted order: one whose files hold no rows
+    (a Spark or Dask job writes empty parts) gets no label and shifts those after it, as an
+    image folder's empty class folder does; integer values are labels and shift nothing."""
+    import warnings
+
+    for key, values in (("label", ["cat", "dog", "empty", "zebra"]), ("cls", ["0", "1", "2"])):
+        root = tmp_path / key
+        for v in values:
+            rows = 0 if v in ("empty", "1") else 2
+            d = root / f"{key}={v}"
+            d.mkdir(parents=True)
+            pq.write_table(pa.table({"image": pa.array([b"x"] * rows, pa.binary())}),
+                           d / "part-0.parquet")
+            if rows:  # a partition with an empty part beside a full one is not empty
+                pq.write_table(pa.table({"image": pa.array([], pa.binary())}),
+                               d / "part-1.parquet")
+    with pytest.warns(UserWarning, match=r"hive partitions \['label=empty/'\] hold no rows, so "
+                                         r"their classes get no label .* classes=\[\.\.\.\]"):
+        m = raying.Manifest.scan(str(tmp_path / "label"), format="parquet")
+    assert m.classes == ["cat", "dog", "zebra"] and m.labels.tolist() == [0, 0, 1, 1, 2, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # classes= given: every name keeps its label
+        m = raying.Manifest.scan(str(tmp_path / "label"), format="parquet",
+                                 classes=["cat", "dog", "empty", "zebra"])
+        assert m.labels.tolist() == [0, 0, 1, 1, 3, 3]
+        m = raying.Manifest.scan(str(tmp_path / "cls"), format="parquet", label="cls")
+        assert m.labels.tolist() == [0, 0, 2, 2]
+
+
 def test_files_mixing_binary_kinds_and_their_own_metadata_scan_and_read(tmp_path):
     # Writers differ: pyarrow's binary beside polars' large_binary for the same encoded
     # images; width/height metadata in some files only (they shape only pre-decoded pixels).

@@ -44,6 +44,13 @@ class RunAccount:
         self._logged = 0
         # Samples set aside beyond the listed ones, by (epoch, reason), not logged yet.
         self._unlisted: collections.Counter[tuple[int, str]] = collections.Counter()
+        # The epoch each set-aside sample was first skipped in.
+        self._aside_epoch: dict[int, int] = {}
+        # Draws of samples set aside before, skipped again: (epoch, set aside in an earlier
+        # epoch) -> [draws, their ids], not logged yet; and whether a line about those of an
+        # earlier epoch went out at WARNING already.
+        self._again: dict[tuple[int, bool], list[Any]] = {}
+        self._warned_again = False
         self.stall = [0.0]  # seconds the consumer waited for a batch (shared with prefetch)
         self.rows_delivered = 0
         self._t_first: float | None = None
@@ -133,8 +140,14 @@ class RunAccount:
             for sid, path, reason, detail in account.skipped:
                 self.skip_events += 1
                 if int(sid) in self._skipped_ids:
+                    epoch = int(account.epoch)
+                    earlier = self._aside_epoch.get(int(sid), epoch) < epoch
+                    again = self._again.setdefault((epoch, earlier), [0, set()])
+                    again[0] += 1
+                    again[1].add(int(sid))
                     continue
                 self._skipped_ids.add(int(sid))
+                self._aside_epoch[int(sid)] = int(account.epoch)
                 fresh.append(int(sid))
                 self.skipped_by_reason[reason] += 1
                 if len(self.skipped) < MAX_SKIPPED_LISTED:
@@ -166,11 +179,20 @@ class RunAccount:
 
     def end_epoch(self, epoch: int) -> None:
         """Log the samples set aside so far, once each (nothing fails silently); those beyond
-        the ``MAX_SKIPPED_LISTED`` listed in ``stats()['skipped']`` are counted in it too."""
+        the ``MAX_SKIPPED_LISTED`` listed in ``stats()['skipped']`` are counted in it too; and
+        the draws of samples set aside before that were skipped again."""
         with self._lock:
             new = self.skipped[self._logged:]
             unlisted, self._unlisted = self._unlisted, collections.Counter()
             self._logged = len(self.skipped)
+            again, self._again = self._again, {}
+        self._log_new(epoch, new, unlisted)
+        for (e, earlier) in sorted(again):
+            self._log_again(e, earlier, *again[(e, earlier)])
+
+    def _log_new(self, epoch: int, new: list[dict[str, Any]],
+                 unlisted: collections.Counter[tuple[int, str]]) -> None:
+        """One line per epoch for the samples first set aside in it."""
         if not new and not unlisted:
             return
         # Under the epoch each was read in: an epoch that raised logs its skips at the next
@@ -190,6 +212,28 @@ class RunAccount:
                       else "; see pipe.stats()['skipped']")
             logger.warning("raying skipped %d bad samples in epoch %d (%s): %s%s%s", total, e,
                            dict(reasons), shown or "none listed", more, listed)
+
+    def _log_again(self, epoch: int, earlier: bool, draws: int, ids: set[int]) -> None:
+        """Say that an epoch delivered fewer rows than it drew: draws of samples already set
+        aside, skipped again. Those set aside in an earlier epoch were drawn because the epoch
+        was planned before they were found: the first such line is a warning, later ones (a
+        Train worker's share meets its bad samples in every epoch) are logged at INFO, as are
+        the repeated draws, within their epoch, of a sampler that draws with replacement."""
+        shown = ", ".join(str(i) for i in sorted(ids)[:5]) + (" ..." if len(ids) > 5 else "")
+        if not earlier:
+            logger.info("raying skipped %d more draws of %d bad samples in epoch %d (ids %s): "
+                        "its sampler drew them more than once; counted in "
+                        "pipe.stats()['skip_events']", draws, len(ids), epoch, shown)
+            return
+        level = logging.INFO if self._warned_again else logging.WARNING
+        self._warned_again = True
+        logger.log(level,
+                   "raying skipped %d draws of %d samples set aside in an earlier epoch again "
+                   "in epoch %d (ids %s), which delivers that many fewer rows than it drew: it "
+                   "was planned before they were found (the next epoch is planned while the "
+                   "last reads of the one before run). The epochs planned after leave them out "
+                   "(a Train worker's share draws them in every epoch). Counted in "
+                   "pipe.stats()['skip_events']", draws, len(ids), epoch, shown)
 
     def iterated(self, seconds: float) -> None:
         """Wall time of one iteration loop, from its first request to its end."""

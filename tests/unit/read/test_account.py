@@ -137,3 +137,36 @@ def test_skips_beyond_the_listed_ones_are_logged_with_their_true_count(caplog, m
     assert lines[1].startswith("raying skipped 2 bad samples in epoch 1 ({'decode_error': 2})"
                                ": none listed (+2 more)")
     assert run.summary()["skipped_count"] == 7 and len(run.skipped) == 3
+
+
+def test_draws_of_samples_set_aside_before_are_logged_by_epoch(caplog):
+    """A bad sample drawn again (the next epoch was planned before it was found, or a sampler
+    drew it twice) shortens its epoch: that is said, once as a warning, then at INFO."""
+    import logging
+
+    def skip(epoch, *ids):
+        return UnitAccount(epoch=epoch, unit=0, rows_in=len(ids), rows_out=0,
+                           skipped=[(i, f"a/{i}.jpg", "empty", "") for i in ids])
+
+    run = RunAccount()
+    with caplog.at_level(logging.INFO, logger="raying"):
+        run.add(skip(0, 3, 3, 4))  # drawn twice in its own epoch: INFO
+        run.end_epoch(0)
+        run.add(skip(1, 3, 3, 4, 9))  # planned before they were found: a warning
+        run.end_epoch(1)
+        run.add(skip(2, 4))  # again (a Train worker's share): INFO from now on
+        run.end_epoch(2)
+        run.end_epoch(3)  # nothing skipped: no line
+    lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert [lvl for lvl, _ in lines] == [logging.WARNING, logging.INFO, logging.WARNING,
+                                         logging.WARNING, logging.INFO]
+    assert lines[0][1].startswith("raying skipped 2 bad samples in epoch 0")
+    assert lines[1][1].startswith("raying skipped 1 more draws of 1 bad samples in epoch 0 "
+                                  "(ids 3)")
+    assert lines[2][1].startswith("raying skipped 1 bad samples in epoch 1 ({'empty': 1}): id 9")
+    assert lines[3][1].startswith("raying skipped 3 draws of 2 samples set aside in an earlier "
+                                  "epoch again in epoch 1 (ids 3, 4), which delivers that many "
+                                  "fewer rows than it drew")
+    assert lines[4][1].startswith("raying skipped 1 draws of 1 samples set aside in an earlier "
+                                  "epoch again in epoch 2 (ids 4)")
+    assert run.summary()["skip_events"] == 8 and run.summary()["skipped_count"] == 3

@@ -296,6 +296,34 @@ def test_a_stateful_sampler_belongs_to_one_open_pipeline(manifest, ray_local, ki
     b.close()
 
 
+def test_every_draw_a_weighted_epoch_does_not_deliver_is_said(tmp_path, ray_local, caplog):
+    """Draws with replacement of a class of bad files: the next epoch is planned while this
+    one's last reads run, so it may draw samples found bad after it was planned. Each epoch's
+    delivered rows and the skips its log lines count add up to its draws."""
+    import logging
+    import re
+
+    root = _folder(tmp_path / "late", [20, 4])
+    for f in (root / "class_01").iterdir():
+        f.write_bytes(b"")
+    m = raying.Manifest.scan(str(root))
+    pipe = raying.Pipeline(m, sampler=raying.WeightedSampler(class_balanced=True, seed=0),
+                           transform=raying.ImageTransform(size=8),
+                           config=raying.PipelineConfig(block_rows=8, name="late"))
+    try:
+        with caplog.at_level(logging.INFO, logger="raying"):
+            rows = [sum(len(b["id"]) for b in pipe.iter_batches(batch_size=8, epoch=e))
+                    for e in range(3)]
+    finally:
+        pipe.close()
+    said = [r.getMessage() for r in caplog.records]
+    for e, n in enumerate(rows):
+        told = sum(int(k) for line in said for k in re.findall(
+            rf"^raying skipped (\d+) (?:bad samples|more draws|draws) .*in epoch {e}\b", line))
+        assert n + told == len(m), (e, rows, said)
+    assert sum(rows) < 3 * len(m)  # class 1 (half the weight) was drawn
+
+
 def test_weighted_shares_keep_cutting_one_plan_after_a_skip(tmp_path, ray_local):
     # Train workers each hold a copy of the sampler: a share that left its own skipped files
     # out of later plans cut another plan than the others (ids read twice, others never).

@@ -650,13 +650,14 @@ def _jitter(batch, rng):
     return {**batch, "image": batch["image"] // 2 + noise}
 
 
-@pytest.mark.parametrize("stage", [None, _jitter])
+@pytest.mark.parametrize(("stage", "block_rows"), [(None, 16), (_jitter, 16), (_jitter, 32)])
 def test_a_unit_over_its_byte_share_runs_as_slices_with_the_same_rows(packed, ray_local,
-                                                                      monkeypatch, stage):
+                                                                      monkeypatch, stage,
+                                                                      block_rows):
     """A window of 4 row groups (32 rows here) over its share of the byte budget runs as
-    tasks of one block each, on a Train worker's shard and on a pipeline of its own; the
-    epoch's rows, their order and their pixels (a seeded user stage included) are those of
-    the unsplit unit."""
+    tasks of 16 rows each (one block, or half of one), on a Train worker's shard and on a
+    pipeline of its own; the epoch's rows, their order and their pixels (a seeded user stage
+    included) are those of the unsplit unit."""
     import raying.loader.pipeline as pipeline_module
     import raying.sampling.uniform as uniform_module
 
@@ -669,7 +670,7 @@ def test_a_unit_over_its_byte_share_runs_as_slices_with_the_same_rows(packed, ra
         monkeypatch.setattr(pipeline_module, "DEFAULT_INFLIGHT_STORE_SHARE", share)
         pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=32),
                                sampler=raying.UniformSampler(seed=3, window_row_groups=4),
-                               config=raying.PipelineConfig(block_rows=16, window=4,
+                               config=raying.PipelineConfig(block_rows=block_rows, window=4,
                                                             decoded_cache="off", shard=shard))
         if stage is not None:
             pipe = pipe.map_batches(stage, with_rng=True)

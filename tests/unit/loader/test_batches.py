@@ -362,6 +362,28 @@ def test_the_first_block_holds_whole_batches_or_is_the_whole_unit():
     assert first_block_rows(64, 40, aligned=False) is None
 
 
+def test_a_part_keeps_to_its_share_of_the_byte_budget_below_one_block():
+    from raying.engine.stream import _part_rows
+
+    row = 224 * 224 * 3  # 150,528 bytes
+    mb = 1 << 20
+    # Whole blocks where the share holds them: a block, or several.
+    assert _part_rows(128 * mb, 3, row, 256, splittable=True) == 256
+    assert _part_rows(160 * mb, 2, row, 256, splittable=True) == 512  # 80 MB: 2 blocks
+    # A Train worker's shard of a 256 MB store (64 MB over a least window of 2): a block of
+    # 38.5 MB is over its 32 MB, so halves of it.
+    assert _part_rows(64 * mb, 2, row, 256, splittable=True) == 128
+    # 384-px images on 2 cores: 113 MB a block against 42.7 MB: quarters (28 MB).
+    assert _part_rows(128 * mb, 3, 384 * 384 * 3, 256, splittable=True) == 64
+    # Never under one stage chunk (16 rows), rounded up to whole chunks, never over a block.
+    assert _part_rows(1, 2, row, 256, splittable=True) == 16
+    assert _part_rows(1, 2, row, 8, splittable=True) == 8
+    assert _part_rows(20 * mb, 2, row, 224, splittable=True) == 64  # 56 rows, up to chunks
+    # No budget, or units that must not be split: None.
+    assert _part_rows(None, 2, row, 256, splittable=True) is None
+    assert _part_rows(64 * mb, 2, row, 256, splittable=False) is None
+
+
 def test_an_epoch_s_last_units_are_sliced_at_whole_batches_and_stage_chunks():
     from raying.engine.stream import TAIL_MIN_ROWS, tail_rows
 

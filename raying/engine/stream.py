@@ -703,12 +703,16 @@ def _part_rows(budget: int | None, min_window: int, row_bytes: int, block_rows: 
     """Rows of one part of a unit: the most whole blocks within a unit's share of the byte
     budget, or None when units are never split.
 
-    Where one block is over that share, a part is the largest half, quarter, ... of a block
-    within it (at least ``DEFAULT_STAGE_ROWS``, rounded up to a multiple of it: the stages'
-    chunks stay the unit's). Blocks of large images (a 256-row block is 113 MB at 384 px) or a
-    small share (a Train worker's shard of a 256 MB store: 64 MB, against 38.5 MB for a
-    block at 224 px) would otherwise keep ``min_window`` whole blocks in flight whatever the
-    budget, and overflow the store: Ray then spills blocks to disk and reads them back."""
+    A block over that share stays whole while ``min_window`` whole blocks fit in twice the
+    budget (the whole object store, at the default share of a half): a Train worker's shard
+    of a 256 MB store keeps two 38.5 MB blocks (224 px) against its 64 MB budget; read as
+    halves, the Train path ran at 0.81 of the iterator against 0.94 whole (W1, 2 cores).
+    Beyond that a part is the largest half, quarter, ... of a block of which ``min_window``
+    fit in twice the budget, at least ``DEFAULT_STAGE_ROWS`` and rounded up to a multiple of
+    it (the stages' chunks stay the unit's). At 384 px (113 MB a 256-row block) the
+    iterator on 2 cores kept three whole blocks in flight on a 256 MB store and spilled
+    0.2-1.2 GB to disk in 4 epochs of 10,000 images; as halves it spilled nothing and read
+    epoch 0 1.2-1.6x as fast, later epochs as fast."""
     if budget is None or not splittable:
         return None
     row_bytes, block_rows = max(1, row_bytes), max(1, block_rows)
@@ -716,8 +720,10 @@ def _part_rows(budget: int | None, min_window: int, row_bytes: int, block_rows: 
     blocks = share // row_bytes // block_rows
     if blocks >= 1:
         return blocks * block_rows
+    if max(1, min_window) * block_rows * row_bytes <= 2 * budget:
+        return block_rows
     rows = block_rows
-    while rows > DEFAULT_STAGE_ROWS and rows * row_bytes > share:
+    while rows > DEFAULT_STAGE_ROWS and max(1, min_window) * rows * row_bytes > 2 * budget:
         rows = -(-rows // 2)
     return min(block_rows, -(-rows // DEFAULT_STAGE_ROWS) * DEFAULT_STAGE_ROWS)
 

@@ -43,6 +43,29 @@ class ImageSample:
     unreadable: list[str] = dataclasses.field(default_factory=list)
 
 
+def _nothing_to_measure(uri: str, path: str, infos: list[Any], format: str) -> Exception:
+    """The error for a listing without the files ``format`` reads, worded as
+    ``raying scan``'s: what was asked for, what is there, and the flag that reads it."""
+    from raying.errors import DataError
+
+    parquet = ", ".join(f"*{e}" for e in PARQUET_EXTENSIONS)
+    images = ", ".join(IMAGE_EXTENSIONS)
+    if len(infos) == 1 and infos[0].path.rstrip("/") == path.rstrip("/"):
+        return DataError(f"{uri} names one file, which is neither Parquet ({parquet}) nor an "
+                         f"image ({images}); point at the dataset's folder or at a data file "
+                         f"(--format parquet reads Parquet under another name)")
+    seen = sorted({os.path.splitext(i.path)[1].lower() or "(none)" for i in infos})[:8]
+    there = f"; found endings {', '.join(seen)}" if seen else " (it is empty)"
+    if format == "parquet":
+        return DataError(f"no Parquet files ({parquet}) found under {uri}{there}; check the "
+                         f"URI, or use --format images for an image folder")
+    if format == "images":
+        return DataError(f"no images ({images}) found under {uri}{there}; check the URI, or "
+                         f"use --format parquet for Parquet files")
+    return DataError(f"no images ({images}) or Parquet files ({parquet}) under {uri}{there}; "
+                     f"check the URI")
+
+
 def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
                     image_column: str | None = None, format: str = "auto") -> dict[str, Any]:
     """Format, sample count, bytes and file-size spread from one listing (and one footer).
@@ -56,6 +79,9 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
         _storage.check_links(path, uri)
     infos = _storage.list_files(fs, path, skip_prefixes=".")
     parquet = parquet_members(path, infos, PARQUET_EXTENSIONS)
+    if (format == "parquet" and len(infos) == 1
+            and infos[0].path.rstrip("/") == path.rstrip("/")):
+        parquet = infos  # one file named, said to be Parquet (as Manifest.scan takes it)
     images = [i for i in infos if i.path.lower().endswith(IMAGE_EXTENSIONS)]
     if format == "auto" and parquet and images:  # as Manifest.scan refuses it
         from raying.errors import ConfigError
@@ -70,10 +96,7 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
         images = []
     chosen = parquet or images
     if not chosen:
-        from raying.errors import DataError
-
-        msg = f"no images or Parquet files under {uri}; check the URI"
-        raise DataError(msg)
+        raise _nothing_to_measure(uri, path, infos, format)
     sizes = np.array([i.size for i in chosen], dtype=np.int64)
     out: dict[str, Any] = {
         "format": "parquet" if parquet else "images", "files": len(chosen),

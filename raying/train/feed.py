@@ -79,6 +79,12 @@ def datasets(pipe: Pipeline, *, epochs: int, name: str = FEED_DATASET) -> dict[s
     from raying.engine.ray_setup import ensure_ray, warn_without_state_api
     from raying.train.config import FeedConfig, register_feed
 
+    if not isinstance(pipe, Pipeline):
+        hint = (": build one, raying.Pipeline(manifest, transform=..., sampler=...)"
+                if type(pipe).__name__ == "Manifest" else "")
+        msg = (f"raying.train.datasets(pipe, ...) takes a raying.Pipeline, got "
+               f"{type(pipe).__name__}{hint}")
+        raise ConfigError(msg)
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         msg = f"raying.train.datasets(epochs=...) must be an integer >= 1, got {epochs!r}"
         raise ConfigError(msg)

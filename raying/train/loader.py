@@ -14,6 +14,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from raying.errors import ConfigError
 from raying.loader.pipeline import Pipeline
 from raying.options import DEFAULT_BATCH_SIZE
@@ -191,9 +193,14 @@ class Loader:
 
         The rows of each share past those steps are read but in no step. Raises ConfigError
         when a share holds less than one batch (no step at all); warns, once, when the steps
-        leave out more than ``STEPS_LEFT_OUT_WARN`` of the epoch's rows."""
+        leave out more than ``STEPS_LEFT_OUT_WARN`` of the epoch's rows, and raises it for a
+        batch size that is not a positive int (as ``iter_batches`` does)."""
         import logging
 
+        if (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                or batch_size < 1):
+            msg = f"steps_per_epoch(batch_size): must be a positive int, got {batch_size!r}"
+            raise ConfigError(msg)
         plan = self.pipe.sampler.plan(self.pipe.manifest, self.epoch,
                                       block_rows=self.pipe.block_rows())
         rows = [sum(u.num_rows for u in plan.units[r::self.world_size])

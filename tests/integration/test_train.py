@@ -599,6 +599,9 @@ def test_steps_per_epoch_refuses_a_batch_over_a_share_and_warns_when_steps_leave
             with pytest.raises(raying.ConfigError, match=r"holds 30 rows, under one batch.*"
                                                          r"batch size of at most 30"):
                 ld.steps_per_epoch(31)
+        for bad in (0, -16, 2.5, True, "16"):  # not a batch size: no division by 0, no truncation
+            with pytest.raises(raying.ConfigError, match=r"must be a positive int"):
+                loaders[0].steps_per_epoch(bad)
         # More workers than read units: two of four shares are empty.
         wide = [Loader(Feed.of(pipe, 1), rank=r, world_size=8) for r in range(2)]
         loaders += wide

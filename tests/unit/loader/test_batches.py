@@ -371,14 +371,18 @@ def test_a_part_keeps_to_its_share_of_the_byte_budget_below_one_block():
     assert _part_rows(128 * mb, 3, row, 256, splittable=True) == 256
     assert _part_rows(160 * mb, 2, row, 256, splittable=True) == 512  # 80 MB: 2 blocks
     # A Train worker's shard of a 256 MB store (64 MB over a least window of 2): a block of
-    # 38.5 MB is over its 32 MB, so halves of it.
-    assert _part_rows(64 * mb, 2, row, 256, splittable=True) == 128
-    # 384-px images on 2 cores: 113 MB a block against 42.7 MB: quarters (28 MB).
-    assert _part_rows(128 * mb, 3, 384 * 384 * 3, 256, splittable=True) == 64
+    # 38.5 MB is over its 32 MB, but two of them are within twice the budget: whole.
+    assert _part_rows(64 * mb, 2, row, 256, splittable=True) == 256
+    # 384-px images on 2 cores: three blocks of 113 MB are past twice 128 MB; three halves
+    # (170 MB) are within it.
+    assert _part_rows(128 * mb, 3, 384 * 384 * 3, 256, splittable=True) == 128
+    # Two 38.5 MB blocks past twice 32 MB: halves; past twice 16 MB: quarters.
+    assert _part_rows(32 * mb, 2, row, 256, splittable=True) == 128
+    assert _part_rows(16 * mb, 2, row, 256, splittable=True) == 64
     # Never under one stage chunk (16 rows), rounded up to whole chunks, never over a block.
     assert _part_rows(1, 2, row, 256, splittable=True) == 16
     assert _part_rows(1, 2, row, 8, splittable=True) == 8
-    assert _part_rows(20 * mb, 2, row, 224, splittable=True) == 64  # 56 rows, up to chunks
+    assert _part_rows(12 * mb, 2, row, 224, splittable=True) == 64  # 56 rows, up to chunks
     # No budget, or units that must not be split: None.
     assert _part_rows(None, 2, row, 256, splittable=True) is None
     assert _part_rows(64 * mb, 2, row, 256, splittable=False) is None

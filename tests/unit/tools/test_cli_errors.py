@@ -444,3 +444,21 @@ def test_a_ray_address_that_does_not_answer_is_one_line_naming_the_fix(monkeypat
     assert err.startswith("raying pack: error: could not connect to Ray at 127.0.0.1:1")
     assert "unset RAY_ADDRESS" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()  # nothing made before Ray was reached
+
+
+def test_advise_says_what_it_found_where_the_format_asked_for_is_missing(capsys, tmp_path):
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "img", n=4, classes=2, size=(8, 8))
+    assert cli.main(["advise", str(root), "--format", "parquet"]) == 2
+    err = capsys.readouterr().err
+    assert "no Parquet files (*.parquet" in err, err
+    assert f"found under {root}; found endings .jpg; check the URI, or use --format images for " \
+        "an image folder" in err, err
+    assert cli.main(["advise", str(root), "--format", "images"]) == 0  # what it holds
+    capsys.readouterr()
+    note = tmp_path / "notes.txt"
+    note.write_text("not data")
+    assert cli.main(["advise", str(note)]) == 2
+    err = capsys.readouterr().err
+    assert f"{note} names one file, which is neither Parquet" in err, err

@@ -22,6 +22,14 @@ def test_epochs_must_be_a_positive_integer(manifest, epochs):
         raying.train.datasets(raying.Pipeline(manifest), epochs=epochs)
 
 
+def test_a_manifest_or_a_dataset_in_place_of_a_pipeline_is_refused(manifest):
+    with pytest.raises(raying.ConfigError, match=r"takes a raying.Pipeline, got Manifest: "
+                                                 r"build one, raying.Pipeline\(manifest"):
+        raying.train.datasets(manifest, epochs=1)
+    with pytest.raises(raying.ConfigError, match=r"takes a raying.Pipeline, got list$"):
+        raying.train.datasets([1, 2], epochs=1)
+
+
 def test_a_plan_made_from_live_losses_is_refused(manifest):
     pipe = raying.Pipeline(manifest, sampler=raying.InfoBatchSampler(epochs=4))
     with pytest.raises(raying.ConfigError, match=r"cannot shard a InfoBatchSampler"):

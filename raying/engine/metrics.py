@@ -216,9 +216,10 @@ class RunAccount:
     def _log_again(self, epoch: int, earlier: bool, draws: int, ids: set[int]) -> None:
         """Say that an epoch delivered fewer rows than it drew: draws of samples already set
         aside, skipped again. Those set aside in an earlier epoch were drawn because the epoch
-        was planned before they were found: the first such line is a warning, later ones (a
-        Train worker's share meets its bad samples in every epoch) are logged at INFO, as are
-        the repeated draws, within their epoch, of a sampler that draws with replacement."""
+        was planned before they were found, or because the sampler still draws them: the
+        first such line is a warning, later ones (a Train worker's share meets its bad samples
+        in every epoch) are logged at INFO, as are the repeated draws, within their epoch, of
+        a sampler that draws with replacement."""
         shown = ", ".join(str(i) for i in sorted(ids)[:5]) + (" ..." if len(ids) > 5 else "")
         if not earlier:
             logger.info("raying skipped %d more draws of %d bad samples in epoch %d (ids %s): "
@@ -229,11 +230,12 @@ class RunAccount:
         self._warned_again = True
         logger.log(level,
                    "raying skipped %d draws of %d samples set aside in an earlier epoch again "
-                   "in epoch %d (ids %s), which delivers that many fewer rows than it drew: it "
-                   "was planned before they were found (the next epoch is planned while the "
-                   "last reads of the one before run). The epochs planned after leave them out "
-                   "(a Train worker's share draws them in every epoch). Counted in "
-                   "pipe.stats()['skip_events']", draws, len(ids), epoch, shown)
+                   "in epoch %d (ids %s), which delivers that many fewer rows than it drew: "
+                   "its plan was drawn before they were found (the next epoch is planned while "
+                   "the last reads of the one before run), or its sampler still draws them (a "
+                   "Train worker's share of a weighted plan, a prioritized sampler's uniform "
+                   "floor). Counted in pipe.stats()['skip_events']", draws, len(ids), epoch,
+                   shown)
 
     def iterated(self, seconds: float) -> None:
         """Wall time of one iteration loop, from its first request to its end."""

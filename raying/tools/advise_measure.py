@@ -50,7 +50,8 @@ def _nothing_to_measure(uri: str, path: str, infos: list[Any], format: str) -> E
 
     parquet = ", ".join(f"*{e}" for e in PARQUET_EXTENSIONS)
     images = ", ".join(IMAGE_EXTENSIONS)
-    if len(infos) == 1 and infos[0].path.rstrip("/") == path.rstrip("/"):
+    named = len(infos) == 1 and infos[0].path.rstrip("/") == path.rstrip("/")
+    if named and not infos[0].path.lower().endswith(PARQUET_EXTENSIONS + IMAGE_EXTENSIONS):
         return DataError(f"{uri} names one file, which is neither Parquet ({parquet}) nor an "
                          f"image ({images}); point at the dataset's folder or at a data file "
                          f"(--format parquet reads Parquet under another name)")

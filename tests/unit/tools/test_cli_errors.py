@@ -462,3 +462,11 @@ def test_advise_says_what_it_found_where_the_format_asked_for_is_missing(capsys,
     assert cli.main(["advise", str(note)]) == 2
     err = capsys.readouterr().err
     assert f"{note} names one file, which is neither Parquet" in err, err
+    one = next(root.rglob("*.jpg"))  # one image named: measured as one
+    assert cli.main(["advise", str(one), "--format", "images"]) == 0
+    capsys.readouterr()
+    shard = tmp_path / "one.parquet"
+    shard.write_bytes(b"")
+    assert cli.main(["advise", str(shard), "--format", "images"]) == 2
+    err = capsys.readouterr().err
+    assert "found endings .parquet" in err and "use --format parquet" in err, err

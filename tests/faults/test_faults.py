@@ -210,8 +210,14 @@ def test_store_killed_mid_epoch_restores_from_snapshot(folder, ray_fresh, tmp_pa
         if i == 5:
             s.flush()
             st.flush(s.handle)
+            # flush() applies updates between ticks, so the first snapshot may hold fewer
+            # than the 240 applied: wait for the tick that snapshots the rest (due once 100
+            # are unsnapshotted), so that what is at risk below is the 40 reported after it.
             deadline = time.time() + 10
-            while st.stats(s.handle)["snapshots"] < 1 and time.time() < deadline:
+            while time.time() < deadline:
+                now = st.stats(s.handle)
+                if now["snapshots"] >= 1 and now["updates_since_snapshot"] < 100:
+                    break
                 time.sleep(0.05)
             s.report(b["id"], np.full(len(b["id"]), 99.0))  # after the snapshot: at risk
             s.flush()

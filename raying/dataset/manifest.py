@@ -192,10 +192,14 @@ class Manifest:
                    f"Parquet under another name)")
             raise DataError(msg)
         if not images:
-            seen = sorted({_ext(i.path) for i in infos})[:8]
+            seen = sorted({_ext(i.path) for i in infos})
+            fix = ("these are Parquet files: pass format='parquet' (or format='auto')"
+                   if set(seen) & set(PARQUET_EXTENSIONS) else
+                   "check the URI, or pass Manifest.scan(..., extensions=[...]) with the "
+                   "endings its images have")
             msg = (f"no images ({', '.join(extensions)}) found under {uri}"
-                   f"{'; found endings ' + ', '.join(seen) if seen else ' (it is empty)'}; "
-                   f"check the URI, or pass Manifest.scan(..., extensions=[...])")
+                   f"{'; found endings ' + ', '.join(seen[:8]) if seen else ' (it is empty)'}; "
+                   f"{fix}")
             raise DataError(msg)
         if named and label == "folder":
             msg = (f"{file_uri} names one image file, and label='folder' (the default) takes "

@@ -136,7 +136,9 @@ def scan_images(cls, root: str, uri: str, infos: list[pafs.FileInfo], label: Any
         _check_label_values(raw, paths, uri)
         labels, classes = _labels_from_values(raw, f"label function on {uri}")
     else:
-        msg = f"for images, label must be 'folder', a function of the path, or None; got {label!r}"
+        msg = (f"an image folder's labels come from label='folder' (its class folders), a "
+               f"function of the path, or label=None (unlabelled); got {label!r} (a column "
+               f"name labels Parquet only)")
         raise ConfigError(msg)
     cols = {"path": paths, "label": labels, "size": sizes}
     return cls(root=uri, fmt="images", columns=cols, classes=classes, storage=opts)

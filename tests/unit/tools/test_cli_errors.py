@@ -470,3 +470,29 @@ def test_advise_says_what_it_found_where_the_format_asked_for_is_missing(capsys,
     assert cli.main(["advise", str(shard), "--format", "images"]) == 2
     err = capsys.readouterr().err
     assert "found endings .parquet" in err and "use --format parquet" in err, err
+
+
+def test_scan_and_pack_say_the_flag_that_reads_what_they_found(capsys, tmp_path):
+    from raying.tools.datagen import make_image_folder
+
+    root = make_image_folder(tmp_path / "img", n=4, classes=2, size=(8, 8))
+    # A column name is a Parquet label; an image folder's choices are spelled as flags.
+    for command in (["scan", str(root)], ["pack", str(root), str(tmp_path / "out")]):
+        assert cli.main([*command, "--label", "nocol"]) == 2
+        err = capsys.readouterr().err
+        assert "--label folder (its class folders)" in err and "--label none" in err, err
+        assert "got 'nocol'" in err and "None" not in err, err
+    assert not (tmp_path / "out").exists()
+    shards = tmp_path / "pq"
+    shards.mkdir()
+    (shards / "part-0.parquet").write_bytes(b"")
+    assert cli.main(["scan", str(shards), "--format", "images"]) == 2
+    err = capsys.readouterr().err
+    assert "found endings .parquet; these are Parquet files: pass --format parquet" in err, err
+    assert "Manifest.scan" not in err, err
+    (shards / "part-0.parquet").unlink()
+    (shards / "readme.txt").write_text("x")  # no Parquet: the Python keyword is the way
+    assert cli.main(["scan", str(shards), "--format", "images"]) == 2
+    err = capsys.readouterr().err
+    assert "found endings .txt; check the URI, or pass Manifest.scan(..., extensions=[...])" \
+        in err, err

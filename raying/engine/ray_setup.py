@@ -249,3 +249,18 @@ def check_ray_address(address: str, timeout_s: float = DEFAULT_RAY_CONNECT_TIMEO
                "or unreachable from here: start it (raying cluster start) or unset RAY_ADDRESS "
                "to start a local Ray")
         raise RayConnectionError(msg) from None
+
+
+def cpus_outside_placement_groups() -> float:
+    """The cluster's CPUs less those reserved by its placement groups (created or being
+    rescheduled); Ray's available CPUs where the table cannot be read."""
+    import ray
+
+    try:
+        table = ray.util.placement_group_table()
+    except Exception:  # noqa: BLE001 - a Ray without the table: what is free right now
+        return float(ray.available_resources().get("CPU", 0.0))
+    held = sum(float(bundle.get("CPU", 0.0))
+               for pg in table.values() if pg.get("state") in ("CREATED", "RESCHEDULING")
+               for bundle in pg.get("bundles", {}).values())
+    return float(ray.cluster_resources().get("CPU", 0.0)) - held

@@ -391,7 +391,8 @@ class BlockStream:
                         ref = self._take(key)
                         self._reading[key] = ref
                         last_part = k + 1 >= self._nparts.get((epoch, index), 1)
-                    for part in _parts(ref, (epoch, index), lambda: self._check(mine)):
+                    for part in _parts(ref, (epoch, index), lambda: self._check(mine),
+                                       self._options_cpus(self._options)):
                         try:
                             block, account = ray.get(part)
                         except ray.exceptions.RayTaskError as exc:
@@ -551,14 +552,16 @@ class BlockStream:
 
 
 def _parts(ref: Any, waited: tuple[int, int] | None = None,
-           current: Callable[[], None] | None = None) -> Iterator[Any]:
+           current: Callable[[], None] | None = None, task_cpus: float = 1.0
+           ) -> Iterator[Any]:
     """The parts of a read task's generator, each asked for only while Ray is up: a call on
     it after ``ray.shutdown()`` (this runs on a reader thread, the training thread may shut
     Ray down meanwhile) would start a new Ray from this thread (Ray's auto-init), which
     later aborts the process. With ``waited`` (the epoch and unit), a part waited on for
     ``STALL_WARN_S`` is said in a warning, and again each ``STALL_WARN_S`` after, while
     ``current()`` does not raise (it does once the pipeline closed or a newer iteration
-    took over: this one's wait ends there, unsaid)."""
+    took over: this one's wait ends there, unsaid). ``task_cpus`` is what a read task asks
+    for, to say when the cluster has no such room."""
     import time
 
     import ray
@@ -573,14 +576,7 @@ def _parts(ref: Any, waited: tuple[int, int] | None = None,
             while not ray.wait([ref], timeout=STALL_WARN_S, fetch_local=False)[0]:
                 if current is not None:
                     current()
-                logger.warning(
-                    "raying: epoch %d has waited %.0f s for a block of its read unit %d, whose "
-                    "read task has not finished; it goes on waiting. A read of storage that "
-                    "neither answers nor fails holds a read this long (an HDFS DataNode that "
-                    "hangs: Hadoop's client waits out dfs.client.socket-timeout, 60 s by "
-                    "default, per replica); so do a user stage that blocks, or a cluster with "
-                    "no CPU free for the read tasks", waited[0], time.monotonic() - began,
-                    waited[1])
+                _say_stall(waited, time.monotonic() - began, task_cpus)
                 if not ray.is_initialized():
                     raise ConfigError("Ray was shut down while this epoch's blocks were read")
         try:
@@ -588,6 +584,35 @@ def _parts(ref: Any, waited: tuple[int, int] | None = None,
         except StopIteration:
             return
         yield part
+
+
+def _say_stall(waited: tuple[int, int], seconds: float, task_cpus: float) -> None:
+    """The warning of a block waited on for ``seconds``: the cause when it can be seen (no
+    CPU left for a read task beside the placement groups, as Train workers that take every
+    CPU leave on a cluster no autoscaler grows), else the causes that look the same."""
+    from raying.engine.ray_setup import cpus_outside_placement_groups
+
+    epoch, unit = waited
+    try:
+        free = cpus_outside_placement_groups()
+    except Exception:  # noqa: BLE001 - shut down meanwhile: the general line
+        free = None
+    if free is not None and free < task_cpus:
+        logger.warning(
+            "raying: epoch %d has waited %.0f s for a block of its read unit %d, whose read "
+            "task may never start: the cluster has %.2f CPU beside what its placement groups "
+            "reserve (Ray Train's workers hold theirs in one), and each read task needs %s. "
+            "Unless an autoscaler adds a node, give the workers fewer CPUs "
+            "(ScalingConfig(resources_per_worker={'CPU': ...})) or the reads fewer "
+            "(PipelineConfig(task_num_cpus=...)); it goes on waiting", epoch, seconds, unit,
+            free, task_cpus)
+        return
+    logger.warning(
+        "raying: epoch %d has waited %.0f s for a block of its read unit %d, whose read task "
+        "has not finished; it goes on waiting. A read of storage that neither answers nor "
+        "fails holds a read this long (an HDFS DataNode that hangs: Hadoop's client waits out "
+        "dfs.client.socket-timeout, 60 s by default, per replica); so does a user stage that "
+        "blocks", epoch, seconds, unit)
 
 
 def _read_out_failures(keyed: list[tuple[tuple[int, int, int], Any]], timeout_s: float, *,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import logging
 import os
 import pickle
@@ -74,9 +75,18 @@ def _feed_bytes(shard: Any, name: str) -> bytes:
 
     if isinstance(shard, ray.ObjectRef):
         return ray.get(shard)
-    rows = list(shard.iter_rows())
+    # Two rows at most: a dataset that is not the feed may be large, and one row tells.
+    rows = list(itertools.islice(shard.iter_rows(), 2))
+    if rows and "feed" not in rows[0]:
+        msg = (f"the trainer's dataset {name!r} is not the pipeline's description that "
+               f"raying.train.datasets(..., name={name!r}) made (its rows hold "
+               f"{sorted(rows[0])[:6]}): another dataset of the same name replaced it in "
+               f"the trainer's datasets. Give one of them another name (a feed's name is "
+               f"raying.train.datasets(..., name=...) and raying.train.loader(name=...))")
+        raise ConfigError(msg)
     if len(rows) != 1:
-        msg = (f"this Train worker got {len(rows)} rows of the dataset {name!r}, not the one "
+        got = "no row" if not rows else "more than one row"
+        msg = (f"this Train worker got {got} of the dataset {name!r}, not the one "
                f"row of the pipeline's description: the trainer's dataset_config split it. "
                f"Pass the dataset_config of raying.train.datasets(...) (it configures your "
                f"other datasets as DataConfig does), or leave {name!r} out of "
@@ -437,7 +447,9 @@ def _check_room_for_reads(task_cpus: float) -> None:
     """
     import logging
 
-    free = _cpus_outside_placement_groups()
+    from raying.engine.ray_setup import cpus_outside_placement_groups
+
+    free = cpus_outside_placement_groups()
     if free < task_cpus:
         logging.getLogger("raying").warning(
             "raying.train: %.2f CPU left in the cluster beside what its placement groups "
@@ -446,18 +458,3 @@ def _check_room_for_reads(task_cpus: float) -> None:
             "(ScalingConfig(resources_per_worker={'CPU': ...})) so that %s stay free, or "
             "the reads fewer (PipelineConfig(task_num_cpus=...))",
             free, task_cpus, task_cpus)
-
-
-def _cpus_outside_placement_groups() -> float:
-    """The cluster's CPUs less those reserved by its placement groups (created or being
-    rescheduled); Ray's available CPUs where the table cannot be read."""
-    import ray
-
-    try:
-        table = ray.util.placement_group_table()
-    except Exception:  # noqa: BLE001 - a Ray without the table: what is free right now
-        return float(ray.available_resources().get("CPU", 0.0))
-    held = sum(float(bundle.get("CPU", 0.0))
-               for pg in table.values() if pg.get("state") in ("CREATED", "RESCHEDULING")
-               for bundle in pg.get("bundles", {}).values())
-    return float(ray.cluster_resources().get("CPU", 0.0)) - held

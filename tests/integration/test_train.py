@@ -475,6 +475,38 @@ def test_the_room_for_reads_counts_what_placement_groups_reserve_not_what_runs_n
             remove_placement_group(pg)
 
 
+def test_a_read_that_waits_for_a_cpu_the_placement_groups_hold_says_so(
+        image_folder, ray_local, caplog, monkeypatch):
+    # Train workers that hold every CPU leave the reads queued: the stall warning names that
+    # cause and the fix, not a hung storage read; the epoch completes once a CPU is free.
+    import logging
+    import threading
+
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    import raying.engine.stream as stream
+
+    monkeypatch.setattr(stream, "STALL_WARN_S", 0.3)
+    m = raying.Manifest.scan(str(image_folder))
+    pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
+                           config=raying.PipelineConfig(block_rows=32))
+    pg = placement_group([{"CPU": 1.0}, {"CPU": 1.0}])
+    ray_local.get(pg.ready(), timeout=60)
+    freed = threading.Timer(2.0, remove_placement_group, args=(pg,))
+    try:
+        with caplog.at_level(logging.WARNING, logger="raying"):
+            freed.start()
+            ids = np.concatenate([b["id"] for b in pipe.iter_batches(batch_size=16, epoch=0)])
+        assert sorted(ids.tolist()) == list(range(len(m)))
+        said = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+        assert said and "may never start: the cluster has 0.00 CPU beside what its " \
+            "placement groups reserve" in said[0] and "resources_per_worker" in said[0], said
+        assert "HDFS" not in said[0], said  # (once the group is gone, a later one may be)
+    finally:
+        freed.join()
+        pipe.close()
+
+
 def _feed_and_val_loop(config):
     import ray
     import ray.train
@@ -571,6 +603,25 @@ def test_under_a_plain_data_config_the_feed_is_read_through_ray_data_or_refused_
         a, b = _read(tmp_path, "r0-e0"), _read(tmp_path, "r1-e0")
         assert sorted(a + b) == list(range(len(m)))
     pipe.close()
+
+
+def test_a_dataset_that_replaced_the_feed_or_split_it_is_named_for_what_it_is(ray_local):
+    # A user's dataset given the feed's name replaces it in the trainer's datasets: the loader
+    # says so (not that a split cut it), after reading two rows of it, not all of it.
+    import ray
+
+    from raying.train.loader import _feed_bytes
+
+    images = ray.data.from_items([{"image": b"x", "label": i} for i in range(150)])
+    with pytest.raises(raying.ConfigError, match=r"dataset 'val' is not the pipeline's "
+                       r"description .*\['image', 'label'\].*same name replaced it"):
+        _feed_bytes(images.iterator(), "val")
+    feed = ray.data.from_items([{"feed": b"a"}, {"feed": b"b"}])  # two rows: a split's input
+    with pytest.raises(raying.ConfigError, match=r"got more than one row .*split it"):
+        _feed_bytes(feed.iterator(), "val")
+    with pytest.raises(raying.ConfigError, match=r"got no row .*split it"):
+        _feed_bytes(feed.filter(lambda r: False).iterator(), "val")
+    assert _feed_bytes(ray.data.from_items([{"feed": b"a"}]).iterator(), "val") == b"a"
 
 
 def test_steps_per_epoch_refuses_a_batch_over_a_share_and_warns_when_steps_leave_rows_out(

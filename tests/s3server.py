@@ -127,9 +127,12 @@ class S3Server:
             self._proc.stdout.close()
             self._proc = None
 
-    def restart(self, *, down_s: float = 0.0, keep_data: bool = True) -> None:
-        """Stop, stay down ``down_s`` seconds, start again on the same port."""
-        self.stop(keep_data=keep_data)
+    def restart(self, *, down_s: float = 0.0, keep_data: bool = True,
+                snapshot: bool = True) -> None:
+        """Stop, stay down ``down_s`` seconds, start again on the same port. ``snapshot=False``
+        stops at once, keeping the state of the last ``snapshot()`` (which reads every
+        object back through the server first: seconds while the server still answers)."""
+        self.stop(keep_data=keep_data, snapshot=snapshot)
         time.sleep(down_s)
         self.start()
 

@@ -239,23 +239,30 @@ def test_store_killed_mid_epoch_restores_from_snapshot(folder, ray_fresh, tmp_pa
     pipe.close()
 
 
-def test_s3_restarted_mid_read_loses_nothing(folder):
+def test_s3_restarted_mid_read_loses_nothing(folder, monkeypatch):
     import ray
 
     from tests.s3server import start_s3_server
 
     with start_s3_server() as server:
         uri = server.upload_folder(folder, "faults", "imgs")
+        server.snapshot()  # now, so that the restart below goes down at once, mid-epoch
         if ray.is_initialized():
             ray.shutdown()
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         try:
             m = raying.Manifest.scan(uri, storage=server.storage_options)
+            # raying's own attempts (5, each after the SDK's 5 quick ones) with a backoff of
+            # 1 s doubling, up to 5 s: ~16 s to outlast the restart (the new server loads
+            # every object before it answers: ~3 s here, more on a loaded machine). More
+            # attempts would raise the SDK's too, which would then ride out the outage alone,
+            # and raying's retries, the path under test, would not run.
+            monkeypatch.setenv("RAYING_READ_RETRY_BACKOFF_S", "1.0")
             pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),
                                    config=raying.PipelineConfig(block_rows=20, window=2))
             ids = []
-            restart = threading.Thread(target=server.restart, kwargs={"down_s": 1.0},
-                                       daemon=True)
+            restart = threading.Thread(target=server.restart,
+                                       kwargs={"down_s": 1.0, "snapshot": False}, daemon=True)
             for i, b in enumerate(pipe.iter_batches(batch_size=20, epoch=0,
                                                     prefetch_batches=1)):
                 ids.extend(b["id"].tolist())
@@ -265,6 +272,7 @@ def test_s3_restarted_mid_read_loses_nothing(folder):
             assert sorted(ids) == list(range(400)), "every id once, none lost to the outage"
             st = pipe.stats(sampling=False)
             assert st["skipped_count"] == 0
+            assert st["read_retries"] > 0, "the reads met the outage"
             print(f"S3 restart: {len(ids)} rows, {st['read_retries']} reads retried")
             pipe.close()
         finally:

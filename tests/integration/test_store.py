@@ -80,13 +80,23 @@ def test_killed_store_restarts_from_its_snapshot(tmp_path):
     handle = st.create_store("restartable", n, config=config)
     plan = [(np.arange(b * batch, (b + 1) * batch) % n, np.full(batch, b + 1.0))
             for b in range(batches)]
+    def snapshotted() -> dict:
+        # A tick snapshots once `every` updates are unsnapshotted; flush() and stats() apply
+        # updates between ticks, so wait for that tick rather than a fixed time (a starved
+        # actor applies a whole stream at once, and takes one snapshot of it).
+        deadline = time.monotonic() + 30.0
+        now = st.stats(handle)
+        while now["updates_since_snapshot"] >= every and time.monotonic() < deadline:
+            time.sleep(TICK_S)
+            now = st.stats(handle)
+        return now
+
     for b, (ids, values) in enumerate(plan):
         st.update_async(handle, ids, values)
         if b % 4 == 3:
-            time.sleep(2 * TICK_S)  # let ticks apply (and snapshot) as the stream goes
+            snapshotted()  # as the stream goes: 2,000 updates a group, a snapshot per 3,000
     st.flush(handle)
-    time.sleep(10 * TICK_S)  # the tick after the last apply decides on a snapshot
-    before = st.stats(handle)
+    before = snapshotted()
     assert before["updates_applied"] == batches * batch
     assert before["snapshots"] >= 3
     assert 0 <= before["updates_since_snapshot"] < every  # the bound on what a crash loses

@@ -121,9 +121,25 @@ def test_prioritized_losses_from_both_workers_shift_the_next_epoch(image_folder,
     pipe.close()
 
 
-def _killed_loop(config):
+def _wait_registered(run_dir, timeout_s=120.0):
+    """Until the Train controller has registered a checkpoint of the run (it writes its
+    checkpoint manager's state then): a worker that dies before would lose it."""
     import time
 
+    path = os.path.join(run_dir, "checkpoint_manager_snapshot.json")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as fh:
+                if json.load(fh).get("checkpoint_results"):
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint registered in {path} after {timeout_s} s")
+
+
+def _killed_loop(config):
     import ray.train
     import torch
 
@@ -141,7 +157,7 @@ def _killed_loop(config):
                 ray.train.report({"k": k}, checkpoint=loader.checkpoint(attempt=attempt))
             if attempt == 0 and epoch == 0 and k == 3 and rank == 1:
                 open(marker, "w").close()
-                time.sleep(3)  # the checkpoint's report reaches the Train controller first
+                _wait_registered(os.path.join(config["out"], "results", "run"))
                 os._exit(1)  # the worker dies mid-epoch, after the checkpoint
         ray.train.report({"epoch": epoch}, checkpoint=loader.checkpoint(attempt=attempt))
 

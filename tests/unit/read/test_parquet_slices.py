@@ -144,11 +144,13 @@ def test_a_storage_error_in_a_read_keeps_its_fix():
 
 def test_kept_row_groups_stay_while_parts_keep_taking_them(tmp_path, counted, monkeypatch):
     """Idle is counted from the last read that took the kept groups: counted from the read
-    that stored them, a worker whose parts came 0.3 s apart lost them every 0.5 s and read
-    the group again every other part."""
+    that stored them, a worker whose parts came 0.3 s apart lost them once the keep time
+    was up and read the group again."""
     import time
 
-    monkeypatch.setattr(parquet, "UNIT_GROUPS_KEEP_S", 0.5)
+    # Kept 1 s from the last take: parts 0.3 s apart (and a decode) keep them, while the 8
+    # parts' 2.4 s outlast a keep counted from the read that stored them.
+    monkeypatch.setattr(parquet, "UNIT_GROUPS_KEEP_S", 1.0)
     root = write_parquet_set(tmp_path, files=((0, 64),), row_group_size=64)
     m = raying.Manifest.scan(str(root), format="parquet", label="label")
     pipe = raying.Pipeline(m, transform=raying.ImageTransform(size=16),

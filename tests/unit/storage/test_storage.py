@@ -502,7 +502,11 @@ def test_a_unit_whose_first_wave_of_reads_all_failed_starts_no_more(tree, monkey
     opened = handler.opens
     time.sleep(0.3)  # the reads still running when the unit gave up make no other attempt
     assert handler.opens == opened
-    assert "not read: the 8 reads before it in this unit failed on the storage" in str(got[-1])
+    # Every read of the first two waves (2 x 4 threads) fails before the rest are refused;
+    # a third-wave read that fails in the same wait is counted too.
+    said = re.search(r"not read: the (\d+) reads before it in this unit failed on the storage",
+                     str(got[-1]))
+    assert said and int(said.group(1)) >= 8, str(got[-1])
     with pytest.raises(StorageError, match=r"none of the \d+ reads made of this unit's 40 "
                                            r"succeeded \(the other \d+ were not started\); "
                                            r"the first failed with: cannot read .*"

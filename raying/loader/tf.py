@@ -121,10 +121,12 @@ def to_tf(pipe: Any, *, batch_size: int, epoch: int | None, normalize: bool,
             open_pass["warned"] = True
             logger.warning(
                 "to_tf: epoch %d was left before its end (its position: %s rows delivered) "
-                "and a pass over epoch %d began: the rest of epoch %d is not read. Keras fit "
-                "without steps_per_epoch does so when an epoch is longer than the dataset's "
-                "first pass (a resumed epoch's rest, or a first epoch that set samples aside): "
-                "see docs/guide-tf.md", left, pipe.state_dict()["delivered"], e, left)
+                "and a pass over epoch %d began: the rest of epoch %d is not read. A pass "
+                "stopped early does so (ds.take(n), a loop that breaks, steps_per_epoch), and "
+                "so does Keras fit without steps_per_epoch when an epoch is longer than the "
+                "dataset's first pass (a resumed epoch's rest, or a first epoch that set "
+                "samples aside): see docs/guide-tf.md", left, pipe.state_dict()["delivered"],
+                e, left)
         open_pass["epoch"] = e
         for batch in pipe.iter_batches(batch_size=batch_size, epoch=e,
                                        prefetch_batches=prefetch_batches, drop_last=drop_last):

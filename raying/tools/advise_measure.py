@@ -160,8 +160,9 @@ def measure_dataset(fs: pafs.FileSystem, path: str, uri: str, *,
         else:
             out["labels"] = (f"none found: the files have no 'label' column (columns: "
                              f"{', '.join(schema.names)}) and no label=<value>/ folders, and "
-                             f"Manifest.scan refuses them as given: pass label='<column>', or "
-                             f"label=None for unlabelled data")
+                             f"Manifest.scan refuses them as given: pass it label='<column>', "
+                             f"or label=None for unlabelled data (raying scan and pack: "
+                             f"--label COLUMN, --label none)")
             out["labels_refused"] = True
     else:
         exts: dict[str, int] = {}

@@ -86,7 +86,8 @@ def cmd_scan(ns: argparse.Namespace) -> int:
         out["labels"] = _label_values(m)
     if m.format == "parquet":
         out["row_groups"] = len(m.row_group_table()[0])
-        out["decoded"] = m.meta.get("decoded")
+        decoded = m.meta.get("decoded")  # the stored pixels' shape, or None: encoded images
+        out["decoded"] = decoded if decoded is not None or ns.json else "no (encoded images)"
     if ns.save:
         out["manifest"] = ns.save
     _print(out, ns.json)

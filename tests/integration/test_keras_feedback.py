@@ -198,4 +198,5 @@ def test_a_pass_left_inside_its_epoch_is_said_when_the_next_begins(image_folder,
     said = [r.getMessage() for r in caplog.records if "left before its end" in r.getMessage()]
     assert len(said) == (1 if inside else 0), (inside, said)
     assert inside, "tf.data prefetched all of epoch 0: the case is not exercised"
+    assert "A pass stopped early does so (ds.take(n)" in said[0], said  # this case's cause
     pipe.close()

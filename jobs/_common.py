@@ -242,14 +242,14 @@ def room_for_reads(args: Any, task_cpus: float = 1.0) -> None:
     :func:`train_storage` asks for shared storage."""
     import ray
 
-    from raying.train.loader import _cpus_outside_placement_groups
+    from raying.engine.ray_setup import cpus_outside_placement_groups
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) != 1:
         return
     total = float(nodes[0].get("Resources", {}).get("CPU", 0.0))
     # Other jobs' Train workers hold theirs in placement groups: what is left is this run's.
-    cpus = min(total, _cpus_outside_placement_groups())
+    cpus = min(total, cpus_outside_placement_groups())
     held = f" ({total - cpus:g} of its {total:g} held by other runs)" if cpus < total else ""
     workers = args.num_workers * args.cpus_per_worker
     if workers > total:
